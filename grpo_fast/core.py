@@ -1,0 +1,645 @@
+"""The GRPO algorithm core in plain PyTorch: the eager reference for every fused kernel.
+
+Two layers live here:
+
+1. The Stanford CS336 (Spring 2025) assignment-5 helper API, name for name and signature for
+   signature, so course code can ``from grpo_fast import ...`` and keep working:
+   ``tokenize_prompt_and_output``, ``compute_entropy``, ``get_response_log_probs``,
+   ``compute_group_normalized_rewards``, ``compute_naive_policy_gradient_loss``,
+   ``compute_grpo_clip_loss``, ``compute_policy_gradient_loss``, ``masked_mean``,
+   ``masked_normalize``, ``sft_microbatch_train_step``, ``grpo_microbatch_train_step``.
+
+2. The GRPO family the engine uses: asymmetric ("clip-higher") and dual clipping, KL to a
+   reference policy (k1/k2/k3), an adaptive KL coefficient, KL early stop, an entropy bonus,
+   three length normalizations expressed as per-token loss weights, and the eager
+   ``[N, V]``-logits reference of the fused ops (``eager_token_logprobs_and_entropy``,
+   ``eager_grpo_loss_from_logits``) that ``grpo_fast.ops`` is tested against.
+
+Shapes: ``B`` sequences, ``T`` tokens per sequence, ``N`` flattened tokens, ``V`` vocabulary.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, NamedTuple
+
+import torch
+import torch.nn.functional as F
+
+__all__ = [
+    "LENGTH_NORMS",
+    "LOSS_TYPES",
+    "AdaptiveKLController",
+    "GRPOLossOutput",
+    "compute_entropy",
+    "compute_group_normalized_rewards",
+    "compute_grpo_clip_loss",
+    "compute_naive_policy_gradient_loss",
+    "compute_policy_gradient_loss",
+    "eager_grpo_loss_from_logits",
+    "eager_token_logprobs_and_entropy",
+    "get_response_log_probs",
+    "grpo_clip_loss",
+    "grpo_microbatch_train_step",
+    "grpo_token_loss",
+    "kl_early_stop",
+    "kl_penalty",
+    "length_norm_weights",
+    "masked_mean",
+    "masked_normalize",
+    "sft_microbatch_train_step",
+    "tokenize_prompt_and_output",
+]
+
+LOSS_TYPES = ("no_baseline", "reinforce_with_baseline", "grpo_clip")
+LENGTH_NORMS = ("sequence_mean", "constant", "token_mean")
+KL_ESTIMATORS = ("k1", "k2", "k3")
+
+
+# ----------------------------------------------------------------------------------------------
+# Tokenization and log-probs (CS336 API)
+# ----------------------------------------------------------------------------------------------
+
+
+def tokenize_prompt_and_output(prompt_strs: list[str], output_strs: list[str], tokenizer) -> dict:
+    """Tokenize prompts and outputs separately, concatenate, right-pad, and shift by one.
+
+    Args:
+        prompt_strs: B prompt strings.
+        output_strs: B output (response) strings, one per prompt.
+        tokenizer: a Hugging Face tokenizer with a ``pad_token_id``.
+
+    Returns:
+        dict with exactly three keys, each ``[B, L - 1]`` where ``L`` is the longest
+        prompt+output length:
+        ``input_ids`` (the sequence without its last token, int64), ``labels`` (the sequence
+        without its first token, int64) and ``response_mask`` (bool, True where the label is an
+        output token). Padding uses ``tokenizer.pad_token_id`` and is never in the mask.
+
+    Example:
+        >>> batch = tokenize_prompt_and_output(["1+1="], ["2"], tok)  # doctest: +SKIP
+        >>> batch["labels"][0, batch["response_mask"][0]]  # the ids of "2"  # doctest: +SKIP
+    """
+    if len(prompt_strs) != len(output_strs):
+        raise ValueError(
+            f"prompt_strs has {len(prompt_strs)} items but output_strs has {len(output_strs)}"
+        )
+    if tokenizer.pad_token_id is None:
+        raise ValueError("tokenizer.pad_token_id is None: set a pad token before tokenizing")
+    prompt_ids = tokenizer(list(prompt_strs), add_special_tokens=False)["input_ids"]
+    output_ids = tokenizer(list(output_strs), add_special_tokens=False)["input_ids"]
+    seqs = [p + o for p, o in zip(prompt_ids, output_ids)]
+    max_len = max(len(s) for s in seqs)
+    ids = torch.full((len(seqs), max_len), tokenizer.pad_token_id, dtype=torch.long)
+    mask = torch.zeros((len(seqs), max_len), dtype=torch.bool)
+    for i, (p, s) in enumerate(zip(prompt_ids, seqs)):
+        ids[i, : len(s)] = torch.tensor(s, dtype=torch.long)
+        mask[i, len(p) : len(s)] = True
+    return {"input_ids": ids[:, :-1], "labels": ids[:, 1:], "response_mask": mask[:, 1:]}
+
+
+def compute_entropy(logits: torch.Tensor) -> torch.Tensor:
+    """Entropy of ``softmax(logits)`` over the last dimension, ``[..., V] -> [...]``.
+
+    Computed from ``log_softmax`` (max-subtracted, so huge logits are safe); ``-inf`` logits
+    (a padded vocabulary) contribute exactly 0, in the value and in the gradient.
+
+    Example:
+        >>> compute_entropy(torch.zeros(2, 4))  # uniform over 4: log 4 ≈ 1.3863
+        tensor([1.3863, 1.3863])
+    """
+    log_probs = F.log_softmax(logits, dim=-1)
+    probs = log_probs.exp()
+    # 0·(−inf) would be NaN: zero the log-prob where the probability is exactly 0.
+    safe_log_probs = torch.where(probs > 0, log_probs, torch.zeros_like(log_probs))
+    return -(probs * safe_log_probs).sum(dim=-1)
+
+
+def get_response_log_probs(
+    model: torch.nn.Module,
+    input_ids: torch.Tensor,
+    labels: torch.Tensor,
+    return_token_entropy: bool = False,
+) -> dict[str, torch.Tensor]:
+    """Per-token conditional log-probs ``log p(labels[b, t] | input_ids[b, :t+1])``.
+
+    Args:
+        model: a causal LM returning ``.logits`` of shape ``[B, T, V]``.
+        input_ids, labels: ``[B, T]`` int64 (as from ``tokenize_prompt_and_output``).
+        return_token_entropy: also return the next-token entropy at every position.
+
+    Returns:
+        ``{"log_probs": [B, T]}`` and, if asked, ``"token_entropy": [B, T]`` (no other keys).
+        This materializes ``[B, T, V]`` logits: it is the reference; the engine uses
+        ``grpo_fast.ops`` on response positions only.
+    """
+    logits = model(input_ids).logits
+    log_probs = torch.log_softmax(logits.float(), dim=-1)
+    out = {"log_probs": log_probs.gather(-1, labels.unsqueeze(-1)).squeeze(-1)}
+    if return_token_entropy:
+        out["token_entropy"] = compute_entropy(logits.float())
+    return out
+
+
+# ----------------------------------------------------------------------------------------------
+# Masked reductions (CS336 API)
+# ----------------------------------------------------------------------------------------------
+
+
+def masked_mean(tensor: torch.Tensor, mask: torch.Tensor, dim: int | None = None) -> torch.Tensor:
+    """``sum(tensor · mask) / sum(mask)`` over ``dim`` (all elements when None).
+
+    A slice with no unmasked element gives NaN, as the mean of nothing does.
+
+    Example:
+        >>> masked_mean(torch.tensor([1.0, 2.0, 9.0]), torch.tensor([True, True, False]))
+        tensor(1.5000)
+    """
+    mask = mask.to(tensor.dtype)
+    if dim is None:
+        return (tensor * mask).sum() / mask.sum()
+    return (tensor * mask).sum(dim=dim) / mask.sum(dim=dim)
+
+
+def masked_normalize(
+    tensor: torch.Tensor,
+    mask: torch.Tensor,
+    dim: int | None = None,
+    normalize_constant: float = 1.0,
+) -> torch.Tensor:
+    """``sum(tensor · mask) / normalize_constant`` over ``dim`` (all elements when None).
+
+    Example:
+        >>> masked_normalize(torch.tensor([1.0, 2.0, 9.0]), torch.tensor([1, 1, 0]), normalize_constant=2.0)
+        tensor(1.5000)
+    """
+    mask = mask.to(tensor.dtype)
+    if dim is None:
+        return (tensor * mask).sum() / normalize_constant
+    return (tensor * mask).sum(dim=dim) / normalize_constant
+
+
+# ----------------------------------------------------------------------------------------------
+# Rewards and advantages
+# ----------------------------------------------------------------------------------------------
+
+
+def compute_group_normalized_rewards(
+    reward_fn: Callable[[str, str], dict[str, float]],
+    rollout_responses: list[str],
+    repeated_ground_truths: list[str],
+    group_size: int,
+    advantage_eps: float,
+    normalize_by_std: bool,
+) -> tuple[torch.Tensor, torch.Tensor, dict[str, float]]:
+    """Score every response and normalize its reward within its group.
+
+    Groups are consecutive runs of ``group_size`` responses to the same prompt.
+    ``A_i = r_i − mean(group)``, divided by ``(std(group) + advantage_eps)`` when
+    ``normalize_by_std`` (std unbiased, as ``torch.std``). A zero-variance group (all rewards
+    equal: nothing to learn from it) gets advantage exactly 0, never NaN, and is counted in
+    ``metadata["zero_variance_groups"]``.
+
+    Args:
+        reward_fn: ``reward_fn(response, ground_truth) -> {"reward": float, ...}``; other
+            float keys (``format_reward``, ``answer_reward``) are averaged into the metadata.
+        rollout_responses, repeated_ground_truths: ``B = n_prompts · group_size`` strings each.
+
+    Returns:
+        ``(advantages [B] fp32, raw_rewards [B] fp32, metadata)``.
+
+    Example:
+        Rewards ``[1, 0, 0, 0]`` in one group: mean 0.25, unbiased std 0.5, so without std
+        the advantages are ``[0.75, -0.25, -0.25, -0.25]`` and with std ``[1.5, -0.5, -0.5, -0.5]``.
+    """
+    if len(rollout_responses) != len(repeated_ground_truths):
+        raise ValueError(
+            f"rollout_responses has {len(rollout_responses)} items but repeated_ground_truths "
+            f"has {len(repeated_ground_truths)}"
+        )
+    if group_size < 1 or len(rollout_responses) % group_size:
+        raise ValueError(
+            f"group_size={group_size} must be >= 1 and divide the {len(rollout_responses)} responses"
+        )
+    scores = [reward_fn(r, g) for r, g in zip(rollout_responses, repeated_ground_truths)]
+    raw_rewards = torch.tensor([float(s["reward"]) for s in scores], dtype=torch.float32)
+    grouped = raw_rewards.view(-1, group_size)
+    advantages = grouped - grouped.mean(dim=1, keepdim=True)
+    if normalize_by_std:
+        advantages = advantages / (grouped.std(dim=1, keepdim=True) + advantage_eps)
+    zero_var = grouped.max(dim=1).values == grouped.min(dim=1).values  # [n_groups]
+    advantages = torch.where(zero_var[:, None], torch.zeros_like(advantages), advantages).reshape(-1)
+
+    n = len(scores)
+    metadata: dict[str, float] = {
+        "reward_mean": raw_rewards.mean().item(),
+        "reward_std": raw_rewards.std().item() if n > 1 else 0.0,
+        "reward_min": raw_rewards.min().item(),
+        "reward_max": raw_rewards.max().item(),
+        "num_groups": float(grouped.shape[0]),
+        "zero_variance_groups": float(zero_var.sum().item()),
+        "zero_variance_fraction": zero_var.float().mean().item(),
+        "advantage_abs_mean": advantages.abs().mean().item(),
+    }
+    for key in scores[0]:
+        if key != "reward" and isinstance(scores[0][key], (int, float, bool)):
+            metadata[f"{key}_mean"] = sum(float(s[key]) for s in scores) / n
+    return advantages, raw_rewards, metadata
+
+
+# ----------------------------------------------------------------------------------------------
+# Per-token policy-gradient losses (CS336 API + the GRPO family)
+# ----------------------------------------------------------------------------------------------
+
+
+def compute_naive_policy_gradient_loss(
+    raw_rewards_or_advantages: torch.Tensor, policy_log_probs: torch.Tensor
+) -> torch.Tensor:
+    """REINFORCE per-token loss ``−A · log π``: ``[B, 1]`` and ``[B, T]`` -> ``[B, T]``."""
+    return -raw_rewards_or_advantages * policy_log_probs
+
+
+def grpo_clip_loss(
+    advantages: torch.Tensor,
+    policy_log_probs: torch.Tensor,
+    old_log_probs: torch.Tensor,
+    clip_low: float,
+    clip_high: float,
+    dual_clip: float | None = None,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """Clipped surrogate with asymmetric ("clip-higher", DAPO) and optional dual clipping.
+
+    ``r = exp(log π − log π_old)``,
+    ``ℓ = −min(r·A, clip(r, 1 − clip_low, 1 + clip_high)·A)``; with ``dual_clip = c > 1``
+    (Ye et al. 2020), tokens with ``A < 0`` are further bounded: ``ℓ = min(ℓ, −c·A)``.
+
+    No gradient flows through a clipped branch: for ``A ≥ 0`` once ``r > 1 + clip_high`` and
+    for ``A < 0`` once ``r < 1 − clip_low`` (and, with dual clip, once ``r > c``).
+
+    Args:
+        advantages: ``[B, 1]`` (or broadcastable to ``[B, T]``).
+        policy_log_probs, old_log_probs: ``[B, T]``.
+
+    Returns:
+        ``(loss [B, T], {"clipped": bool [B, T], "ratio": [B, T] detached})``; ``clipped`` marks
+        the tokens whose loss came from a clipped branch.
+    """
+    ratio = torch.exp(policy_log_probs - old_log_probs)
+    unclipped = ratio * advantages
+    clipped = torch.clamp(ratio, 1 - clip_low, 1 + clip_high) * advantages
+    loss = -torch.minimum(unclipped, clipped)
+    is_clipped = clipped < unclipped
+    if dual_clip is not None:
+        if dual_clip <= 1.0:
+            raise ValueError(f"dual_clip must be > 1, got {dual_clip}")
+        bound = -dual_clip * advantages
+        dual = (advantages < 0) & (loss > bound)
+        loss = torch.where(dual, bound.expand_as(loss), loss)
+        is_clipped = is_clipped | dual
+    return loss, {"clipped": is_clipped, "ratio": ratio.detach()}
+
+
+def compute_grpo_clip_loss(
+    advantages: torch.Tensor,
+    policy_log_probs: torch.Tensor,
+    old_log_probs: torch.Tensor,
+    cliprange: float,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """Symmetric GRPO-Clip (CS336 API): ``grpo_clip_loss`` with ``clip_low = clip_high = cliprange``.
+
+    ``[B, 1]``, ``[B, T]``, ``[B, T]`` -> ``(loss [B, T], {"clipped": bool [B, T], "ratio": [B, T]})``.
+
+    Example:
+        ``A = 1, log π − log π_old = 0.5``: ``r = e^0.5 ≈ 1.6487 > 1.2`` → clipped, loss ``−1.2``.
+    """
+    return grpo_clip_loss(advantages, policy_log_probs, old_log_probs, cliprange, cliprange)
+
+
+def compute_policy_gradient_loss(
+    policy_log_probs: torch.Tensor,
+    loss_type: str,
+    raw_rewards: torch.Tensor | None = None,
+    advantages: torch.Tensor | None = None,
+    old_log_probs: torch.Tensor | None = None,
+    cliprange: float | None = None,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """Dispatch to a per-token loss ``[B, T]`` by ``loss_type``.
+
+    ``no_baseline``: ``−r·log π`` (needs ``raw_rewards [B, 1]``);
+    ``reinforce_with_baseline``: ``−A·log π`` (needs ``advantages [B, 1]``);
+    ``grpo_clip``: clipped surrogate (needs ``advantages``, ``old_log_probs``, ``cliprange``).
+    Any other ``loss_type`` is a ValueError.
+    """
+    if loss_type == "no_baseline":
+        if raw_rewards is None:
+            raise ValueError("loss_type='no_baseline' needs raw_rewards")
+        return compute_naive_policy_gradient_loss(raw_rewards, policy_log_probs), {}
+    if loss_type == "reinforce_with_baseline":
+        if advantages is None:
+            raise ValueError("loss_type='reinforce_with_baseline' needs advantages")
+        return compute_naive_policy_gradient_loss(advantages, policy_log_probs), {}
+    if loss_type == "grpo_clip":
+        missing = [
+            name
+            for name, value in (
+                ("advantages", advantages),
+                ("old_log_probs", old_log_probs),
+                ("cliprange", cliprange),
+            )
+            if value is None
+        ]
+        if missing:
+            raise ValueError(f"loss_type='grpo_clip' needs {', '.join(missing)}")
+        return compute_grpo_clip_loss(advantages, policy_log_probs, old_log_probs, cliprange)
+    raise ValueError(f"unknown loss_type {loss_type!r}; expected one of {', '.join(LOSS_TYPES)}")
+
+
+def kl_penalty(log_probs: torch.Tensor, ref_log_probs: torch.Tensor, estimator: str = "k3") -> torch.Tensor:
+    """Per-token estimate of ``KL(π ‖ π_ref)`` from samples of π (Schulman, "Approximating KL").
+
+    With ``d = log π_ref − log π``: ``k1 = −d`` (unbiased, can be negative),
+    ``k2 = d² / 2`` (low variance, biased), ``k3 = e^d − d − 1`` (unbiased, ≥ 0; GRPO's choice).
+
+    Example:
+        ``log π = 0, log π_ref = ln 2`` → ``d ≈ 0.6931``: k1 ≈ −0.6931, k2 ≈ 0.2402, k3 = 2 − 0.6931 − 1 ≈ 0.3069.
+    """
+    d = ref_log_probs - log_probs
+    if estimator == "k1":
+        return -d
+    if estimator == "k2":
+        return 0.5 * d * d
+    if estimator == "k3":
+        return torch.exp(d) - d - 1
+    raise ValueError(f"unknown KL estimator {estimator!r}; expected one of {', '.join(KL_ESTIMATORS)}")
+
+
+def grpo_token_loss(
+    log_probs: torch.Tensor,
+    advantages: torch.Tensor,
+    *,
+    old_log_probs: torch.Tensor | None = None,
+    ref_log_probs: torch.Tensor | None = None,
+    entropy: torch.Tensor | None = None,
+    clip_low: float = 0.2,
+    clip_high: float = 0.2,
+    dual_clip: float | None = None,
+    beta: float = 0.0,
+    kl_estimator: str = "k3",
+    entropy_coef: float = 0.0,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor | None]]:
+    """The full per-token GRPO loss, before length normalization.
+
+    ``ℓ_t = −min(r_t·A_t, clip(r_t, 1 − clip_low, 1 + clip_high)·A_t) + β·KL_t − c·H_t``,
+    ``r_t = exp(log π_t − log π_old,t)``. ``old_log_probs=None`` means on-policy: π_old is π
+    detached, so ``r = 1`` and the gradient is ``−A·∇log π`` (no extra forward pass needed).
+
+    Args:
+        log_probs: ``[...]`` per-token log π (differentiable).
+        advantages: broadcastable to ``log_probs`` (``[B, 1]`` for ``[B, T]``, ``[N]`` for ``[N]``).
+        old_log_probs, ref_log_probs, entropy: same shape as ``log_probs`` or None.
+
+    Returns:
+        ``(loss [...], {"clipped": bool [...], "kl": [...] or None})``.
+    """
+    old = log_probs.detach() if old_log_probs is None else old_log_probs
+    loss, meta = grpo_clip_loss(advantages, log_probs, old, clip_low, clip_high, dual_clip)
+    kl = None
+    if ref_log_probs is not None:
+        kl = kl_penalty(log_probs, ref_log_probs, kl_estimator)
+        if beta != 0.0:
+            loss = loss + beta * kl
+    if entropy_coef != 0.0:
+        if entropy is None:
+            raise ValueError("entropy_coef != 0 needs the per-token entropy")
+        loss = loss - entropy_coef * entropy
+    return loss, {"clipped": meta["clipped"], "kl": kl}
+
+
+# ----------------------------------------------------------------------------------------------
+# Length normalization as per-token loss weights
+# ----------------------------------------------------------------------------------------------
+
+
+def length_norm_weights(
+    response_mask: torch.Tensor,
+    length_norm: str,
+    *,
+    max_length: int | None = None,
+    num_sequences: int | None = None,
+    num_tokens: float | None = None,
+) -> torch.Tensor:
+    """Per-token loss weights ``w [B, T]`` such that the batch loss is ``Σ_{b,t} w·ℓ``.
+
+    Computed once for the whole rollout batch and then sliced into microbatches, the weights
+    make the sum over microbatches equal the full-batch loss whatever the split, so one fused
+    kernel (``loss = Σ w·ℓ``) serves every normalization:
+
+    - ``sequence_mean`` (GRPO): ``w = m / (|o_b| · B)`` — per-sequence mean, then batch mean.
+    - ``constant`` (Dr. GRPO): ``w = m / (max_length · B)`` — token sum over a fixed length.
+    - ``token_mean`` (DAPO): ``w = m / Σ m`` — every response token of the rollout batch counts
+      equally, so long responses are not down-weighted.
+
+    Args:
+        response_mask: ``[B, T]`` bool/0-1 mask of response tokens.
+        max_length: the constant for ``constant`` (e.g. ``rollout.max_tokens``).
+        num_sequences: ``B`` of the whole rollout batch (default: ``response_mask.shape[0]``);
+            pass the global count when the mask is one shard of a larger batch.
+        num_tokens: ``Σ m`` of the whole rollout batch (default: ``response_mask.sum()``); across
+            data-parallel ranks, pass the all-reduced count.
+
+    Example:
+        Lengths 1 and 3: ``sequence_mean`` gives 1/2 to the single token and 1/6 to each of the
+        three; ``token_mean`` gives 1/4 to all four.
+    """
+    m = response_mask.to(torch.float32)
+    n_seq = float(m.shape[0] if num_sequences is None else num_sequences)
+    if length_norm == "sequence_mean":
+        lengths = m.sum(dim=-1, keepdim=True).clamp_min(1.0)
+        return m / (lengths * n_seq)
+    if length_norm == "constant":
+        if max_length is None or max_length <= 0:
+            raise ValueError("length_norm='constant' needs max_length > 0")
+        return m / (float(max_length) * n_seq)
+    if length_norm == "token_mean":
+        total = float(m.sum().item()) if num_tokens is None else float(num_tokens)
+        return m / max(total, 1.0)
+    raise ValueError(f"unknown length_norm {length_norm!r}; expected one of {', '.join(LENGTH_NORMS)}")
+
+
+# ----------------------------------------------------------------------------------------------
+# Microbatch train steps (CS336 API)
+# ----------------------------------------------------------------------------------------------
+
+
+def sft_microbatch_train_step(
+    policy_log_probs: torch.Tensor,
+    response_mask: torch.Tensor,
+    gradient_accumulation_steps: int,
+    normalize_constant: float = 1.0,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """Negative log-likelihood of the response, backpropagated for one microbatch.
+
+    ``loss = mean_b(−Σ_t m·log π / normalize_constant) / gradient_accumulation_steps``;
+    calls ``loss.backward()`` (gradients accumulate across calls) and returns the loss.
+    ``policy_log_probs, response_mask: [B, T]``.
+    """
+    per_seq = masked_normalize(-policy_log_probs, response_mask, dim=-1, normalize_constant=normalize_constant)
+    loss = per_seq.mean() / gradient_accumulation_steps
+    loss.backward()
+    return loss, {"nll_per_sequence": per_seq.detach(), "num_response_tokens": response_mask.sum()}
+
+
+def grpo_microbatch_train_step(
+    policy_log_probs: torch.Tensor,
+    response_mask: torch.Tensor,
+    gradient_accumulation_steps: int,
+    loss_type: str,
+    raw_rewards: torch.Tensor | None = None,
+    advantages: torch.Tensor | None = None,
+    old_log_probs: torch.Tensor | None = None,
+    cliprange: float | None = None,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """Policy-gradient loss for one microbatch, backpropagated.
+
+    ``loss = mean_b(masked_mean_t(ℓ, m)) / gradient_accumulation_steps`` with ``ℓ`` from
+    ``compute_policy_gradient_loss``; calls ``loss.backward()`` and returns the loss and the
+    loss metadata (``clipped`` for ``grpo_clip``). ``policy_log_probs, response_mask: [B, T]``.
+    """
+    per_token, meta = compute_policy_gradient_loss(
+        policy_log_probs, loss_type, raw_rewards, advantages, old_log_probs, cliprange
+    )
+    loss = masked_mean(per_token, response_mask, dim=-1).mean() / gradient_accumulation_steps
+    loss.backward()
+    if "clipped" in meta:
+        meta["clip_fraction"] = masked_mean(meta["clipped"].float(), response_mask)
+    return loss, meta
+
+
+# ----------------------------------------------------------------------------------------------
+# KL control
+# ----------------------------------------------------------------------------------------------
+
+
+@dataclass
+class AdaptiveKLController:
+    """Proportional controller for the KL coefficient β (Ziegler et al. 2019, §2.2).
+
+    After each step: ``e = clip(KL / target − 1, −0.2, 0.2)``, ``β ← β·(1 + e·n / horizon)``
+    where ``n`` is the number of sequences the KL was measured on. β rises while the measured
+    KL is above target and falls while below.
+
+    Example:
+        β = 0.1, target 0.05, measured 0.1, n = 64, horizon 10,000: e = 0.2 (clipped from 1),
+        β ← 0.1·(1 + 0.2·64/10,000) = 0.100128.
+    """
+
+    beta: float
+    target_kl: float
+    horizon: int = 10_000
+
+    def update(self, current_kl: float, n_steps: int) -> float:
+        if not math.isfinite(current_kl):
+            return self.beta
+        error = min(max(current_kl / self.target_kl - 1.0, -0.2), 0.2)
+        self.beta *= 1.0 + error * n_steps / self.horizon
+        return self.beta
+
+    def state_dict(self) -> dict[str, float]:
+        return {"beta": self.beta, "target_kl": self.target_kl, "horizon": self.horizon}
+
+    def load_state_dict(self, state: dict[str, float]) -> None:
+        self.beta = float(state["beta"])
+        self.target_kl = float(state["target_kl"])
+        self.horizon = int(state["horizon"])
+
+
+def kl_early_stop(approx_kl: float, threshold: float | None) -> bool:
+    """Whether to stop the inner epochs on this rollout batch: its KL to π_old exceeds ``threshold``.
+
+    ``threshold=None`` (or ≤ 0) never stops. NaN KL stops (something is badly wrong).
+    Example: ``kl_early_stop(0.31, 0.3)`` is True, ``kl_early_stop(0.29, 0.3)`` is False.
+    """
+    if threshold is None or threshold <= 0:
+        return False
+    return not (approx_kl <= threshold)
+
+
+# ----------------------------------------------------------------------------------------------
+# The eager [N, V] reference of the fused ops (grpo_fast.ops)
+# ----------------------------------------------------------------------------------------------
+
+
+class GRPOLossOutput(NamedTuple):
+    """What the GRPO loss ops return. N = number of (response) tokens.
+
+    Fields:
+        loss: scalar, ``Σ_t w_t·ℓ_t`` (differentiable).
+        logprobs: ``[N]`` fp32, log π of the labels (after temperature).
+        entropy: ``[N]`` fp32, entropy of the tempered distribution.
+        kl: ``[N]`` fp32 per-token KL estimate to the reference, or None without ``ref_logprobs``.
+        clipped: ``[N]`` bool, the token's loss came from a clipped branch.
+    """
+
+    loss: torch.Tensor
+    logprobs: torch.Tensor
+    entropy: torch.Tensor
+    kl: torch.Tensor | None
+    clipped: torch.Tensor
+
+
+def eager_token_logprobs_and_entropy(
+    logits: torch.Tensor, labels: torch.Tensor, temperature: float = 1.0
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Reference for ``grpo_fast.ops.token_logprobs_and_entropy``: ``[N, V], [N] -> ([N], [N])``.
+
+    Materializes ``[N, V]`` in fp32 (the upcast, the log-softmax, its exp): the memory the fused
+    kernels avoid. Computes in the input's dtype if it is float64 (the test reference), else fp32.
+    """
+    compute_dtype = torch.float64 if logits.dtype == torch.float64 else torch.float32
+    scaled = logits.to(compute_dtype) / temperature
+    log_probs = F.log_softmax(scaled, dim=-1)
+    logp = log_probs.gather(-1, labels.long().unsqueeze(-1)).squeeze(-1)
+    return logp, compute_entropy(scaled)
+
+
+def eager_grpo_loss_from_logits(
+    logits: torch.Tensor,
+    labels: torch.Tensor,
+    advantages: torch.Tensor,
+    loss_weights: torch.Tensor,
+    *,
+    old_logprobs: torch.Tensor | None = None,
+    ref_logprobs: torch.Tensor | None = None,
+    temperature: float = 1.0,
+    clip_low: float = 0.2,
+    clip_high: float = 0.2,
+    beta: float = 0.0,
+    entropy_coef: float = 0.0,
+    kl_estimator: str = "k3",
+    dual_clip: float | None = None,
+) -> GRPOLossOutput:
+    """Reference for ``grpo_fast.ops.grpo_loss_from_logits`` (same arguments, same output).
+
+    ``loss = Σ_t w_t·(−min(r_t·A_t, clip(r_t, 1−clip_low, 1+clip_high)·A_t) + β·KL_t − c·H_t)``.
+    Shapes: logits ``[N, V]``, labels/advantages/loss_weights/old/ref ``[N]``.
+    """
+    logp, entropy = eager_token_logprobs_and_entropy(logits, labels, temperature)
+    cast = lambda t: None if t is None else t.to(logp.dtype)
+    per_token, meta = grpo_token_loss(
+        logp,
+        cast(advantages),
+        old_log_probs=cast(old_logprobs),
+        ref_log_probs=cast(ref_logprobs),
+        entropy=entropy,
+        clip_low=clip_low,
+        clip_high=clip_high,
+        dual_clip=dual_clip,
+        beta=beta,
+        kl_estimator=kl_estimator,
+        entropy_coef=entropy_coef,
+    )
+    loss = (cast(loss_weights) * per_token).sum()
+    return GRPOLossOutput(loss, logp, entropy, meta["kl"], meta["clipped"])
+
