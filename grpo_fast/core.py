@@ -23,7 +23,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, NamedTuple
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -83,9 +83,7 @@ def tokenize_prompt_and_output(prompt_strs: list[str], output_strs: list[str], t
         >>> batch["labels"][0, batch["response_mask"][0]]  # the ids of "2"  # doctest: +SKIP
     """
     if len(prompt_strs) != len(output_strs):
-        raise ValueError(
-            f"prompt_strs has {len(prompt_strs)} items but output_strs has {len(output_strs)}"
-        )
+        raise ValueError(f"prompt_strs has {len(prompt_strs)} items but output_strs has {len(output_strs)}")
     if tokenizer.pad_token_id is None:
         raise ValueError("tokenizer.pad_token_id is None: set a pad token before tokenizing")
     prompt_ids = tokenizer(list(prompt_strs), add_special_tokens=False)["input_ids"]
@@ -227,7 +225,7 @@ def compute_group_normalized_rewards(
     raw_rewards = torch.tensor([float(s["reward"]) for s in scores], dtype=torch.float32)
     grouped = raw_rewards.view(-1, group_size)
     advantages = grouped - grouped.mean(dim=1, keepdim=True)
-    if normalize_by_std:
+    if normalize_by_std and group_size > 1:  # a group of one has no std (and zero advantage below)
         advantages = advantages / (grouped.std(dim=1, keepdim=True) + advantage_eps)
     zero_var = grouped.max(dim=1).values == grouped.min(dim=1).values  # [n_groups]
     advantages = torch.where(zero_var[:, None], torch.zeros_like(advantages), advantages).reshape(-1)
@@ -485,7 +483,9 @@ def sft_microbatch_train_step(
     calls ``loss.backward()`` (gradients accumulate across calls) and returns the loss.
     ``policy_log_probs, response_mask: [B, T]``.
     """
-    per_seq = masked_normalize(-policy_log_probs, response_mask, dim=-1, normalize_constant=normalize_constant)
+    per_seq = masked_normalize(
+        -policy_log_probs, response_mask, dim=-1, normalize_constant=normalize_constant
+    )
     loss = per_seq.mean() / gradient_accumulation_steps
     loss.backward()
     return loss, {"nll_per_sequence": per_seq.detach(), "num_response_tokens": response_mask.sum()}
@@ -642,4 +642,3 @@ def eager_grpo_loss_from_logits(
     )
     loss = (cast(loss_weights) * per_token).sum()
     return GRPOLossOutput(loss, logp, entropy, meta["kl"], meta["clipped"])
-

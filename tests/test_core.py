@@ -1,0 +1,454 @@
+"""The algorithm core: hand-worked values (arithmetic in comments) and properties (hypothesis)."""
+
+import itertools
+import math
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from tokenizers import Tokenizer
+from tokenizers.models import WordLevel
+from tokenizers.pre_tokenizers import Whitespace
+from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
+
+import grpo_fast
+from grpo_fast import core
+
+
+@pytest.fixture
+def word_tokenizer():
+    vocab = {"<pad>": 0, "<eos>": 1, "<unk>": 2, "Hello": 3, "world": 4, "is": 5, "a": 6, "test": 7}
+    tok = Tokenizer(WordLevel(vocab=vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = Whitespace()
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok, pad_token="<pad>", eos_token="<eos>", unk_token="<unk>"
+    )
+
+
+def test_public_api_is_exported():
+    for name in (
+        "tokenize_prompt_and_output",
+        "compute_entropy",
+        "get_response_log_probs",
+        "compute_group_normalized_rewards",
+        "compute_naive_policy_gradient_loss",
+        "compute_grpo_clip_loss",
+        "compute_policy_gradient_loss",
+        "masked_mean",
+        "masked_normalize",
+        "sft_microbatch_train_step",
+        "grpo_microbatch_train_step",
+    ):
+        assert callable(getattr(grpo_fast, name)), name
+
+
+# ---------------------------------------------------------------------------- tokenization
+
+
+def test_tokenize_prompt_and_output_shift_pad_and_mask(word_tokenizer):
+    out = core.tokenize_prompt_and_output(["Hello world", "is"], ["is a test", "a"], word_tokenizer)
+    assert set(out) == {"input_ids", "labels", "response_mask"}
+    # seq 0: Hello world | is a test -> [3, 4, 5, 6, 7]  (length 5, the longest)
+    # seq 1: is | a                  -> [5, 6, pad, pad, pad]
+    assert out["input_ids"].tolist() == [[3, 4, 5, 6], [5, 6, 0, 0]]
+    assert out["labels"].tolist() == [[4, 5, 6, 7], [6, 0, 0, 0]]
+    # labels 5, 6, 7 of seq 0 are output tokens; label 6 of seq 1 is its only output token
+    assert out["response_mask"].tolist() == [[False, True, True, True], [True, False, False, False]]
+    assert out["response_mask"].dtype == torch.bool
+
+
+def test_tokenize_rejects_mismatched_lists(word_tokenizer):
+    with pytest.raises(ValueError, match="prompt_strs has 2 items but output_strs has 1"):
+        core.tokenize_prompt_and_output(["a", "b"], ["c"], word_tokenizer)
+
+
+# ---------------------------------------------------------------------------- entropy, log-probs
+
+
+def test_compute_entropy_hand_values():
+    # uniform over 4 -> ln 4 ≈ 1.386294; one-hot-ish [1000, 0] -> ≈ 0
+    h = core.compute_entropy(torch.tensor([[0.0, 0.0, 0.0, 0.0], [1000.0, 0.0, 0.0, 0.0]]))
+    torch.testing.assert_close(h, torch.tensor([math.log(4), 0.0]), atol=1e-6, rtol=0)
+
+
+def test_compute_entropy_ignores_neg_inf_in_value_and_gradient():
+    # [0, 0, -inf, -inf] is uniform over 2 -> ln 2; the -inf entries have zero gradient
+    logits = torch.tensor([0.0, 0.0, -math.inf, -math.inf], requires_grad=True)
+    h = core.compute_entropy(logits)
+    h.backward()
+    assert h.item() == pytest.approx(math.log(2), abs=1e-7)
+    assert torch.isfinite(logits.grad).all() and (logits.grad[2:] == 0).all()
+
+
+def test_get_response_log_probs_matches_manual_log_softmax():
+    torch.manual_seed(0)
+    cfg = Qwen2Config(
+        vocab_size=32,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        max_position_embeddings=64,
+    )
+    model = Qwen2ForCausalLM(cfg).eval()
+    input_ids = torch.randint(0, 32, (2, 7))
+    labels = torch.randint(0, 32, (2, 7))
+    out = core.get_response_log_probs(model, input_ids, labels, return_token_entropy=True)
+    assert set(out) == {"log_probs", "token_entropy"}
+    logits = model(input_ids).logits.double()
+    ref = torch.log_softmax(logits, -1).gather(-1, labels[..., None])[..., 0]
+    torch.testing.assert_close(out["log_probs"].double(), ref, atol=1e-5, rtol=0)
+    assert out["token_entropy"].shape == (2, 7)
+    assert set(core.get_response_log_probs(model, input_ids, labels)) == {"log_probs"}
+
+
+# ---------------------------------------------------------------------------- masked reductions
+
+
+def test_masked_mean_and_normalize_hand_values():
+    t = torch.tensor([[1.0, 2.0, 3.0], [4.0, 5.0, 6.0]])
+    m = torch.tensor([[True, False, True], [False, False, False]])
+    # all: (1 + 3) / 2 = 2
+    assert core.masked_mean(t, m).item() == 2.0
+    # per row: row 0 -> 2, row 1 -> 0/0 = NaN (a mean of nothing)
+    rows = core.masked_mean(t, m, dim=1)
+    assert rows[0].item() == 2.0 and math.isnan(rows[1].item())
+    # per column: [1/1, 0/0, 3/1]
+    cols = core.masked_mean(t, m, dim=0)
+    assert cols[0].item() == 1.0 and math.isnan(cols[1].item()) and cols[2].item() == 3.0
+    # normalize: (1 + 3) / 2.5 = 1.6 ; per row [4/2.5, 0]
+    assert core.masked_normalize(t, m, normalize_constant=2.5).item() == pytest.approx(1.6)
+    torch.testing.assert_close(
+        core.masked_normalize(t, m, dim=-1, normalize_constant=2.5), torch.tensor([1.6, 0.0])
+    )
+
+
+# ---------------------------------------------------------------------------- rewards, advantages
+
+
+def _reward_table(values):
+    table = dict(values)
+    return lambda response, gt: {
+        "reward": table[response],
+        "format_reward": 1.0,
+        "answer_reward": table[response],
+    }
+
+
+def test_group_normalized_rewards_hand_values():
+    fn = _reward_table({"a": 1.0, "b": 0.0, "c": 0.0, "d": 0.0, "e": 1.0, "f": 1.0, "g": 0.0, "h": 0.0})
+    responses = list("abcdefgh")
+    # group 1 [1,0,0,0]: mean .25, unbiased std = sqrt((.5625 + 3·.0625)/3) = .5
+    # group 2 [1,1,0,0]: mean .5,  unbiased std = sqrt(4·.25/3) ≈ .57735
+    adv, raw, meta = core.compute_group_normalized_rewards(fn, responses, ["x"] * 8, 4, 0.0, False)
+    torch.testing.assert_close(adv, torch.tensor([0.75, -0.25, -0.25, -0.25, 0.5, 0.5, -0.5, -0.5]))
+    torch.testing.assert_close(raw, torch.tensor([1.0, 0, 0, 0, 1, 1, 0, 0]))
+    adv, _, _ = core.compute_group_normalized_rewards(fn, responses, ["x"] * 8, 4, 1e-6, True)
+    s = 1 / math.sqrt(3)
+    expected = [0.75 / 0.5, -0.5, -0.5, -0.5, 0.5 / s, 0.5 / s, -0.5 / s, -0.5 / s]
+    torch.testing.assert_close(adv, torch.tensor(expected), atol=1e-5, rtol=1e-5)
+    assert meta["reward_mean"] == 0.375 and meta["format_reward_mean"] == 1.0
+    assert meta["zero_variance_groups"] == 0.0
+
+
+def test_zero_variance_group_gets_zero_advantage_never_nan():
+    fn = lambda r, g: {"reward": 0.7}
+    for eps in (0.0, 1e-6):
+        adv, _, meta = core.compute_group_normalized_rewards(fn, ["x"] * 6, ["y"] * 6, 3, eps, True)
+        assert (adv == 0).all()
+        assert meta["zero_variance_groups"] == 2.0 and meta["zero_variance_fraction"] == 1.0
+
+
+def test_group_normalized_rewards_bad_sizes():
+    with pytest.raises(ValueError, match="group_size=3 must be >= 1 and divide the 4 responses"):
+        core.compute_group_normalized_rewards(lambda r, g: {"reward": 0}, ["a"] * 4, ["b"] * 4, 3, 1e-6, True)
+
+
+@settings(max_examples=50, deadline=None)
+@given(
+    rewards=st.lists(st.floats(-5, 5, allow_nan=False), min_size=2, max_size=24),
+    group_size=st.integers(1, 6),
+    by_std=st.booleans(),
+)
+def test_property_group_advantages_sum_to_zero(rewards, group_size, by_std):
+    n = len(rewards) - len(rewards) % group_size
+    if n == 0:
+        return
+    responses = [str(i) for i in range(n)]
+    adv, _, _ = core.compute_group_normalized_rewards(
+        lambda r, g: {"reward": rewards[int(r)]}, responses, ["gt"] * n, group_size, 1e-6, by_std
+    )
+    assert torch.isfinite(adv).all()
+    sums = adv.view(-1, group_size).sum(dim=1)
+    scale = 1.0 + adv.abs().max().item()
+    assert sums.abs().max().item() <= 1e-5 * scale * group_size
+
+
+# ---------------------------------------------------------------------------- policy-gradient losses
+
+
+def test_naive_policy_gradient_loss():
+    # −A·logp: −2·(−0.5) = 1 ; −2·(−1) = 2 ; −(−1)·(−0.5) = −0.5
+    loss = core.compute_naive_policy_gradient_loss(
+        torch.tensor([[2.0], [-1.0]]), torch.tensor([[-0.5, -1.0], [-0.5, 0.0]])
+    )
+    torch.testing.assert_close(loss, torch.tensor([[1.0, 2.0], [-0.5, 0.0]]))
+
+
+def test_grpo_clip_loss_hand_values():
+    adv = torch.tensor([[1.0], [-1.0]])
+    old = torch.zeros(2, 3)
+    new = torch.tensor([[0.5, 0.0, -0.5], [0.5, 0.0, -0.5]])
+    loss, meta = core.compute_grpo_clip_loss(adv, new, old, 0.2)
+    e = math.exp
+    # A=+1: r=e^.5≈1.6487 > 1.2 → clipped, −1.2 ; r=1 → −1 ; r=e^-.5≈.6065 → min(.6065, .8) = .6065 → −.6065
+    # A=−1: r=1.6487 → min(−1.6487, −1.2) = −1.6487 → 1.6487 (not clipped) ; r=1 → 1 ;
+    #       r=.6065 < .8 → min(−.6065, −.8) = −.8 → clipped, .8
+    expected = torch.tensor([[-1.2, -1.0, -e(-0.5)], [e(0.5), 1.0, 0.8]])
+    torch.testing.assert_close(loss, expected)
+    assert meta["clipped"].tolist() == [[True, False, False], [False, False, True]]
+
+
+def test_asymmetric_and_dual_clip_hand_values():
+    adv = torch.tensor([[1.0], [-1.0]])
+    lp = torch.tensor([[0.25], [1.5]])
+    # clip-higher: A=+1, r=e^.25≈1.2840 < 1+0.3 → not clipped; symmetric 0.2 would clip at 1.2
+    loss, meta = core.grpo_clip_loss(adv[:1], lp[:1], torch.zeros(1, 1), 0.2, 0.3)
+    assert loss.item() == pytest.approx(-math.exp(0.25)) and not meta["clipped"].item()
+    # dual clip c=3: A=−1, r=e^1.5≈4.4817: ordinary loss = −min(−4.48, −1.2) = 4.48 > c·|A| = 3 → 3
+    loss, meta = core.grpo_clip_loss(adv[1:], lp[1:], torch.zeros(1, 1), 0.2, 0.2, dual_clip=3.0)
+    assert loss.item() == pytest.approx(3.0) and meta["clipped"].item()
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    delta=st.floats(-2, 2, allow_nan=False),
+    advantage=st.floats(-3, 3, allow_nan=False).filter(lambda a: abs(a) > 1e-3),
+    clip_low=st.floats(0.05, 0.5),
+    clip_high=st.floats(0.05, 0.5),
+)
+def test_property_no_gradient_through_clipped_branch(delta, advantage, clip_low, clip_high):
+    lp = torch.tensor([[delta]], dtype=torch.float64, requires_grad=True)
+    loss, meta = core.grpo_clip_loss(
+        torch.tensor([[advantage]], dtype=torch.float64),
+        lp,
+        torch.zeros(1, 1, dtype=torch.float64),
+        clip_low,
+        clip_high,
+    )
+    loss.sum().backward()
+    r = math.exp(delta)
+    clipped = (advantage > 0 and r > 1 + clip_high) or (advantage < 0 and r < 1 - clip_low)
+    assert bool(meta["clipped"].item()) == clipped
+    if clipped:
+        assert lp.grad.item() == 0.0
+    else:  # d(−r·A)/dδ = −r·A
+        assert lp.grad.item() == pytest.approx(-r * advantage, rel=1e-9)
+
+
+def test_policy_gradient_loss_dispatch():
+    lp = torch.tensor([[-1.0, -2.0]])
+    rewards, adv = torch.tensor([[3.0]]), torch.tensor([[0.5]])
+    loss, _ = core.compute_policy_gradient_loss(lp, "no_baseline", raw_rewards=rewards)
+    torch.testing.assert_close(loss, torch.tensor([[3.0, 6.0]]))
+    loss, _ = core.compute_policy_gradient_loss(lp, "reinforce_with_baseline", advantages=adv)
+    torch.testing.assert_close(loss, torch.tensor([[0.5, 1.0]]))
+    loss, meta = core.compute_policy_gradient_loss(
+        lp, "grpo_clip", advantages=adv, old_log_probs=lp, cliprange=0.2
+    )
+    torch.testing.assert_close(loss, torch.tensor([[-0.5, -0.5]]))  # r = 1 → −A
+    assert "clipped" in meta
+    with pytest.raises(ValueError, match="unknown loss_type 'ppo'"):
+        core.compute_policy_gradient_loss(lp, "ppo", advantages=adv)
+    with pytest.raises(ValueError, match="needs old_log_probs, cliprange"):
+        core.compute_policy_gradient_loss(lp, "grpo_clip", advantages=adv)
+
+
+def test_kl_estimators_hand_values():
+    lp, ref = torch.tensor([0.0]), torch.tensor([math.log(2)])
+    # d = ln 2 ≈ .693147: k1 = −d, k2 = d²/2 ≈ .240227, k3 = 2 − d − 1 ≈ .306853
+    assert core.kl_penalty(lp, ref, "k1").item() == pytest.approx(-math.log(2))
+    assert core.kl_penalty(lp, ref, "k2").item() == pytest.approx(math.log(2) ** 2 / 2)
+    assert core.kl_penalty(lp, ref, "k3").item() == pytest.approx(1 - math.log(2))
+    assert core.kl_penalty(ref, ref, "k3").item() == 0.0
+    with pytest.raises(ValueError, match="unknown KL estimator 'k4'"):
+        core.kl_penalty(lp, ref, "k4")
+
+
+def test_grpo_token_loss_on_policy_gradient_and_bonus_terms():
+    lp = torch.tensor([-1.0, -2.0], requires_grad=True)
+    adv = torch.tensor([2.0, -1.0])
+    ref = torch.tensor([-1.0, -1.0])
+    ent = torch.tensor([1.5, 0.5], requires_grad=True)
+    loss, meta = core.grpo_token_loss(lp, adv, ref_log_probs=ref, entropy=ent, beta=0.1, entropy_coef=0.01)
+    # on-policy r = 1: pg = −A ; k3 at token 2: d = −1 − (−2) = 1 → e − 2 ≈ .718282
+    k3 = math.e - 2
+    expected = torch.tensor([-2.0 - 0.01 * 1.5, 1.0 + 0.1 * k3 - 0.01 * 0.5])
+    torch.testing.assert_close(loss.detach(), expected)
+    loss.sum().backward()
+    # ∂/∂lp: −A·r + β·(1 − e^d) → token 1: −2 + 0 ; token 2: 1 + 0.1·(1 − e)
+    torch.testing.assert_close(lp.grad, torch.tensor([-2.0, 1.0 + 0.1 * (1 - math.e)]))
+    torch.testing.assert_close(ent.grad, torch.tensor([-0.01, -0.01]))
+    assert meta["kl"] is not None and not meta["clipped"].any()
+
+
+# ---------------------------------------------------------------------------- length normalization
+
+
+def test_length_norm_weights_hand_values():
+    m = torch.tensor([[1, 0, 0, 0], [1, 1, 1, 0]], dtype=torch.bool)
+    # sequence_mean: 1/(1·2) = .5 for the single token, 1/(3·2) for each of the three
+    w = core.length_norm_weights(m, "sequence_mean")
+    torch.testing.assert_close(w, torch.tensor([[0.5, 0, 0, 0], [1 / 6, 1 / 6, 1 / 6, 0]]))
+    # token_mean: 4 tokens → 1/4 each
+    w = core.length_norm_weights(m, "token_mean")
+    torch.testing.assert_close(w, torch.tensor([[0.25, 0, 0, 0], [0.25, 0.25, 0.25, 0]]))
+    # constant, max_length 8: 1/(8·2) = 1/16 each
+    w = core.length_norm_weights(m, "constant", max_length=8)
+    torch.testing.assert_close(w, m.float() / 16)
+    with pytest.raises(ValueError, match="needs max_length"):
+        core.length_norm_weights(m, "constant")
+
+
+def test_sequence_mean_weights_equal_the_course_aggregation():
+    torch.manual_seed(0)
+    per_token = torch.randn(5, 7, dtype=torch.float64)
+    mask = torch.rand(5, 7) > 0.3
+    mask[:, 0] = True
+    w = core.length_norm_weights(mask, "sequence_mean").double()
+    torch.testing.assert_close((w * per_token).sum(), core.masked_mean(per_token, mask, dim=-1).mean())
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    lengths=st.lists(st.integers(0, 9), min_size=2, max_size=12),
+    cut_points=st.sets(st.integers(1, 11), max_size=4),
+    norm=st.sampled_from(["sequence_mean", "constant", "token_mean"]),
+)
+def test_property_weights_invariant_to_microbatch_split(lengths, cut_points, norm):
+    b = len(lengths)
+    mask = torch.arange(9)[None, :] < torch.tensor(lengths)[:, None]
+    per_token = torch.randn(b, 9, dtype=torch.float64, generator=torch.Generator().manual_seed(b))
+    w_full = core.length_norm_weights(mask, norm, max_length=9).double()
+    full = (w_full * per_token).sum()
+    # the same weights sliced into microbatches, or computed per microbatch with the global counts
+    bounds = [0, *sorted(c for c in cut_points if c < b), b]
+    total_tokens = mask.sum().item()
+    split_sum = sum(
+        (
+            core.length_norm_weights(
+                mask[s:e], norm, max_length=9, num_sequences=b, num_tokens=total_tokens
+            ).double()
+            * per_token[s:e]
+        ).sum()
+        for s, e in itertools.pairwise(bounds)
+        if e > s
+    )
+    torch.testing.assert_close(split_sum, full, atol=1e-12, rtol=1e-12)
+
+
+# ---------------------------------------------------------------------------- microbatch train steps
+
+
+def test_sft_microbatch_train_step_hand_values():
+    lp = torch.tensor([[-1.0, -2.0, -3.0], [-4.0, -5.0, -6.0]], requires_grad=True)
+    mask = torch.tensor([[True, True, False], [False, True, True]])
+    # per sequence: 3 and 11, /c=2 → 1.5, 5.5; batch mean 3.5; / 2 accumulation steps = 1.75
+    loss, _ = core.sft_microbatch_train_step(lp, mask, gradient_accumulation_steps=2, normalize_constant=2.0)
+    assert loss.item() == pytest.approx(1.75)
+    # ∂/∂lp = −m / (c · B · steps) = −1/8 on response tokens
+    torch.testing.assert_close(lp.grad, -mask.float() / 8)
+
+
+def test_grpo_microbatch_train_step_hand_values_and_accumulation():
+    lp = torch.tensor([[-1.0, -1.0, -1.0], [-2.0, -2.0, -2.0]], requires_grad=True)
+    mask = torch.tensor([[True, True, False], [True, False, False]])
+    adv = torch.tensor([[1.0], [-2.0]])
+    # reinforce_with_baseline: ℓ = −A·lp → row 0: −1·−1 = 1 (mean 1), row 1: 2·−2 = −4 (mean −4)
+    # batch mean −1.5, / 3 steps = −0.5
+    loss, _ = core.grpo_microbatch_train_step(lp, mask, 3, "reinforce_with_baseline", advantages=adv)
+    assert loss.item() == pytest.approx(-0.5)
+    # ∂/∂lp = −A·m / (len · B · steps): row 0 −1/(2·2·3) = −1/12, row 1 2/(1·2·3) = 1/3
+    g = torch.tensor([[-1 / 12, -1 / 12, 0.0], [1 / 3, 0.0, 0.0]])
+    torch.testing.assert_close(lp.grad, g)
+    # a second call accumulates into .grad
+    core.grpo_microbatch_train_step(lp, mask, 3, "reinforce_with_baseline", advantages=adv)
+    torch.testing.assert_close(lp.grad, 2 * g)
+
+
+@settings(max_examples=25, deadline=None)
+@given(b=st.integers(2, 8), t=st.integers(1, 6), steps=st.integers(1, 4), seed=st.integers(0, 10_000))
+def test_property_gradients_accumulate_across_microbatches(b, t, steps, seed):
+    """k microbatch calls of a split batch give the gradient of one call on the whole batch."""
+    g = torch.Generator().manual_seed(seed)
+    lp_full = torch.randn(b, t, dtype=torch.float64, generator=g)
+    old = lp_full + 0.3 * torch.randn(b, t, dtype=torch.float64, generator=g)
+    adv = torch.randn(b, 1, dtype=torch.float64, generator=g)
+    mask = torch.rand(b, t, generator=g) > 0.3
+    mask[:, 0] = True
+    whole = lp_full.clone().requires_grad_(True)
+    core.grpo_microbatch_train_step(
+        whole, mask, 1, "grpo_clip", advantages=adv, old_log_probs=old, cliprange=0.2
+    )
+    parts = lp_full.clone().requires_grad_(True)
+    chunks = torch.arange(b).chunk(steps)
+    for idx in chunks:  # equal-size chunks only make the per-microbatch mean a batch mean
+        if len(idx) != len(chunks[0]):
+            return
+    for idx in chunks:
+        sub = parts[idx]
+        core.grpo_microbatch_train_step(
+            sub,
+            mask[idx],
+            len(chunks),
+            "grpo_clip",
+            advantages=adv[idx],
+            old_log_probs=old[idx],
+            cliprange=0.2,
+        )
+    torch.testing.assert_close(parts.grad, whole.grad, atol=1e-12, rtol=1e-10)
+
+
+# ---------------------------------------------------------------------------- KL control
+
+
+def test_adaptive_kl_controller_hand_values():
+    ctl = core.AdaptiveKLController(beta=0.1, target_kl=0.05, horizon=10_000)
+    # KL 0.1 → error clip(1, ±.2) = .2 → β·(1 + .2·64/10⁴) = .100128
+    assert ctl.update(0.1, 64) == pytest.approx(0.100128)
+    # KL 0.04 → error −.2 → β·(1 − .2·64/10⁴)
+    assert ctl.update(0.04, 64) == pytest.approx(0.100128 * (1 - 0.00128))
+    before = ctl.beta
+    assert ctl.update(float("nan"), 64) == before
+    clone = core.AdaptiveKLController(beta=1.0, target_kl=1.0)
+    clone.load_state_dict(ctl.state_dict())
+    assert clone.beta == ctl.beta and clone.target_kl == 0.05
+
+
+def test_kl_early_stop():
+    assert core.kl_early_stop(0.31, 0.3)
+    assert not core.kl_early_stop(0.29, 0.3)
+    assert not core.kl_early_stop(5.0, None)
+    assert core.kl_early_stop(float("nan"), 0.3)
+
+
+# ---------------------------------------------------------------------------- eager [N, V] reference
+
+
+def test_eager_grpo_loss_from_logits_matches_composition():
+    torch.manual_seed(0)
+    logits = torch.randn(6, 11, dtype=torch.float64)
+    labels = torch.randint(0, 11, (6,))
+    adv, w = torch.randn(6, dtype=torch.float64), torch.rand(6, dtype=torch.float64)
+    old = torch.randn(6, dtype=torch.float64) - 2
+    out = core.eager_grpo_loss_from_logits(
+        logits, labels, adv, w, old_logprobs=old, temperature=0.7, clip_low=0.1, clip_high=0.3
+    )
+    lp = torch.log_softmax(logits / 0.7, -1)[torch.arange(6), labels]
+    ratio = torch.exp(lp - old)
+    pg = -torch.minimum(ratio * adv, ratio.clamp(0.9, 1.3) * adv)
+    torch.testing.assert_close(out.loss, (w * pg).sum())
+    torch.testing.assert_close(out.logprobs, lp)
+    assert out.kl is None and out.clipped.dtype == torch.bool
