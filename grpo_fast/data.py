@@ -1,0 +1,253 @@
+"""Task data: (question, ground-truth answer) pairs for ``math`` and ``gsm8k``.
+
+Sources, by ``load_examples(task, path)``:
+
+- ``path=None``: the Hugging Face Hub through ``datasets`` (``TASKS`` holds each task's
+  default dataset; ``hub_name``/``hub_config`` override it). MATH's original
+  ``hendrycks/competition_math`` was taken down in January 2025; the default is the
+  ``DigitalLearningGmbH/MATH-lighteval`` copy that lighteval and open-r1 use (Parquet, no
+  loading script, 7,500 train / 5,000 test, fields ``problem``/``solution``). For MATH-500
+  evaluation: ``hub_name="HuggingFaceH4/MATH-500", split="test"`` (it has a bare ``answer``).
+- a local ``.jsonl`` file (one JSON object per line; parsed here so errors name the line) or
+  ``.parquet`` file (read with pyarrow). A local file is one split: ``split`` is ignored.
+
+Answers (the ground truth the reward compares against):
+
+- ``math``: the content of the last ``\\boxed{…}`` / ``\\boxed …`` / ``\\fbox{…}`` of the answer
+  field. A value without a box is taken as it is (a bare answer) when the field is called
+  ``answer`` or was named with ``answer_field``; otherwise it is an error.
+- ``gsm8k``: the text after ``####``, commas stripped (``#### 1,000`` → ``1000``); a value that
+  is already a plain number is taken as it is.
+
+Field names default to the first present of ``TaskSpec.question_fields`` /
+``TaskSpec.answer_fields``. Every bad record raises ``DataError`` naming the file and line.
+
+Example:
+    >>> write_jsonl("/tmp/tiny.jsonl", [{"question": "1+1?", "answer": "so #### 2"}])  # doctest: +SKIP
+    >>> load_examples("gsm8k", "/tmp/tiny.jsonl")  # doctest: +SKIP
+    [Example(question='1+1?', answer='2')]
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Iterable, Iterator, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from grpo_fast.errors import ConfigError, DataError
+from grpo_fast.rewards import extract_boxed
+
+__all__ = ["SUPPORTED_EXTENSIONS", "TASKS", "Example", "TaskSpec", "load_examples", "write_jsonl"]
+
+SUPPORTED_EXTENSIONS = (".jsonl", ".parquet")
+
+
+@dataclass(frozen=True)
+class Example:
+    """One task item: the question shown to the policy and the extracted ground-truth answer."""
+
+    question: str
+    answer: str
+
+
+@dataclass(frozen=True)
+class TaskSpec:
+    """Where a task's data lives by default, which fields hold what (first present wins), and
+    the name of its reward in ``grpo_fast.rewards.REWARD_FNS``."""
+
+    hub_name: str
+    hub_config: str | None
+    question_fields: tuple[str, ...]
+    answer_fields: tuple[str, ...]
+    reward: str
+
+
+TASKS: dict[str, TaskSpec] = {
+    "math": TaskSpec(
+        hub_name="DigitalLearningGmbH/MATH-lighteval",
+        hub_config=None,
+        question_fields=("problem", "question"),
+        answer_fields=("answer", "solution"),
+        reward="r1_zero",
+    ),
+    "gsm8k": TaskSpec(
+        hub_name="openai/gsm8k",
+        hub_config="main",
+        question_fields=("question", "problem"),
+        answer_fields=("answer", "solution"),
+        reward="gsm8k",
+    ),
+}
+
+_PLAIN_NUMBER_RE = re.compile(r"-?\d+(?:\.\d+)?")
+
+
+def load_examples(
+    task: str,
+    path: str | None = None,
+    *,
+    split: str = "train",
+    question_field: str | None = None,
+    answer_field: str | None = None,
+    hub_name: str | None = None,
+    hub_config: str | None = None,
+) -> list[Example]:
+    """Load ``task`` examples from a local file (``path``) or the Hub (``path=None``).
+
+    Args:
+        task: ``"math"`` or ``"gsm8k"`` (``TASKS``).
+        path: a ``.jsonl`` or ``.parquet`` file; None loads ``split`` from the Hub.
+        split: Hub split (``"train"``, ``"test"``).
+        question_field, answer_field: field names; default: the first of the task's
+            ``question_fields`` / ``answer_fields`` that a record has.
+        hub_name, hub_config: Hub dataset and config instead of the task's defaults; with a
+            ``hub_name`` and no ``hub_config``, the dataset's own default config.
+
+    Returns:
+        One ``Example`` per record, in file order.
+
+    Raises:
+        ConfigError: unknown task.
+        DataError: missing/unreadable/empty file, unsupported extension, malformed JSONL line,
+            missing field, or no answer to extract (the message names the file and line).
+    """
+    if task not in TASKS:
+        raise ConfigError(f"unknown task {task!r}: choose one of {', '.join(sorted(TASKS))}")
+    spec = TASKS[task]
+    if path is None:
+        name = hub_name or spec.hub_name
+        config = hub_config if hub_config is not None or hub_name else spec.hub_config
+        source, records = f"{name} [{split}]", _read_hub(name, config, split)
+    else:
+        source, records = path, _read_file(Path(path))
+    examples = [
+        _to_example(task, spec, record, where, question_field, answer_field) for where, record in records
+    ]
+    if not examples:
+        raise DataError(f"{source}: empty (no records)")
+    return examples
+
+
+def write_jsonl(path: str | Path, records: Iterable[Mapping[str, Any]]) -> Path:
+    """Write ``records`` as JSON Lines (UTF-8, one object per line), creating parent folders."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with path.open("w", encoding="utf-8") as f:
+        for record in records:
+            f.write(json.dumps(record, ensure_ascii=False) + "\n")
+    return path
+
+
+# ----------------------------------------------------------------------------------------------
+# Readers: each yields (location for error messages, record)
+# ----------------------------------------------------------------------------------------------
+
+
+def _read_file(path: Path) -> Iterator[tuple[str, dict]]:
+    if not path.is_file():
+        raise DataError(f"{path}: file not found")
+    if path.suffix.lower() not in SUPPORTED_EXTENSIONS:
+        raise DataError(
+            f"{path}: unsupported file type {path.suffix or '(no extension)'!r}; "
+            f"use one of {', '.join(SUPPORTED_EXTENSIONS)}"
+        )
+    if path.stat().st_size == 0:
+        raise DataError(f"{path}: empty file")
+    return _read_jsonl(path) if path.suffix.lower() == ".jsonl" else _read_parquet(path)
+
+
+def _read_jsonl(path: Path) -> Iterator[tuple[str, dict]]:
+    try:
+        with path.open(encoding="utf-8") as f:
+            for lineno, line in enumerate(f, start=1):
+                if not line.strip():
+                    continue
+                where = f"{path}:{lineno}"
+                try:
+                    record = json.loads(line)
+                except json.JSONDecodeError as exc:
+                    raise DataError(f"{where}: not valid JSON ({exc.msg} at column {exc.colno})") from None
+                if not isinstance(record, dict):
+                    raise DataError(f"{where}: expected a JSON object, got {type(record).__name__}")
+                yield where, record
+    except UnicodeDecodeError as exc:
+        raise DataError(f"{path}: not UTF-8 text ({exc.reason} at byte {exc.start})") from None
+
+
+def _read_parquet(path: Path) -> Iterator[tuple[str, dict]]:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    try:
+        rows = pq.read_table(path).to_pylist()
+    except (pa.ArrowException, OSError) as exc:
+        raise DataError(f"{path}: not a readable Parquet file ({exc})") from None
+    for i, row in enumerate(rows, start=1):
+        yield f"{path} row {i}", row
+
+
+def _read_hub(name: str, config: str | None, split: str) -> Iterator[tuple[str, dict]]:
+    import datasets
+
+    try:
+        ds = datasets.load_dataset(name, config, split=split)
+    except Exception as exc:  # offline, unknown dataset, bad config or split: all fixable by the user
+        first_line = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+        raise DataError(
+            f"could not load {name!r} (config {config!r}, split {split!r}) from the Hugging Face Hub: "
+            f"{first_line}; pass a local .jsonl or .parquet path instead"
+        ) from exc
+    for i, row in enumerate(ds, start=1):
+        yield f"{name} [{split}] row {i}", row
+
+
+# ----------------------------------------------------------------------------------------------
+# Record -> Example
+# ----------------------------------------------------------------------------------------------
+
+
+def _field(record: dict, where: str, explicit: str | None, candidates: tuple[str, ...], what: str) -> str:
+    """The field name to read: ``explicit`` if given, else the first candidate present."""
+    names = (explicit,) if explicit else candidates
+    for name in names:
+        if name in record:
+            return name
+    tried = f"field {explicit!r}" if explicit else f"{what} field (tried {', '.join(map(repr, candidates))})"
+    present = ", ".join(map(repr, record)) or "none"
+    raise DataError(f"{where}: missing {tried}; fields present: {present}")
+
+
+def _to_example(
+    task: str,
+    spec: TaskSpec,
+    record: dict,
+    where: str,
+    question_field: str | None,
+    answer_field: str | None,
+) -> Example:
+    q_name = _field(record, where, question_field, spec.question_fields, "question")
+    a_name = _field(record, where, answer_field, spec.answer_fields, "answer")
+    question = record[q_name]
+    if not isinstance(question, str) or not question.strip():
+        raise DataError(f"{where}: field {q_name!r} must be a non-empty string, got {question!r:.60}")
+    value = record[a_name]
+    if isinstance(value, bool) or not isinstance(value, (str, int, float)):
+        raise DataError(f"{where}: field {a_name!r} must be a string or a number, got {type(value).__name__}")
+    value = str(value)
+    if task == "math":
+        answer = extract_boxed(value)
+        if answer is None and (answer_field is not None or a_name == "answer"):
+            answer = value.strip()
+        if answer is None:
+            raise DataError(f"{where}: no \\boxed{{...}} answer found in field {a_name!r}")
+    else:
+        _, sep, tail = value.rpartition("####")
+        answer = (tail if sep else value).strip().replace(",", "")
+        if not sep and not _PLAIN_NUMBER_RE.fullmatch(answer):
+            raise DataError(f"{where}: no '####' answer found in field {a_name!r}")
+    if not answer.strip():
+        raise DataError(f"{where}: empty answer in field {a_name!r}")
+    return Example(question=question, answer=answer.strip())

@@ -1,0 +1,175 @@
+"""Sweep planning (the exact commands), the CLI's dry run and errors, sequential running with
+stand-in commands, and the combined plots on synthetic metrics. Never runs grpo_fast.train."""
+
+import json
+import shlex
+import sys
+
+import pytest
+
+from grpo_fast.core import LENGTH_NORMS
+from grpo_fast.errors import ConfigError
+from grpo_fast.sweep import LRGrid, SweepRun, main, plan_sweep, run_sweep, summarize_sweep
+
+PY = sys.executable
+
+
+def test_lr_grid_is_log_spaced():
+    # 1e-6 · (1e-4 / 1e-6)^(i/2) = 1e-6, 1e-5, 1e-4
+    assert LRGrid(1e-6, 1e-4, 3).values() == pytest.approx([1e-6, 1e-5, 1e-4])
+    assert [f"{v:.3g}" for v in LRGrid().values()] == ["1e-06", "3.16e-06", "1e-05", "3.16e-05", "0.0001"]
+    assert LRGrid(2e-5, 2e-5, 1).values() == [2e-5]
+    with pytest.raises(ConfigError, match="lr grid"):
+        LRGrid(1e-4, 1e-6).values()
+
+
+def test_plan_lr_sweep_commands(tmp_path):
+    runs = plan_sweep(
+        "qwen_math", "lr", configs=["a.yaml", "b.yaml"], overrides=["steps=50"], out=tmp_path, python="python"
+    )
+    assert [r.name for r in runs] == ["lr_1e-06", "lr_3.16e-06", "lr_1e-05", "lr_3.16e-05", "lr_0.0001"]
+    assert runs[1].command == (
+        "python", "-m", "grpo_fast.train", "--preset", "qwen_math", "--config", "a.yaml", "--config", "b.yaml",
+        "steps=50", "train.lr=3.16e-06", f"output_dir={tmp_path / 'lr_3.16e-06'}",
+    )  # fmt: skip
+    assert runs[1].out_dir == tmp_path / "lr_3.16e-06"
+
+
+def test_plan_defaults_and_given_values():
+    assert [r.value for r in plan_sweep("p", "baseline")] == ["no_baseline", "reinforce_with_baseline"]
+    assert [r.value for r in plan_sweep("p", "length_norm")] == list(LENGTH_NORMS)
+    runs = plan_sweep("p", "baseline", ["grpo_clip"])
+    assert runs[0].command[-2:] == (
+        "loss.type=grpo_clip",
+        "output_dir=runs/sweep_baseline/baseline_grpo_clip",
+    )
+    assert [r.value for r in plan_sweep("p", "lr", ["3e-5", "0.0001"])] == ["3e-05", "0.0001"]
+
+
+@pytest.mark.parametrize(
+    ("sweep", "values", "overrides", "match"),
+    [
+        ("kl", None, (), "unknown sweep 'kl': choose one of lr, baseline, length_norm"),
+        ("lr", ["fast"], (), "'fast' is not a positive learning rate"),
+        ("lr", ["-1e-5"], (), "'-1e-5' is not a positive learning rate"),
+        ("lr", ["1e-5", "0.00001"], (), "repeats 1e-05"),
+        (
+            "length_norm",
+            ["mean"],
+            (),
+            "'mean' is not a loss.length_norm .*sequence_mean, constant, token_mean",
+        ),
+        ("baseline", None, ["loss.type=grpo_clip"], "sets loss.type, the key this sweep varies"),
+        ("baseline", None, ["output_dir=x"], "use --out"),
+        ("baseline", None, ["steps"], "'steps' is not key=value"),
+    ],
+)
+def test_plan_errors(sweep, values, overrides, match):
+    with pytest.raises(ConfigError, match=match):
+        plan_sweep("p", sweep, values, overrides=overrides)
+
+
+def test_cli_dry_run_prints_the_commands(capsys, tmp_path):
+    # overrides may come anywhere, even after --values
+    argv = [
+        "--preset",
+        "tiny",
+        "steps=3",
+        "--sweep",
+        "baseline",
+        "--values",
+        "grpo_clip",
+        "rollout.temperature=0.7",
+    ]
+    assert main([*argv, "--out", str(tmp_path), "--dry-run"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert [shlex.split(line)[1:] for line in lines] == [
+        ["-m", "grpo_fast.train", "--preset", "tiny", "steps=3", "rollout.temperature=0.7", "loss.type=grpo_clip",
+         f"output_dir={tmp_path / 'baseline_grpo_clip'}"],
+    ]  # fmt: skip
+    assert not list(tmp_path.iterdir())  # nothing ran, nothing written
+
+
+def test_cli_lr_grid_options(capsys):
+    assert (
+        main(["--preset", "p", "--sweep", "lr", "--lr-range", "1e-5", "1e-3", "--num", "3", "--dry-run"]) == 0
+    )
+    assert [line.split()[-2] for line in capsys.readouterr().out.splitlines()] == [
+        "train.lr=1e-05",
+        "train.lr=0.0001",
+        "train.lr=0.001",
+    ]
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["--sweep", "baseline", "--num", "3"],
+        ["--sweep", "lr", "--values", "1e-5", "--lr-range", "1e-6", "1e-4"],
+        ["--sweep", "length_norm", "--values", "sum"],
+    ],
+    ids=["grid-on-baseline", "grid-and-values", "bad-value"],
+)
+def test_cli_errors_exit_2_with_one_line(capsys, argv):
+    assert main(["--preset", "p", *argv, "--dry-run"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("error: ")
+
+
+# ----------------------------------------------------------------------------------------------
+# Running (stand-in commands) and plotting
+# ----------------------------------------------------------------------------------------------
+
+
+def write_metrics(run_dir, reward_slope, accuracies):
+    run_dir.mkdir(parents=True, exist_ok=True)
+    rows = []
+    for step in range(20):
+        row = {
+            "step": step,
+            "train/reward_mean": reward_slope * step,
+            "train/entropy_mean": 2.0 - 0.05 * step,
+        }
+        if step % 5 == 0:
+            row["eval/accuracy"] = accuracies[step // 5]
+        rows.append(row)
+    (run_dir / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows), encoding="utf-8")
+
+
+def test_run_sweep_runs_in_order_and_keeps_going_after_a_failure(tmp_path, capsys):
+    log = tmp_path / "order.txt"
+    append = "import sys; open(sys.argv[1], 'a').write(sys.argv[2])"
+    runs = [
+        SweepRun("a", "1", tmp_path / "a", (PY, "-c", append, str(log), "a")),
+        SweepRun("b", "2", tmp_path / "b", (PY, "-c", "raise SystemExit(3)")),
+        SweepRun("c", "3", tmp_path / "c", (PY, "-c", append, str(log), "c")),
+    ]
+    assert run_sweep(runs) == {"a": 0, "b": 3, "c": 0}
+    assert log.read_text() == "ac"
+    assert "[sweep 2/3] b failed with exit code 3" in capsys.readouterr().out
+
+
+def test_summarize_plots_runs_together(tmp_path):
+    runs = plan_sweep("p", "lr", ["1e-6", "1e-5", "1e-4"], out=tmp_path)
+    write_metrics(runs[0].out_dir, 0.01, [0.1, 0.2, 0.25, 0.3])
+    write_metrics(runs[1].out_dir, 0.03, [0.1, 0.4, 0.35, 0.5])  # runs[2] never produced metrics
+    md = summarize_sweep("lr", runs, tmp_path, codes={"lr_1e-06": 0, "lr_1e-05": 0, "lr_0.0001": 1})
+    for name in ("sweep_reward", "sweep_eval_accuracy", "sweep_entropy", "sweep_lr"):
+        png = (tmp_path / f"{name}.png").read_bytes()
+        assert png.startswith(b"\x89PNG") and len(png) > 5_000, name
+    text = md.read_text(encoding="utf-8")
+    # final reward 0.03 · 19 = 0.57; best eval 0.5 at step 15
+    assert "| lr_1e-05 | 1e-05 | exit 0 | 0.57 | 0.5 | 0.5 (step 15) |" in text
+    assert "| lr_0.0001 | 0.0001 | exit 1 | – | – | – |" in text
+    assert "lr_0.0001: " in text and "no metrics file" in text
+    assert "![Train reward](sweep_reward.png)" in text
+
+
+def test_cli_plot_only(tmp_path, capsys):
+    runs = plan_sweep("p", "length_norm", out=tmp_path)
+    for i, run in enumerate(runs):
+        write_metrics(run.out_dir, 0.01 * (i + 1), [0.1, 0.2, 0.3, 0.4])
+    assert main(["--preset", "p", "--sweep", "length_norm", "--out", str(tmp_path), "--plot-only"]) == 0
+    assert capsys.readouterr().out.strip() == str(tmp_path / "sweep.md")
+    assert (tmp_path / "sweep_entropy.png").stat().st_size > 0
+    assert not (tmp_path / "sweep_lr.png").exists()  # only for lr sweeps
