@@ -1,0 +1,87 @@
+"""fused_linear_grpo_loss forward + backward from hidden states: the materialized eager path,
+torch.compile of it, torch_chunked, triton, and Liger-Kernel's fused-linear GRPO loss (CUDA only).
+
+The op is matmul-bound: 3 GEMMs of 2·N·D·V FLOP each (logits, grad_hidden, grad_weight), so CUDA
+cases report ``tflops``.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from grpo_fast.testing import fused_linear_workload
+
+CPU_SHAPES = [
+    pytest.param(1024, 256, 32768, id="N1024-D256-V32768"),
+    pytest.param(4096, 256, 32768, id="N4096-D256-V32768", marks=pytest.mark.slow),
+]
+GPU_SHAPES = [pytest.param(n, 1536, 151936, id=f"N{n}-D1536-V151936") for n in (2048, 8192, 16384)]
+
+
+def build_liger_step(n: int, d: int, v: int, dtype: torch.dtype, device: str):
+    """Liger-Kernel's chunked fused-linear GRPO loss on the same problem, as 16 sequences.
+
+    Written against Liger-Kernel 0.6 (liger_kernel/chunked_loss/grpo_loss.py, read 2026-11):
+    ``LigerFusedLinearGRPOLoss(beta, use_ref_model, loss_type, ...)(_input [B, T, D],
+    lin_weight [V, D], selected_token_ids [B, T], attention_mask [B, T], advantages [B],
+    old_per_token_logps=[B, T])`` returns ``(loss, metrics)``.
+    """
+    from liger_kernel.chunked_loss import LigerFusedLinearGRPOLoss
+
+    b, t = 16, n // 16
+    g = torch.Generator(device).manual_seed(0)
+    hidden = torch.randn(b, t, d, generator=g, device=device).to(dtype).requires_grad_()
+    weight = (torch.randn(v, d, generator=g, device=device) / math.sqrt(d)).to(dtype).requires_grad_()
+    labels = torch.randint(0, v, (b, t), generator=g, device=device)
+    mask = torch.ones(b, t, device=device, dtype=torch.int64)
+    advantages = torch.randn(b, generator=g, device=device)
+    old = torch.randn(b, t, generator=g, device=device) - math.log(v)
+    loss_fn = LigerFusedLinearGRPOLoss(beta=0.0, use_ref_model=False, loss_type="grpo")
+
+    def step() -> None:
+        loss, _ = loss_fn(hidden, weight, labels, mask, advantages, old_per_token_logps=old)
+        loss.backward()
+        hidden.grad = None
+        weight.grad = None
+        torch.cuda.synchronize()  # sync point: the timer stops after the kernels
+
+    return step
+
+
+@pytest.mark.parametrize(("n", "d", "v"), CPU_SHAPES)
+@pytest.mark.parametrize("impl", ["eager", "compiled", "torch_chunked"])
+def test_cpu(run_bench, impl, n, d, v):
+    run_bench(
+        fused_linear_workload,
+        impl,
+        n,
+        d,
+        v,
+        torch.float32,
+        "cpu",
+        device=torch.device("cpu"),
+        rounds=3,
+        may_fail=impl == "compiled",
+    )
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(("n", "d", "v"), GPU_SHAPES)
+@pytest.mark.parametrize("impl", ["eager", "compiled", "torch_chunked", "triton", "liger"])
+def test_gpu(run_bench, impl, n, d, v):
+    if impl == "liger":
+        pytest.importorskip("liger_kernel")
+        build, args = build_liger_step, (n, d, v, torch.bfloat16, "cuda")
+    else:
+        build, args = fused_linear_workload, (impl, n, d, v, torch.bfloat16, "cuda")
+    run_bench(
+        build,
+        *args,
+        device=torch.device("cuda"),
+        rounds=10,
+        flops=3 * 2 * n * d * v,
+        may_fail=impl in ("eager", "compiled", "liger"),
+    )

@@ -1,0 +1,97 @@
+"""Measured peak memory of a step: host RSS in a fresh process, or CUDA allocator peaks in-process.
+
+``peak_rss_growth(build, *args)`` runs ``build(*args)`` in a new spawned Python process; ``build``
+sets up its inputs and returns a thunk (the step). The child calls the thunk once to warm up, frees
+what it can (``gc.collect``, glibc ``malloc_trim``), resets the kernel's resident-set high-water
+mark (``/proc/self/clear_refs``, Linux ≥ 4.0), runs the thunk again and reports
+``VmHWM − VmRSS_before``: the bytes of memory the step touched on top of its inputs. A fresh
+process keeps one measurement's allocator state out of the next.
+
+``peak_cuda_memory(thunk)`` is the CUDA counterpart: ``max_memory_allocated`` over the call minus
+the memory allocated before it (the caching allocator's view, without fragmentation).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import gc
+import multiprocessing
+import traceback
+from collections.abc import Callable
+
+import torch
+
+__all__ = ["peak_cuda_memory", "peak_rss_growth"]
+
+
+def _status_bytes(field: str) -> int:
+    """A ``kB`` field of ``/proc/self/status`` (``VmRSS``, ``VmHWM``) in bytes."""
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1]) * 1024
+    raise RuntimeError(f"/proc/self/status has no {field} field")
+
+
+def _release_free_memory() -> None:
+    gc.collect()
+    with contextlib.suppress(OSError, AttributeError):  # glibc only
+        ctypes.CDLL("libc.so.6").malloc_trim(0)  # give freed heap pages back to the OS
+
+
+def _child(conn, build: Callable[..., Callable[[], object]], args: tuple, kwargs: dict) -> None:
+    try:
+        step = build(*args, **kwargs)
+        step()  # warm-up: one-time allocations (thread pools, library workspaces) stay out
+        _release_free_memory()
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")  # reset VmHWM to the current VmRSS
+        before = _status_bytes("VmRSS")
+        step()
+        conn.send(("ok", _status_bytes("VmHWM") - before))
+    except BaseException:
+        conn.send(("error", traceback.format_exc()))
+    finally:
+        conn.close()
+
+
+def peak_rss_growth(
+    build: Callable[..., Callable[[], object]], *args, timeout_s: float = 600.0, **kwargs
+) -> int:
+    """Peak resident-memory growth in bytes of ``build(*args, **kwargs)()`` in a fresh process (Linux).
+
+    ``build`` must be picklable (a module-level function); it runs in the child, builds the
+    inputs (not counted) and returns the step to measure. The step runs twice (warm-up, then the
+    measured call), so it must leave its inputs as it found them.
+
+    Example:
+        >>> peak_rss_growth(fused_linear_workload, "torch_chunked", 4096, 256, 32768)  # doctest: +SKIP
+    """
+    ctx = multiprocessing.get_context("spawn")
+    parent, child = ctx.Pipe(duplex=False)
+    proc = ctx.Process(target=_child, args=(child, build, args, kwargs))
+    proc.start()
+    child.close()
+    if not parent.poll(timeout_s):
+        proc.kill()
+        proc.join()
+        raise TimeoutError(f"peak_rss_growth: {getattr(build, '__name__', build)} took over {timeout_s} s")
+    status, value = parent.recv()
+    proc.join()
+    if status != "ok":
+        raise RuntimeError(f"peak_rss_growth: the measured step failed in the child process:\n{value}")
+    return value
+
+
+def peak_cuda_memory(step: Callable[[], object], device: torch.device | int | None = None) -> int:
+    """Peak CUDA memory in bytes allocated by ``step()`` on top of what was allocated before it.
+
+    Synchronizes the device before and after (two host-device sync points, outside the step).
+    """
+    torch.cuda.synchronize(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    before = torch.cuda.memory_allocated(device)
+    step()
+    torch.cuda.synchronize(device)
+    return torch.cuda.max_memory_allocated(device) - before

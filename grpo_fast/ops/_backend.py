@@ -1,0 +1,145 @@
+"""Backend choice and argument checks shared by the public ops of ``grpo_fast.ops``.
+
+Three backends compute the same per-row quantities:
+
+- ``triton``: ``csrc_triton/token_logprobs.py``, on CUDA, or on CPU under the Triton interpreter
+  (``TRITON_INTERPRET=1`` set before ``csrc_triton`` is imported: the tests do this).
+- ``torch_chunked``: the same algorithm in plain PyTorch on any device
+  (``grpo_fast/ops/_torch_chunked.py``); extra memory is a few 4 MiB tiles, never ``[N, V]``.
+- ``eager``: the ``grpo_fast.core`` reference, which materializes ``[N, V]`` in fp32.
+
+``auto`` is ``triton`` on CUDA and ``torch_chunked`` elsewhere, decided per call from the tensors'
+device, never at import. Both kernel backends expose ``token_logprobs_fwd`` / ``token_logprobs_bwd``
+with one signature; ``kernels_for`` returns the module.
+
+The checks here run only in the public functions, once per call, before any kernel.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from types import ModuleType
+
+import torch
+
+from grpo_fast.core import KL_ESTIMATORS
+
+__all__ = [
+    "BACKENDS",
+    "check_backend",
+    "check_label_range",
+    "check_loss_options",
+    "check_per_token",
+    "check_temperature",
+    "kernels_for",
+]
+
+BACKENDS = ("auto", "triton", "torch_chunked", "eager")
+KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def check_backend(backend: str, device: torch.device) -> str:
+    """Validate a backend name for tensors on ``device``; returns the resolved name (never ``auto``)."""
+    if backend not in BACKENDS:
+        raise ValueError(f"unknown backend {backend!r}; expected one of {', '.join(BACKENDS)}")
+    if backend == "auto":
+        return "triton" if device.type == "cuda" else "torch_chunked"
+    if backend == "triton" and device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+        raise ValueError(
+            "backend='triton' needs CUDA tensors, or TRITON_INTERPRET=1 set before triton is imported "
+            f"to run under the interpreter; got tensors on {device}"
+        )
+    return backend
+
+
+def kernels_for(backend: str) -> ModuleType:
+    """The module with ``token_logprobs_fwd`` / ``token_logprobs_bwd`` for ``triton`` or ``torch_chunked``."""
+    if backend == "triton":
+        from csrc_triton import token_logprobs  # imports triton, so only when asked for
+
+        return token_logprobs
+    from grpo_fast.ops import _torch_chunked
+
+    return _torch_chunked
+
+
+def check_per_token(
+    matrix_name: str,
+    matrix: torch.Tensor,
+    labels: torch.Tensor,
+    backend: str,
+    **vectors: torch.Tensor | None,
+) -> None:
+    """Check a ``[N, V]`` (or ``[N, D]``) matrix, ``labels [N]`` and optional float ``[N]`` vectors.
+
+    Shapes, dtypes and devices must agree; ``ValueError`` names the argument at fault. The label
+    range is checked against ``V`` by the caller (``check_label_range``).
+    """
+    if matrix.dim() != 2:
+        raise ValueError(f"{matrix_name} must be 2-D [N, *], got shape {tuple(matrix.shape)}")
+    allowed = (*KERNEL_DTYPES, torch.float64) if backend == "eager" else KERNEL_DTYPES
+    if matrix.dtype not in allowed:
+        raise ValueError(
+            f"{matrix_name} dtype {matrix.dtype} is not supported by backend={backend!r}; "
+            f"expected one of {', '.join(str(d) for d in allowed)}"
+        )
+    n = matrix.shape[0]
+    if labels.dim() != 1 or labels.shape[0] != n:
+        raise ValueError(f"labels must be [N] = [{n}] to match {matrix_name}, got {tuple(labels.shape)}")
+    if labels.dtype not in (torch.int64, torch.int32):
+        raise ValueError(f"labels must be int64 or int32, got {labels.dtype}")
+    if labels.device != matrix.device:
+        raise ValueError(f"labels is on {labels.device} but {matrix_name} is on {matrix.device}")
+    for name, t in vectors.items():
+        if t is None:
+            continue
+        if t.dim() != 1 or t.shape[0] != n:
+            raise ValueError(f"{name} must be [N] = [{n}] to match {matrix_name}, got {tuple(t.shape)}")
+        if not t.is_floating_point():
+            raise ValueError(f"{name} must be a floating-point tensor, got {t.dtype}")
+        if t.device != matrix.device:
+            raise ValueError(f"{name} is on {t.device} but {matrix_name} is on {matrix.device}")
+
+
+def check_label_range(labels: torch.Tensor, vocab_size: int) -> None:
+    """``ValueError`` unless every label is in ``[0, vocab_size)``.
+
+    One ``aminmax`` kernel and one device-to-host copy of two numbers: on CUDA this is a host-device
+    sync point (≈10 µs), the only one in the ops; an out-of-range label would otherwise read out of
+    bounds in the kernel.
+    """
+    if labels.numel() == 0:
+        return
+    lo, hi = (int(x) for x in torch.aminmax(labels))
+    if lo < 0 or hi >= vocab_size:
+        raise ValueError(f"labels must be in [0, V) = [0, {vocab_size}), got min {lo} and max {hi}")
+
+
+def check_temperature(temperature: float) -> None:
+    if not (math.isfinite(temperature) and temperature > 0):
+        raise ValueError(f"temperature must be finite and > 0, got {temperature}")
+
+
+def check_loss_options(
+    temperature: float,
+    clip_low: float,
+    clip_high: float,
+    beta: float,
+    entropy_coef: float,
+    kl_estimator: str,
+    dual_clip: float | None,
+) -> None:
+    """``ValueError`` for a GRPO option out of its domain, naming it."""
+    check_temperature(temperature)
+    if not 0 <= clip_low < 1:
+        raise ValueError(f"clip_low must be in [0, 1), got {clip_low}")
+    if not clip_high >= 0:
+        raise ValueError(f"clip_high must be >= 0, got {clip_high}")
+    for name, value in (("beta", beta), ("entropy_coef", entropy_coef)):
+        if not math.isfinite(value):
+            raise ValueError(f"{name} must be finite, got {value}")
+    if kl_estimator not in KL_ESTIMATORS:
+        raise ValueError(f"unknown kl_estimator {kl_estimator!r}; expected one of {', '.join(KL_ESTIMATORS)}")
+    if dual_clip is not None and not dual_clip > 1:
+        raise ValueError(f"dual_clip must be > 1 (or None), got {dual_clip}")

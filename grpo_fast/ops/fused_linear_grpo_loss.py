@@ -1,0 +1,271 @@
+"""The GRPO loss from hidden states and the lm_head weight: the ``[N, V]`` logits never exist.
+
+Per chunk of ``C`` rows, in the forward:
+
+    logits = hidden_c @ weightᵀ                      [C, V], model dtype
+    logp, H = token_logprobs kernel (forward)        [C] fp32, plus 2 fp32 per row for the backward
+    ℓ, g_lp, g_H = per-row GRPO math and its autograd on [C] vectors
+    dlogits = token_logprobs kernel (backward)       written over logits, in place
+    grad_hidden_c = dlogits @ weight                 [C, D]
+    grad_weight += dlogitsᵀ @ hidden_c               [V, D], accumulated in fp32
+
+so the gradients are ready when the forward returns; ``backward`` only scales them by the upstream
+gradient of ``loss``. Peak extra memory: one chunk of logits, ``grad_hidden`` ``[N, D]`` and the fp32
+``grad_weight`` ``[V, D]``, plus its cast to the model dtype in ``backward`` (an eager backward
+allocates that one too). Nothing of it grows with N but ``grad_hidden``.
+
+Default chunk: ``CHUNK_LOGITS_BYTES`` (128 MiB) of logits, rounded down to a multiple of 128 rows
+(whole GEMM tiles) when at least 128 rows fit:
+
+    V = 151,936 bf16: 441 rows fit, chunk = 384 rows (111 MiB)
+    V = 32,768 fp32:  chunk = 1,024 rows (128 MiB)
+
+An eager ``[N, V]`` path at N = 8,192, V = 151,936 holds 2.5 GB of bf16 logits plus ≥ 3 fp32
+copies (≥ 15 GB) for its backward.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch.autograd.function import once_differentiable
+
+from grpo_fast.core import GRPOLossOutput, eager_grpo_loss_from_logits
+from grpo_fast.ops._backend import (
+    check_backend,
+    check_label_range,
+    check_loss_options,
+    check_per_token,
+    kernels_for,
+)
+from grpo_fast.ops.grpo_loss import grpo_loss_from_logprobs
+
+__all__ = ["CHUNK_LOGITS_BYTES", "default_chunk_size", "fused_linear_grpo_loss"]
+
+CHUNK_LOGITS_BYTES = 128 * 2**20
+_GEMM_ROWS = 128
+
+_GRADS_USED = (
+    "fused_linear_grpo_loss: the gradients were computed in the forward and handed over by the first "
+    "backward; call the op again for a second backward"
+)
+
+
+def default_chunk_size(num_rows: int, vocab_size: int, dtype: torch.dtype) -> int:
+    """Rows per chunk so that one ``[C, V]`` chunk of logits takes at most ``CHUNK_LOGITS_BYTES``.
+
+    Example: ``default_chunk_size(8192, 151936, torch.bfloat16) == 384``.
+    """
+    rows = CHUNK_LOGITS_BYTES // (vocab_size * dtype.itemsize)
+    if rows >= _GEMM_ROWS:
+        rows -= rows % _GEMM_ROWS
+    return max(1, min(rows, num_rows))
+
+
+def _accumulate_fp32(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
+    """``acc [V, D] fp32 += a [V, C] @ b [C, D]``, with ``a``, ``b`` in the model dtype."""
+    if a.dtype == torch.float32:
+        acc.addmm_(a, b)
+    elif acc.is_cuda:
+        # cuBLAS reads bf16/fp16 and accumulates into the fp32 buffer in place (aten::addmm.dtype_out).
+        torch.addmm(acc, a, b, out_dtype=torch.float32, out=acc)
+    else:
+        # torch 2.13 has no CPU kernel for addmm.dtype: upcast the chunk (CPU runs are test-sized).
+        acc.addmm_(a.float(), b.float())
+
+
+class FusedLinearGRPOLoss(torch.autograd.Function):
+    """``(hidden [N, D], weight [V, D], ...) -> (loss, logprobs, entropy, kl, clipped)``.
+
+    Only ``loss`` is differentiable (in ``hidden`` and ``weight``); the other outputs are detached.
+    ``kl`` is an empty tensor when there is no ``ref_logprobs``.
+    """
+
+    @staticmethod
+    def forward(
+        ctx,
+        hidden: torch.Tensor,
+        weight: torch.Tensor,
+        labels: torch.Tensor,
+        advantages: torch.Tensor,
+        loss_weights: torch.Tensor,
+        old_logprobs: torch.Tensor | None,
+        ref_logprobs: torch.Tensor | None,
+        temperature: float,
+        loss_options: dict,
+        chunk_size: int,
+        kernels,
+    ):
+        n = hidden.shape[0]
+        device = hidden.device
+        need_hidden, need_weight = ctx.needs_input_grad[:2]
+        track = need_hidden or need_weight
+        inv_temperature = 1.0 / temperature
+        logprobs = torch.empty(n, dtype=torch.float32, device=device)
+        entropy = torch.empty(n, dtype=torch.float32, device=device)
+        kl = torch.empty(n if ref_logprobs is not None else 0, dtype=torch.float32, device=device)
+        clipped = torch.empty(n, dtype=torch.bool, device=device)
+        grad_hidden = torch.empty_like(hidden) if need_hidden else None
+        grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=device) if need_weight else None
+        loss = torch.zeros((), dtype=torch.float32, device=device)
+
+        for r0 in range(0, n, chunk_size):
+            rows = slice(r0, min(r0 + chunk_size, n))
+            h = hidden[rows]
+            logits = h @ weight.t()  # [C, V], model dtype
+            lp, ent, row_max, log_norm = kernels.token_logprobs_fwd(logits, labels[rows], inv_temperature)
+            with torch.set_grad_enabled(track):
+                lp.requires_grad_(track)
+                ent.requires_grad_(track)
+                chunk_loss, chunk_kl, chunk_clipped = grpo_loss_from_logprobs(
+                    lp,
+                    ent,
+                    advantages[rows],
+                    loss_weights[rows],
+                    old_logprobs=None if old_logprobs is None else old_logprobs[rows],
+                    ref_logprobs=None if ref_logprobs is None else ref_logprobs[rows],
+                    **loss_options,
+                )
+            if track:
+                g_lp, g_h = torch.autograd.grad(
+                    chunk_loss, (lp, ent), allow_unused=True, materialize_grads=True
+                )
+                kernels.token_logprobs_bwd(
+                    logits, labels[rows], g_lp, g_h, row_max, log_norm, ent.detach(), inv_temperature, logits
+                )  # logits now hold dlogits [C, V]
+                if need_hidden:
+                    torch.mm(logits, weight, out=grad_hidden[rows])
+                if need_weight:
+                    _accumulate_fp32(grad_weight, logits.t(), h)
+            loss += chunk_loss.detach()
+            logprobs[rows] = lp.detach()
+            entropy[rows] = ent.detach()
+            clipped[rows] = chunk_clipped
+            if chunk_kl is not None:
+                kl[rows] = chunk_kl.detach()
+            # Free this chunk before the next matmul allocates its successor: otherwise two chunks
+            # are alive at once (N=4096, D=256, V=32768 fp32 on CPU: peak 291 -> 177 MiB).
+            del logits
+
+        ctx.grads = (grad_hidden, grad_weight)
+        ctx.weight_dtype = weight.dtype
+        ctx.mark_non_differentiable(logprobs, entropy, kl, clipped)
+        return loss, logprobs, entropy, kl, clipped
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad_loss: torch.Tensor, *_unused):
+        if ctx.grads is None:
+            raise RuntimeError(_GRADS_USED)
+        grad_hidden, grad_weight = ctx.grads
+        ctx.grads = None  # hand the buffers over: no copy of [V, D] kept alive
+        if grad_hidden is not None:
+            grad_hidden = grad_hidden.mul_(grad_loss)
+        if grad_weight is not None:
+            grad_weight = grad_weight.mul_(grad_loss).to(ctx.weight_dtype)
+        return grad_hidden, grad_weight, *([None] * 9)
+
+
+def fused_linear_grpo_loss(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    labels: torch.Tensor,
+    advantages: torch.Tensor,
+    loss_weights: torch.Tensor,
+    *,
+    old_logprobs: torch.Tensor | None = None,
+    ref_logprobs: torch.Tensor | None = None,
+    temperature: float = 1.0,
+    clip_low: float = 0.2,
+    clip_high: float = 0.2,
+    beta: float = 0.0,
+    entropy_coef: float = 0.0,
+    kl_estimator: str = "k3",
+    dual_clip: float | None = None,
+    chunk_size: int | None = None,
+    backend: str = "auto",
+) -> GRPOLossOutput:
+    """``grpo_loss_from_logits(hidden @ weightᵀ, ...)`` computed chunk by chunk, without ``[N, V]``.
+
+    Args:
+        hidden: ``[N, D]`` fp32/bf16/fp16, the last hidden states at the ``N`` response tokens.
+        weight: ``[V, D]``, same dtype and device (the lm_head weight; no bias).
+        labels, advantages, loss_weights, old_logprobs, ref_logprobs, temperature, clip_low,
+            clip_high, beta, entropy_coef, kl_estimator, dual_clip: as ``grpo_loss_from_logits``.
+        chunk_size: rows per chunk; default ``default_chunk_size(N, V, dtype)`` (128 MiB of
+            logits per chunk, see the module docstring).
+        backend: ``"auto"``, ``"triton"``, ``"torch_chunked"``, or ``"eager"`` (materializes
+            ``hidden @ weightᵀ`` and calls ``eager_grpo_loss_from_logits``: the baseline).
+
+    Returns:
+        ``GRPOLossOutput``. ``loss`` is differentiable in ``hidden`` and ``weight``; its gradients
+        are computed during the forward (so ``loss.backward()`` is cheap). ``logprobs``,
+        ``entropy``, ``kl`` are detached fp32 ``[N]``; ``clipped`` is ``[N]`` bool. The gradient
+        of ``weight`` is accumulated over chunks in fp32 and cast to ``weight.dtype`` at the end.
+
+    Example:
+        >>> hidden = torch.randn(6, 8, requires_grad=True)
+        >>> weight = torch.randn(50, 8, requires_grad=True)
+        >>> out = fused_linear_grpo_loss(hidden, weight, torch.tensor([1, 2, 3, 4, 5, 6]),
+        ...                              torch.ones(6), torch.full((6,), 1 / 6), chunk_size=4)
+        >>> out.loss.backward()  # hidden.grad [6, 8], weight.grad [50, 8]
+    """
+    check_loss_options(temperature, clip_low, clip_high, beta, entropy_coef, kl_estimator, dual_clip)
+    check_per_token(
+        "hidden",
+        hidden,
+        labels,
+        backend,
+        advantages=advantages,
+        loss_weights=loss_weights,
+        old_logprobs=old_logprobs,
+        ref_logprobs=ref_logprobs,
+    )
+    if weight.dim() != 2 or weight.shape[1] != hidden.shape[1]:
+        raise ValueError(
+            f"weight must be [V, D] with D = {hidden.shape[1]} to match hidden, got {tuple(weight.shape)}"
+        )
+    if weight.dtype != hidden.dtype or weight.device != hidden.device:
+        raise ValueError(
+            f"weight ({weight.dtype}, {weight.device}) must match hidden ({hidden.dtype}, {hidden.device})"
+        )
+    if chunk_size is not None and chunk_size < 1:
+        raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
+    if beta != 0.0 and ref_logprobs is None:
+        raise ValueError("beta != 0 needs ref_logprobs")
+    resolved = check_backend(backend, hidden.device)
+    check_label_range(labels, weight.shape[0])
+    loss_options = dict(
+        clip_low=clip_low,
+        clip_high=clip_high,
+        beta=beta,
+        entropy_coef=entropy_coef,
+        kl_estimator=kl_estimator,
+        dual_clip=dual_clip,
+    )
+    if resolved == "eager":
+        return eager_grpo_loss_from_logits(
+            hidden @ weight.t(),
+            labels,
+            advantages,
+            loss_weights,
+            old_logprobs=old_logprobs,
+            ref_logprobs=ref_logprobs,
+            temperature=temperature,
+            **loss_options,
+        )
+    if chunk_size is None:
+        chunk_size = default_chunk_size(hidden.shape[0], weight.shape[0], hidden.dtype)
+    loss, logprobs, entropy, kl, clipped = FusedLinearGRPOLoss.apply(
+        hidden,
+        weight,
+        labels.contiguous(),
+        advantages,
+        loss_weights,
+        old_logprobs,
+        ref_logprobs,
+        float(temperature),
+        loss_options,
+        chunk_size,
+        kernels_for(resolved),
+    )
+    return GRPOLossOutput(loss, logprobs, entropy, kl if ref_logprobs is not None else None, clipped)
