@@ -1,0 +1,141 @@
+"""Atomic checkpoints: write everything into a temporary folder, then rename it into place.
+
+A checkpoint ``output_dir/checkpoints/step_000100/`` holds the model in Hugging Face format
+(``save_pretrained``: loadable by transformers and vLLM), the tokenizer, and
+``trainer_state.pt`` with what an exact resume needs: optimizer, LR scheduler, RNG states
+(python, numpy, torch CPU and CUDA), the prompt sampler's position, the step, and the state of
+the KL controller and health monitor. A run killed at any instant leaves either the previous
+checkpoint or the new one, never half of one; ``latest_checkpoint`` ignores ``*.tmp`` folders.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import re
+import shutil
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from grpo_fast.errors import UserError
+
+STATE_FILE = "trainer_state.pt"
+_STEP_DIR = re.compile(r"^step_(\d+)$")
+
+
+def rng_state() -> dict[str, Any]:
+    state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def set_rng_state(state: dict[str, Any]) -> None:
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def save_pretrained_atomic(
+    model: torch.nn.Module, tokenizer, target: Path, extra: dict[str, Any] | None = None
+) -> Path:
+    """Write model + tokenizer (+ ``trainer_state.pt`` when ``extra``) to ``target`` atomically."""
+    target = Path(target)
+    tmp = target.with_name(target.name + ".tmp")
+    if tmp.exists():
+        shutil.rmtree(tmp)  # a leftover from a run killed mid-write
+    tmp.mkdir(parents=True)
+    model = getattr(model, "module", model)  # DDP
+    model.save_pretrained(tmp, safe_serialization=True)
+    tokenizer.save_pretrained(tmp)
+    if extra is not None:
+        torch.save(extra, tmp / STATE_FILE)
+    _fsync_dir(tmp)
+    if target.exists():  # replacing (e.g. the final model of a resumed run): swap, then delete
+        old = target.with_name(target.name + ".old")
+        if old.exists():
+            shutil.rmtree(old)
+        os.replace(target, old)
+        os.replace(tmp, target)
+        shutil.rmtree(old)
+    else:
+        os.replace(tmp, target)
+    _fsync_dir(target.parent)
+    return target
+
+
+def _fsync_dir(path: Path) -> None:
+    for f in path.iterdir() if path.is_dir() else []:
+        if f.is_file():
+            with open(f, "rb") as fh:
+                os.fsync(fh.fileno())
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def save_checkpoint(root: Path, step: int, model, tokenizer, state: dict[str, Any], keep: int) -> Path:
+    """Save ``root/step_{step:06d}`` atomically, then delete all but the newest ``keep``."""
+    path = save_pretrained_atomic(model, tokenizer, Path(root) / f"step_{step:06d}", extra=state)
+    for old in list_checkpoints(root)[:-keep]:
+        shutil.rmtree(old)
+    return path
+
+
+def list_checkpoints(root: Path) -> list[Path]:
+    """Complete checkpoints under ``root``, oldest first (``*.tmp`` leftovers are ignored)."""
+    root = Path(root)
+    if not root.is_dir():
+        return []
+    found = [
+        (int(m.group(1)), p)
+        for p in root.iterdir()
+        if (m := _STEP_DIR.match(p.name)) and (p / STATE_FILE).is_file()
+    ]
+    return [p for _, p in sorted(found)]
+
+
+def latest_checkpoint(root: Path) -> Path | None:
+    ckpts = list_checkpoints(root)
+    return ckpts[-1] if ckpts else None
+
+
+def load_state(path: Path) -> dict[str, Any]:
+    try:
+        return torch.load(Path(path) / STATE_FILE, map_location="cpu", weights_only=False)
+    except (OSError, RuntimeError, EOFError) as exc:
+        raise UserError(
+            f"checkpoint {path} cannot be read ({exc}); delete it to resume from the one before"
+        ) from None
+
+
+def load_model_weights(model: torch.nn.Module, path: Path) -> None:
+    """Load the safetensors weights saved by ``save_pretrained`` into ``model`` (same architecture)."""
+    from safetensors.torch import load_file
+
+    files = sorted(Path(path).glob("*.safetensors"))
+    if not files:
+        raise UserError(f"checkpoint {path} has no *.safetensors weights")
+    state: dict[str, torch.Tensor] = {}
+    for f in files:
+        state.update(load_file(f))
+    model = getattr(model, "module", model)
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    tied = (
+        {k for k in missing if k.endswith("lm_head.weight")}
+        if getattr(model.config, "tie_word_embeddings", False)
+        else set()
+    )
+    if set(missing) - tied or unexpected:
+        raise UserError(
+            f"checkpoint {path} does not match the model: missing {sorted(missing)[:3]}, unexpected {sorted(unexpected)[:3]}"
+        )
+    if tied:
+        model.tie_weights()

@@ -1,0 +1,494 @@
+"""Configuration: frozen dataclasses hold every default once; presets, YAML files and
+``key=value`` overrides are layered on top, in that order.
+
+    defaults (the dataclasses below)
+      ← preset (``PRESETS[name]``: only what differs from the defaults)
+      ← ``--config a.yaml --config b.yaml`` (later files win)
+      ← ``key=value`` dot-list overrides (OmegaConf syntax: ``train.lr=3e-6``)
+
+``load_config`` validates the result and raises ``ConfigError`` with one line naming the key
+at fault (an unknown key comes with the nearest valid name). ``"auto"`` values are resolved
+at run time by the memory planner (``grpo_fast.plan``) or by the device.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+from omegaconf import OmegaConf
+from omegaconf.errors import OmegaConfBaseException
+
+from grpo_fast.core import KL_ESTIMATORS, LENGTH_NORMS, LOSS_TYPES
+from grpo_fast.errors import ConfigError
+
+AUTO = "auto"
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    name_or_path: str = "Qwen/Qwen2.5-Math-1.5B"
+    # float32 | bfloat16 | float16 | auto. The dtype the trained weights are kept in; auto =
+    # float32 (master weights, with bf16 autocast on CUDA when train.mixed_precision=bf16).
+    dtype: str = AUTO
+    # flash_attention_2 | sdpa | eager | auto (flash-attn 2 when installed on CUDA, else sdpa)
+    attn_implementation: str = AUTO
+    gradient_checkpointing: bool = False
+    trust_remote_code: bool = False
+
+
+@dataclass(frozen=True)
+class DataConfig:
+    task: str = "math"  # math | gsm8k | tiny
+    train_path: str | None = None  # local JSONL/Parquet; None = the task's hub dataset
+    eval_path: str | None = None
+    hub_name: str | None = None  # override the task's default hub dataset name
+    question_field: str | None = None  # None = the task's default field names
+    answer_field: str | None = None
+    prompt_template: str = "r1_zero"  # r1_zero | question_only | a string holding {question}
+    reward: str = AUTO  # a name in grpo_fast.rewards.REWARD_FNS; auto = the task's own
+    eval_subset_size: int = 1024  # subset evaluated every eval_every steps (fixed seed)
+
+
+@dataclass(frozen=True)
+class RolloutConfig:
+    backend: str = "hf"  # hf (transformers generate) | vllm (colocated, sleep mode)
+    group_size: int = 8  # responses per prompt
+    batch_size: int = 256  # responses per step (a multiple of group_size)
+    temperature: float = 1.0
+    top_p: float = 1.0
+    max_tokens: int = 1024  # response tokens
+    min_tokens: int = 4
+    max_prompt_tokens: int = 512  # longer prompts are left-truncated, with a warning
+    generation_batch_size: int = 64  # hf backend: prompts·group_size sequences per generate call
+    eval_temperature: float = 0.0  # 0 = greedy
+    gpu_memory_utilization: Any = AUTO  # vllm: fraction of the card, or auto (memory planner)
+    sleep_level: int = 1  # vllm sleep mode: 1 = offload weights to CPU, 2 = discard them
+    # Truncated importance-sampling correction against the sampler's log-probs (vllm only):
+    # weight each token by min(exp(logp_train_old − logp_sampler), is_cap).
+    is_correction: bool = False
+    is_cap: float = 2.0
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    lr: float = 1e-6
+    optimizer: str = "adamw"  # adamw | adamw8bit (bitsandbytes; also on CPU with bnb ≥ 0.50)
+    betas: tuple[float, float] = (0.9, 0.999)
+    weight_decay: float = 0.0
+    warmup_steps: int = 0
+    schedule: str = "constant"  # constant | linear | cosine (after warmup, to min_lr_ratio·lr)
+    min_lr_ratio: float = 0.0
+    grad_clip: float = 1.0
+    micro_batch_size: Any = AUTO  # sequences per microbatch, or auto (memory planner)
+    epochs_per_rollout_batch: int = 1  # > 1 computes old log-probs and clips off-policy
+    packing: bool = False  # padding-free packing of microbatches (flash-attn varlen / sdpa mask)
+    mixed_precision: str = AUTO  # bf16 | fp16 | no | auto (bf16 on CUDA, no on CPU)
+
+
+@dataclass(frozen=True)
+class LossConfig:
+    type: str = "grpo_clip"  # grpo_clip | reinforce_with_baseline | no_baseline
+    length_norm: str = "sequence_mean"  # sequence_mean | constant (Dr. GRPO) | token_mean (DAPO)
+    clip_low: float = 0.2
+    clip_high: float = 0.2  # > clip_low is DAPO's clip-higher
+    dual_clip: float | None = None  # c > 1 bounds the loss of negative-advantage tokens at −c·A
+    beta: float = 0.0  # KL penalty coefficient (initial value when target_kl is set)
+    kl_estimator: str = "k3"  # k1 | k2 | k3
+    target_kl: float | None = None  # adaptive β (proportional controller) when set
+    kl_early_stop: float | None = None  # stop the inner epochs once KL(π‖π_old) exceeds this
+    entropy_coef: float = 0.0
+    normalize_by_std: bool = True
+    advantage_eps: float = 1e-6
+    kernel_backend: str = AUTO  # auto | triton | torch_chunked | eager
+    chunk_size: Any = AUTO  # rows of logits per lm_head chunk, or auto (memory budget)
+
+
+@dataclass(frozen=True)
+class SFTConfig:
+    """An optional supervised warm start before GRPO, logged separately (``sft_metrics.jsonl``)."""
+
+    steps: int = 0  # the most SFT steps (0 = no warm start)
+    lr: float = 1e-3
+    batch_size: int = 64
+    # Stop early once greedy accuracy on check_size *training* problems reaches this (checked
+    # every check_every steps); None = always run all steps.
+    target_accuracy: float | None = None
+    check_every: int = 10
+    check_size: int = 200
+
+
+@dataclass(frozen=True)
+class LoggingConfig:
+    wandb: bool = False
+    wandb_project: str = "grpo_fast"
+    wandb_mode: str = AUTO  # online | offline | auto (offline without WANDB_API_KEY)
+    progress: bool = True  # rich progress bars per phase
+    sample_every: int = 10  # write samples/step_N.jsonl every N steps (0 = never)
+    samples_per_dump: int = 16
+
+
+@dataclass(frozen=True)
+class HealthConfig:
+    enabled: bool = True
+    auto_temperature: bool = False  # temporarily raise the temperature on repetition loops
+    # Overrides of grpo_fast.health.HealthThresholds fields (their defaults live there), e.g.
+    # {entropy_warn_low: 0.1} for a task whose answers are short and nearly deterministic.
+    thresholds: dict[str, float] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class Config:
+    output_dir: str = "runs/grpo"
+    seed: int = 0
+    steps: int = 200
+    eval_every: int = 10  # subset evaluation (data.eval_subset_size problems); 0 = never
+    full_eval_every: int = 50  # the whole eval set; 0 = never
+    checkpoint_every: int = 50  # 0 = only the final model
+    keep_checkpoints: int = 2
+    resume: bool = False
+    device: str = AUTO  # auto | cpu | cuda | cuda:N
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    loss: LossConfig = field(default_factory=LossConfig)
+    sft: SFTConfig = field(default_factory=SFTConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+    health: HealthConfig = field(default_factory=HealthConfig)
+
+
+# Presets hold only what differs from the defaults above.
+PRESETS: dict[str, dict[str, Any]] = {
+    # CPU, built-in model, tokenizer and task (grpo_fast.tiny): what a newcomer runs first.
+    # 2-digit addition; a 500-step SFT warm start (a "base model" that is right ~1/3 of the
+    # time), then GRPO sharpens it: greedy eval ≈ 0.35 → ≈ 0.8 in ~300 steps on 2 CPU cores.
+    "tiny": {
+        "output_dir": "runs/tiny",
+        "steps": 300,
+        "eval_every": 25,
+        "full_eval_every": 0,
+        "checkpoint_every": 100,
+        "device": "cpu",
+        "model": {"name_or_path": "builtin:tiny", "dtype": "float32"},
+        "data": {"task": "tiny", "prompt_template": "question_only", "eval_subset_size": 200},
+        "rollout": {
+            "group_size": 8,
+            "batch_size": 256,
+            "max_tokens": 4,
+            "min_tokens": 0,
+            "max_prompt_tokens": 16,
+            "generation_batch_size": 256,
+        },
+        "train": {"lr": 1e-4, "warmup_steps": 10, "micro_batch_size": 256, "mixed_precision": "no"},
+        "sft": {"steps": 1000, "lr": 1e-3, "batch_size": 64, "target_accuracy": 0.3},
+        "logging": {"sample_every": 50},
+        # A 1-4 digit answer is nearly deterministic: its healthy entropy is far below an essay's.
+        "health": {"thresholds": {"entropy_warn_low": 0.05, "entropy_healthy_low": 0.1}},
+    },
+    # A real model at ~1% of the cost: catches config mistakes before a long run.
+    "smoke": {
+        "output_dir": "runs/smoke",
+        "steps": 3,
+        "eval_every": 0,
+        "full_eval_every": 0,
+        "checkpoint_every": 0,
+        "data": {"eval_subset_size": 16},
+        "rollout": {"group_size": 2, "batch_size": 8, "max_tokens": 256},
+        "train": {"micro_batch_size": 2},
+    },
+    # Qwen2.5-Math-1.5B on MATH within 24 GB: fp32 master weights + bf16 autocast, gradient
+    # checkpointing, 8-bit AdamW, vLLM in sleep mode; microbatch and vLLM share from the planner.
+    "rtx4090": {
+        "output_dir": "runs/rtx4090",
+        "steps": 200,
+        "device": "cuda",
+        "model": {"gradient_checkpointing": True},
+        "data": {"task": "math"},
+        "rollout": {"backend": "vllm", "group_size": 8, "batch_size": 256, "max_tokens": 1024},
+        "train": {"lr": 1e-6, "optimizer": "adamw8bit", "betas": [0.9, 0.95], "micro_batch_size": 2},
+        "loss": {"length_norm": "sequence_mean"},
+    },
+    # An 80 GB card: larger microbatches, bf16, plain AdamW.
+    "h100": {
+        "output_dir": "runs/h100",
+        "steps": 200,
+        "device": "cuda",
+        "model": {"gradient_checkpointing": True},
+        "data": {"task": "math"},
+        "rollout": {"backend": "vllm", "group_size": 8, "batch_size": 512, "max_tokens": 1024},
+        "train": {"lr": 1e-6, "optimizer": "adamw", "betas": [0.9, 0.95], "micro_batch_size": AUTO},
+    },
+}
+GPU_PRESETS = ("rtx4090", "h100")
+
+_CHOICES: dict[str, tuple[str, ...]] = {
+    "model.dtype": ("auto", "float32", "bfloat16", "float16"),
+    "model.attn_implementation": ("auto", "flash_attention_2", "sdpa", "eager"),
+    "data.task": ("math", "gsm8k", "tiny"),
+    "rollout.backend": ("hf", "vllm"),
+    "train.optimizer": ("adamw", "adamw8bit"),
+    "train.schedule": ("constant", "linear", "cosine"),
+    "train.mixed_precision": ("auto", "bf16", "fp16", "no"),
+    "loss.type": LOSS_TYPES,
+    "loss.length_norm": LENGTH_NORMS,
+    "loss.kl_estimator": KL_ESTIMATORS,
+    "loss.kernel_backend": ("auto", "triton", "torch_chunked", "eager"),
+    "logging.wandb_mode": ("auto", "online", "offline", "disabled"),
+}
+
+
+def _all_keys(cls: type = Config, prefix: str = "") -> list[str]:
+    keys = []
+    for f in dataclasses.fields(cls):
+        name = f"{prefix}{f.name}"
+        keys.append(name)
+        if _is_section(f):
+            keys.extend(_all_keys(type(f.default_factory()), name + "."))
+    return keys
+
+
+def _is_section(f: dataclasses.Field) -> bool:
+    """A nested config section (a dataclass), as opposed to a plain field with a factory (a dict)."""
+    return f.default_factory is not dataclasses.MISSING and dataclasses.is_dataclass(f.default_factory)
+
+
+def _nearest(key: str) -> str:
+    keys = _all_keys()
+    leaf = key.rsplit(".", 1)[-1]
+    leaves = [k.rsplit(".", 1)[-1] for k in keys]
+    by_key = difflib.get_close_matches(key, keys, n=1, cutoff=0.6)
+    match = by_key or difflib.get_close_matches(leaf, leaves, n=1, cutoff=0.6)
+    if not match:
+        return ""
+    best = match[0]
+    if best not in keys:  # matched a leaf name: report its full key
+        best = next(k for k in keys if k.rsplit(".", 1)[-1] == best)
+    return f" (did you mean {best!r}?)"
+
+
+def _check_keys(tree: Any, cls: type, where: str, prefix: str = "") -> None:
+    """Reject unknown keys with the nearest valid name, before OmegaConf sees them."""
+    if not isinstance(tree, dict):
+        return
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    for key, value in tree.items():
+        full = f"{prefix}{key}"
+        if key not in fields:
+            raise ConfigError(f"unknown config key {full!r} in {where}{_nearest(full)}")
+        f = fields[key]
+        if _is_section(f) and isinstance(value, dict):
+            _check_keys(value, type(f.default_factory()), where, full + ".")
+
+
+def _load_yaml(path: str) -> dict:
+    p = Path(path)
+    if not p.is_file():
+        raise ConfigError(f"config file {path} not found")
+    try:
+        data = yaml.safe_load(p.read_text())
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        line = f" line {mark.line + 1}" if mark is not None else ""
+        raise ConfigError(
+            f"config file {path}{line} is not valid YAML: {getattr(exc, 'problem', exc)}"
+        ) from None
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"config file {path} must hold a mapping of keys, not {type(data).__name__}")
+    return data
+
+
+def _dotlist_to_tree(overrides: list[str]) -> list[tuple[str, dict]]:
+    out = []
+    for item in overrides:
+        if "=" not in item:
+            raise ConfigError(f"override {item!r} is not of the form key=value (e.g. train.lr=3e-6)")
+        key = item.split("=", 1)[0].strip()
+        try:
+            tree = OmegaConf.to_container(OmegaConf.from_dotlist([item]))
+        except OmegaConfBaseException as exc:
+            raise ConfigError(
+                f"override {item!r} cannot be parsed: {exc.msg if hasattr(exc, 'msg') else exc}"
+            ) from None
+        out.append((key, tree))
+    return out
+
+
+def _omegaconf_error(exc: OmegaConfBaseException, where: str, key_hint: str = "?") -> ConfigError:
+    key = getattr(exc, "full_key", None) or key_hint
+    msg = str(exc).splitlines()[0]
+    return ConfigError(f"config key {key!r} from {where}: {msg}")
+
+
+def load_config(
+    preset: str | None = None,
+    config_files: list[str] | None = None,
+    overrides: list[str] | None = None,
+    *,
+    check_device: bool = True,
+) -> Config:
+    """Layer defaults ← preset ← YAML files ← dot-list overrides, then validate.
+
+    Example:
+        >>> cfg = load_config("tiny", overrides=["train.lr=1e-4", "steps=10"])
+        >>> cfg.train.lr, cfg.steps
+        (0.0001, 10)
+    """
+    base = OmegaConf.structured(Config)
+    layers: list[tuple[str, dict, str]] = []
+    if preset is not None:
+        if preset not in PRESETS:
+            near = difflib.get_close_matches(preset, list(PRESETS), n=1)
+            hint = f" (did you mean {near[0]!r}?)" if near else ""
+            raise ConfigError(f"unknown preset {preset!r}{hint}; presets: {', '.join(PRESETS)}")
+        layers.append((f"preset {preset!r}", PRESETS[preset], "?"))
+    for path in config_files or []:
+        layers.append((f"config file {path}", _load_yaml(path), "?"))
+    for key, tree in _dotlist_to_tree(overrides or []):
+        layers.append((f"override {key}=...", tree, key))
+
+    merged = base
+    for where, tree, key in layers:
+        _check_keys(tree, Config, where)
+        try:
+            merged = OmegaConf.merge(merged, tree)
+        except OmegaConfBaseException as exc:
+            raise _omegaconf_error(exc, where, key) from None
+    try:
+        cfg = OmegaConf.to_object(merged)
+    except OmegaConfBaseException as exc:
+        raise _omegaconf_error(exc, "the merged config") from None
+    cfg = _freeze(cfg)
+    validate(cfg, preset, check_device=check_device)
+    return cfg
+
+
+def _freeze(cfg: Config) -> Config:
+    """OmegaConf turns tuples into lists; restore the dataclass field types that matter."""
+    train = dataclasses.replace(cfg.train, betas=tuple(float(b) for b in cfg.train.betas))
+    return dataclasses.replace(cfg, train=train)
+
+
+def validate(cfg: Config, preset: str | None = None, check_device: bool = True) -> None:
+    """Semantic checks OmegaConf's type checks cannot do; each error names its key.
+
+    ``check_device=False`` skips the CUDA-availability check (planning a GPU preset on a CPU).
+    """
+    for key, choices in _CHOICES.items():
+        section, name = key.split(".")
+        value = getattr(getattr(cfg, section), name)
+        if value not in choices:
+            raise ConfigError(f"{key}={value!r} is not one of: {', '.join(choices)}")
+
+    def positive(key: str, value: float, allow_zero: bool = False) -> None:
+        if value < 0 or (value == 0 and not allow_zero):
+            raise ConfigError(f"{key} must be {'>= 0' if allow_zero else '> 0'}, got {value}")
+
+    positive("steps", cfg.steps)
+    for key in ("eval_every", "full_eval_every", "checkpoint_every"):
+        positive(key, getattr(cfg, key), allow_zero=True)
+    positive("keep_checkpoints", cfg.keep_checkpoints)
+    r = cfg.rollout
+    positive("rollout.group_size", r.group_size)
+    positive("rollout.batch_size", r.batch_size)
+    if r.batch_size % r.group_size:
+        raise ConfigError(
+            f"rollout.batch_size={r.batch_size} is not a multiple of rollout.group_size={r.group_size}"
+        )
+    positive("rollout.max_tokens", r.max_tokens)
+    positive("rollout.min_tokens", r.min_tokens, allow_zero=True)
+    if r.min_tokens > r.max_tokens:
+        raise ConfigError(f"rollout.min_tokens={r.min_tokens} exceeds rollout.max_tokens={r.max_tokens}")
+    positive("rollout.temperature", r.temperature)
+    if not 0 < r.top_p <= 1:
+        raise ConfigError(f"rollout.top_p must be in (0, 1], got {r.top_p}")
+    positive("rollout.eval_temperature", r.eval_temperature, allow_zero=True)
+    positive("rollout.generation_batch_size", r.generation_batch_size)
+    positive("rollout.max_prompt_tokens", r.max_prompt_tokens)
+    if r.sleep_level not in (1, 2):
+        raise ConfigError(f"rollout.sleep_level must be 1 or 2, got {r.sleep_level}")
+    _auto_or("rollout.gpu_memory_utilization", r.gpu_memory_utilization, float, lo=0.05, hi=0.99)
+    if r.is_cap <= 1:
+        raise ConfigError(f"rollout.is_cap must be > 1, got {r.is_cap}")
+    t = cfg.train
+    positive("train.lr", t.lr, allow_zero=True)
+    positive("train.grad_clip", t.grad_clip, allow_zero=True)
+    positive("train.warmup_steps", t.warmup_steps, allow_zero=True)
+    positive("train.epochs_per_rollout_batch", t.epochs_per_rollout_batch)
+    if len(t.betas) != 2 or not all(0 <= b < 1 for b in t.betas):
+        raise ConfigError(f"train.betas must be two numbers in [0, 1), got {list(t.betas)}")
+    _auto_or("train.micro_batch_size", t.micro_batch_size, int, lo=1)
+    lo = cfg.loss
+    positive("loss.clip_low", lo.clip_low, allow_zero=True)
+    positive("loss.clip_high", lo.clip_high, allow_zero=True)
+    if lo.clip_low >= 1:
+        raise ConfigError(f"loss.clip_low must be < 1, got {lo.clip_low}")
+    if lo.dual_clip is not None and lo.dual_clip <= 1:
+        raise ConfigError(f"loss.dual_clip must be > 1 (or null), got {lo.dual_clip}")
+    positive("loss.beta", lo.beta, allow_zero=True)
+    if lo.target_kl is not None:
+        positive("loss.target_kl", lo.target_kl)
+        if lo.beta == 0:
+            raise ConfigError("loss.target_kl needs an initial loss.beta > 0 to adapt")
+    positive("loss.advantage_eps", lo.advantage_eps, allow_zero=True)
+    _auto_or("loss.chunk_size", lo.chunk_size, int, lo=1)
+    positive("sft.steps", cfg.sft.steps, allow_zero=True)
+    positive("sft.batch_size", cfg.sft.batch_size)
+    positive("sft.check_every", cfg.sft.check_every)
+    positive("sft.check_size", cfg.sft.check_size)
+    if cfg.sft.target_accuracy is not None and not 0 < cfg.sft.target_accuracy <= 1:
+        raise ConfigError(f"sft.target_accuracy must be in (0, 1] (or null), got {cfg.sft.target_accuracy}")
+    positive("data.eval_subset_size", cfg.data.eval_subset_size, allow_zero=True)
+    from grpo_fast.health import HealthThresholds
+
+    valid = {f.name for f in dataclasses.fields(HealthThresholds)}
+    for key in cfg.health.thresholds:
+        if key not in valid:
+            near = difflib.get_close_matches(key, sorted(valid), n=1)
+            hint = f" (did you mean 'health.thresholds.{near[0]}'?)" if near else ""
+            raise ConfigError(f"unknown config key 'health.thresholds.{key}'{hint}")
+    HealthThresholds(**cfg.health.thresholds)  # its own consistency checks raise ConfigError
+
+    needs_cuda = check_device and (
+        preset in GPU_PRESETS or cfg.device.startswith("cuda") or r.backend == "vllm"
+    )
+    if needs_cuda:
+        import torch
+
+        if not torch.cuda.is_available():
+            what = (
+                f"preset {preset!r}"
+                if preset in GPU_PRESETS
+                else ("rollout.backend=vllm" if r.backend == "vllm" else f"device={cfg.device!r}")
+            )
+            raise ConfigError(f"{what} needs a CUDA GPU and none is available; try --preset tiny on a CPU")
+
+
+def _auto_or(key: str, value: Any, kind: type, lo: float | None = None, hi: float | None = None) -> None:
+    if value == AUTO:
+        return
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, (int, float))
+        or (kind is int and not float(value).is_integer())
+    ):
+        raise ConfigError(
+            f"{key} must be 'auto' or {'an integer' if kind is int else 'a number'}, got {value!r}"
+        )
+    if (lo is not None and value < lo) or (hi is not None and value > hi):
+        raise ConfigError(f"{key}={value} is out of range [{lo}, {hi if hi is not None else '∞'}]")
+
+
+def to_yaml(cfg: Config) -> str:
+    """The resolved config as YAML (what ``output_dir/config.yaml`` holds)."""
+    return OmegaConf.to_yaml(OmegaConf.structured(cfg))
+
+
+def to_dict(cfg: Config) -> dict:
+    return dataclasses.asdict(cfg)

@@ -1,0 +1,184 @@
+"""Metrics: ``metrics.jsonl`` (one JSON object per line, ``step`` + namespaced keys), optional
+wandb, a one-line step summary and per-phase progress bars on the console.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import resource
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+from rich.console import Console
+from rich.progress import (
+    BarColumn,
+    MofNCompleteColumn,
+    Progress,
+    TextColumn,
+    TimeElapsedColumn,
+    TimeRemainingColumn,
+)
+
+from grpo_fast.config import AUTO, Config, to_dict
+
+
+def peak_memory_gb(device: torch.device) -> float:
+    """Peak memory since the last reset: CUDA allocated bytes, or the process's peak RSS on CPU."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 1e9
+    kb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # Linux: kilobytes
+    return kb * 1024 / 1e9
+
+
+def reset_peak_memory(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+
+
+def gpu_stats(device: torch.device) -> dict[str, float]:
+    """Utilization, memory and power from NVML (nvidia-ml-py), when on CUDA; {} otherwise."""
+    if device.type != "cuda":
+        return {}
+    try:
+        import pynvml
+
+        pynvml.nvmlInit()
+        h = pynvml.nvmlDeviceGetHandleByIndex(device.index or 0)
+        util = pynvml.nvmlDeviceGetUtilizationRates(h)
+        mem = pynvml.nvmlDeviceGetMemoryInfo(h)
+        return {
+            "gpu/utilization": float(util.gpu),
+            "gpu/memory_used_gb": mem.used / 1e9,
+            "gpu/power_w": pynvml.nvmlDeviceGetPowerUsage(h) / 1000.0,
+        }
+    except Exception:  # NVML missing or unsupported (containers, MIG): GPU stats are optional
+        return {}
+
+
+class MetricsLogger:
+    """Appends rows to ``metrics.jsonl`` (flushed per row) and mirrors them to wandb."""
+
+    def __init__(self, cfg: Config, output_dir: Path, enabled: bool = True):
+        self.enabled = enabled
+        self.path = Path(output_dir) / "metrics.jsonl"
+        self.console = Console(stderr=True, highlight=False, soft_wrap=True)
+        self.wandb = None
+        if enabled and cfg.logging.wandb:
+            import wandb
+
+            mode = cfg.logging.wandb_mode
+            if mode == AUTO:
+                mode = "online" if os.environ.get("WANDB_API_KEY") else "offline"
+            self.wandb = wandb.init(
+                project=cfg.logging.wandb_project,
+                dir=str(output_dir),
+                config=to_dict(cfg),
+                mode=mode,
+                name=Path(output_dir).name,
+                resume="allow",
+            )
+
+    def truncate_after(self, step: int) -> None:
+        """On resume: drop rows logged after the checkpoint (a killed run may have written some)."""
+        if not (self.enabled and self.path.exists()):
+            return
+        kept = [
+            ln
+            for ln in self.path.read_text().splitlines()
+            if ln.strip() and json.loads(ln).get("step", -1) <= step
+        ]
+        tmp = self.path.with_suffix(".jsonl.tmp")
+        tmp.write_text("".join(ln + "\n" for ln in kept))
+        os.replace(tmp, self.path)
+
+    def log(self, step: int, row: dict[str, Any]) -> None:
+        if not self.enabled:
+            return
+        clean = {"step": step}
+        for k, v in row.items():
+            if isinstance(v, torch.Tensor):
+                v = v.item()
+            if isinstance(v, float) and not math.isfinite(v):
+                v = None if math.isnan(v) else (1e308 if v > 0 else -1e308)
+            clean[k] = v
+        with open(self.path, "a") as fh:
+            fh.write(json.dumps(clean) + "\n")
+        if self.wandb is not None:
+            self.wandb.log(
+                {k: v for k, v in clean.items() if k != "step" and isinstance(v, (int, float))}, step=step
+            )
+
+    def summary(self, step: int, total: int, row: dict[str, Any]) -> None:
+        """The one-line step summary."""
+        if not self.enabled:
+            return
+        g = lambda k, fmt: format(row[k], fmt) if isinstance(row.get(k), (int, float)) else "-"
+        line = (
+            f"step {step}/{total}  reward {g('train/reward_mean', '.3f')}  acc {g('train/accuracy', '.3f')}"
+            f"  entropy {g('train/entropy_mean', '.3f')}  len {g('train/response_length_mean', '.1f')}"
+            f"  gnorm {g('train/grad_norm', '.3f')}  {g('time/step_s', '.2f')}s"
+            f"  peak {g('memory/peak_gb', '.2f')}GB"
+        )
+        if "eval/accuracy" in row:
+            line += f"  eval {row['eval/accuracy']:.3f}"
+        self.console.print(line)
+
+    def event(self, message: str) -> None:
+        if self.enabled:
+            self.console.print(message)
+
+    def close(self) -> None:
+        if self.wandb is not None:
+            self.wandb.finish()
+
+
+class PhaseProgress:
+    """Rich progress bars with ETA: one for the whole run, one for the current phase (rollout,
+    train, eval). Silent when disabled or when stderr is not a terminal (logs stay clean)."""
+
+    def __init__(self, enabled: bool, total_steps: int, done_steps: int = 0):
+        self.enabled = enabled and sys.stderr.isatty()
+        self.total_steps, self.done_steps = total_steps, done_steps
+        self.progress = None
+        self._steps = self._phase = None
+
+    def __enter__(self):
+        if self.enabled:
+            self.progress = Progress(
+                TextColumn("{task.description:<14}"),
+                BarColumn(),
+                MofNCompleteColumn(),
+                TimeElapsedColumn(),
+                TimeRemainingColumn(),
+                console=Console(stderr=True),
+                transient=True,
+            )
+            self.progress.__enter__()
+            self._steps = self.progress.add_task(
+                "GRPO steps", total=self.total_steps, completed=self.done_steps
+            )
+        return self
+
+    def phase(self, name: str, total: int) -> None:
+        """Start a phase bar of ``total`` units (replacing the previous phase's)."""
+        if self.progress is None:
+            return
+        if self._phase is not None:
+            self.progress.remove_task(self._phase)
+        self._phase = self.progress.add_task(f"  {name}", total=max(total, 1))
+
+    def advance_phase(self, n: int = 1) -> None:
+        if self.progress is not None and self._phase is not None:
+            self.progress.advance(self._phase, n)
+
+    def step_done(self) -> None:
+        if self.progress is not None:
+            self.progress.advance(self._steps)
+
+    def __exit__(self, *exc):
+        if self.progress is not None:
+            self.progress.__exit__(*exc)

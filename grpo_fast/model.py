@@ -1,0 +1,212 @@
+"""Loading the policy, and the module that turns a packed microbatch into the GRPO loss.
+
+``PolicyLoss`` runs the decoder up to its last hidden states, keeps only the response
+positions, and hands them with the lm_head weight to ``fused_linear_grpo_loss``: prompt tokens
+never reach the lm_head and the ``[tokens × vocab]`` logits never exist. It is an
+``nn.Module`` so that DDP/FSDP wrap it and see every forward.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.util
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from grpo_fast import tiny
+from grpo_fast.config import AUTO, Config
+from grpo_fast.core import GRPOLossOutput
+from grpo_fast.errors import ConfigError
+from grpo_fast.ops import fused_linear_grpo_loss, token_logprobs_and_entropy
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def resolve_device(cfg: Config) -> torch.device:
+    if cfg.device == AUTO:
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(cfg.device)
+
+
+def autocast_dtype(cfg: Config, device: torch.device) -> torch.dtype | None:
+    """The autocast dtype for forward passes (None = no autocast)."""
+    mp = cfg.train.mixed_precision
+    if mp == AUTO:
+        mp = "bf16" if device.type == "cuda" else "no"
+    return {"bf16": torch.bfloat16, "fp16": torch.float16, "no": None}[mp]
+
+
+def load_tokenizer(name_or_path: str):
+    if name_or_path == tiny.BUILTIN_NAME:
+        return tiny.build_tokenizer()
+    from transformers import AutoTokenizer
+
+    try:
+        tok = AutoTokenizer.from_pretrained(name_or_path)
+    except (OSError, ValueError) as exc:
+        raise ConfigError(f"model.name_or_path={name_or_path!r}: cannot load a tokenizer ({exc})") from None
+    if tok.pad_token_id is None:
+        tok.pad_token = tok.eos_token
+    return tok
+
+
+def load_policy(cfg: Config, tokenizer, device: torch.device) -> nn.Module:
+    """The trainable causal LM, on ``device``, in ``model.dtype`` (auto = fp32 master weights)."""
+    m = cfg.model
+    dtype = torch.float32 if m.dtype == AUTO else _DTYPES[m.dtype]
+    if m.name_or_path == tiny.BUILTIN_NAME:
+        model = tiny.build_model(tokenizer, seed=cfg.seed).to(dtype)
+    else:
+        from transformers import AutoModelForCausalLM
+
+        attn = m.attn_implementation
+        if attn == AUTO:
+            has_fa2 = importlib.util.find_spec("flash_attn") is not None
+            attn = "flash_attention_2" if device.type == "cuda" and has_fa2 else "sdpa"
+        try:
+            model = AutoModelForCausalLM.from_pretrained(
+                m.name_or_path, dtype=dtype, attn_implementation=attn, trust_remote_code=m.trust_remote_code
+            )
+        except (OSError, ValueError) as exc:
+            raise ConfigError(
+                f"model.name_or_path={m.name_or_path!r}: cannot load the model ({exc})"
+            ) from None
+    model.to(device)
+    model.config.use_cache = False  # training; generate() turns the cache on for itself
+    if m.gradient_checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    return model
+
+
+@dataclass
+class Microbatch:
+    """One microbatch of sequences, right-padded, with the per-token quantities of its responses.
+
+    Shapes: b sequences of padded length L; n = number of response tokens in the microbatch.
+
+    Fields:
+        input_ids: ``[b, L]`` int64; attention_mask: ``[b, L]`` (1 = real token), or None
+            for packed rows.
+        position_ids: ``[b, L]`` or None (packed rows restart positions per sequence).
+        select: ``[b, L]`` bool, the positions whose *next* token is a response token (the
+            hidden state at t predicts token t+1).
+        labels: ``[n]`` int64, the response tokens, in row-major order of ``select``.
+        advantages, loss_weights: ``[n]`` fp32.
+        old_logprobs, ref_logprobs: ``[n]`` fp32 or None (filled by no-grad passes).
+        sampler_logprobs: ``[n]`` fp32 log-probs from the rollout engine, or None.
+    """
+
+    input_ids: torch.Tensor
+    attention_mask: torch.Tensor | None
+    position_ids: torch.Tensor | None
+    select: torch.Tensor
+    labels: torch.Tensor
+    advantages: torch.Tensor
+    loss_weights: torch.Tensor
+    old_logprobs: torch.Tensor | None = None
+    ref_logprobs: torch.Tensor | None = None
+    sampler_logprobs: torch.Tensor | None = None
+
+    def __post_init__(self) -> None:
+        n = int(self.labels.shape[0])
+        for name in ("advantages", "loss_weights", "old_logprobs", "ref_logprobs", "sampler_logprobs"):
+            t = getattr(self, name)
+            if t is not None and tuple(t.shape) != (n,):
+                raise ValueError(f"Microbatch.{name} has shape {tuple(t.shape)}, expected ({n},)")
+        if self.select.shape != self.input_ids.shape:
+            raise ValueError(
+                f"Microbatch.select {tuple(self.select.shape)} != input_ids {tuple(self.input_ids.shape)}"
+            )
+
+    def to(self, device: torch.device) -> Microbatch:
+        move = lambda t: None if t is None else t.to(device, non_blocking=True)
+        return Microbatch(**{k: move(v) for k, v in self.__dict__.items()})
+
+
+def response_hidden_states(model: nn.Module, mb: Microbatch) -> torch.Tensor:
+    """Last-layer hidden states at the response positions: ``[n, D]``."""
+    backbone = model.get_decoder() if hasattr(model, "get_decoder") else model.model
+    kwargs = {"input_ids": mb.input_ids, "use_cache": False}
+    if mb.attention_mask is not None:
+        kwargs["attention_mask"] = mb.attention_mask
+    if mb.position_ids is not None:
+        kwargs["position_ids"] = mb.position_ids
+    hidden = backbone(**kwargs).last_hidden_state  # [b, L, D]
+    return hidden[mb.select]  # [n, D]
+
+
+class PolicyLoss(nn.Module):
+    """``forward(microbatch, beta, temperature) -> GRPOLossOutput``, loss options fixed at construction.
+
+    ``temperature`` is the one the responses were sampled at (the trainer's log-probs must be of
+    the same tempered distribution); ``beta`` changes under the adaptive KL controller.
+    """
+
+    def __init__(self, model: nn.Module, *, autocast: torch.dtype | None, loss_options: dict):
+        super().__init__()
+        self.model = model
+        self.autocast = autocast
+        self.loss_options = loss_options
+
+    def _autocast(self, device: torch.device):
+        if self.autocast is None:
+            return contextlib.nullcontext()
+        return torch.autocast(device.type, dtype=self.autocast)
+
+    def forward(self, mb: Microbatch, beta: float, temperature: float) -> GRPOLossOutput:
+        with self._autocast(mb.input_ids.device):
+            hidden = response_hidden_states(self.model, mb)
+        head = self.model.get_output_embeddings().weight  # [V, D]
+        # Under autocast the lm_head matmul runs in the autocast dtype, as nn.Linear would;
+        # the fp32 master weight gets its gradient through the cast.
+        dtype = self.autocast or head.dtype
+        return fused_linear_grpo_loss(
+            hidden.to(dtype),
+            head.to(dtype),
+            mb.labels,
+            mb.advantages,
+            mb.loss_weights,
+            old_logprobs=mb.old_logprobs,
+            ref_logprobs=mb.ref_logprobs,
+            temperature=temperature,
+            beta=beta,
+            **self.loss_options,
+        )
+
+
+@torch.no_grad()
+def response_logprobs(
+    model: nn.Module,
+    mb: Microbatch,
+    *,
+    temperature: float,
+    autocast: torch.dtype | None,
+    backend: str,
+    chunk_rows: int = 1024,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Log-probs and entropies of the response tokens without gradients: ``([n], [n])`` fp32.
+
+    Used for π_old (several epochs per rollout batch, or the sampler-mismatch correction) and
+    π_ref. The lm_head runs on ``chunk_rows`` rows at a time, so peak extra memory is one
+    ``[chunk_rows, V]`` logits chunk (1,024 × 151,936 × 2 B ≈ 0.3 GB in bf16), not ``[n, V]``.
+    """
+    ctx = torch.autocast(mb.input_ids.device.type, dtype=autocast) if autocast else contextlib.nullcontext()
+    with ctx:
+        hidden = response_hidden_states(model, mb)
+    dtype = autocast or model.get_output_embeddings().weight.dtype
+    head = model.get_output_embeddings().weight.to(dtype)
+    hidden = hidden.to(dtype)
+    lps, ents = [], []
+    for start in range(0, hidden.shape[0], chunk_rows):
+        logits = hidden[start : start + chunk_rows] @ head.T  # [chunk, V]
+        lp, ent = token_logprobs_and_entropy(
+            logits, mb.labels[start : start + chunk_rows], temperature=temperature, backend=backend
+        )
+        lps.append(lp)
+        ents.append(ent)
+    if not lps:
+        empty = torch.zeros(0, device=hidden.device)
+        return empty, empty
+    return torch.cat(lps), torch.cat(ents)

@@ -1,0 +1,87 @@
+"""Optimizer, learning-rate schedule and the prompt sampler: small pieces the loop needs."""
+
+from __future__ import annotations
+
+import math
+import random
+
+import torch
+
+from grpo_fast.config import Config
+
+
+def build_optimizer(cfg: Config, params) -> torch.optim.Optimizer:
+    """AdamW, or bitsandbytes' 8-bit AdamW (``train.optimizer=adamw8bit``; runs on CPU with bnb ≥ 0.50).
+
+    8-bit AdamW keeps both moments in blockwise-quantized uint8: 2 B/parameter instead of 8 B
+    (Qwen2.5-1.5B: 3.1 GB instead of 12.4 GB).
+    """
+    t = cfg.train
+    params = [p for p in params if p.requires_grad]
+    if t.optimizer == "adamw8bit":
+        import bitsandbytes as bnb
+
+        return bnb.optim.AdamW8bit(params, lr=t.lr, betas=t.betas, weight_decay=t.weight_decay)
+    return torch.optim.AdamW(params, lr=t.lr, betas=t.betas, weight_decay=t.weight_decay)
+
+
+def lr_factor(step: int, cfg: Config) -> float:
+    """LR multiplier for GRPO step ``step`` (0-based): linear warmup, then the schedule.
+
+    Example: warmup 10, cosine over 100 steps, min ratio 0.1 → step 4: 0.5; step 10: 1.0;
+    step 55: 0.1 + 0.9·(1 + cos(π/2))/2 = 0.55; step 99: ≈ 0.1.
+    """
+    t = cfg.train
+    if step < t.warmup_steps:
+        return (step + 1) / t.warmup_steps
+    if t.schedule == "constant":
+        return 1.0
+    span = max(cfg.steps - t.warmup_steps, 1)
+    progress = min((step - t.warmup_steps) / span, 1.0)
+    shape = 1.0 - progress if t.schedule == "linear" else 0.5 * (1.0 + math.cos(math.pi * progress))
+    return t.min_lr_ratio + (1.0 - t.min_lr_ratio) * shape
+
+
+def build_scheduler(cfg: Config, optimizer: torch.optim.Optimizer) -> torch.optim.lr_scheduler.LambdaLR:
+    """Stepped once per GRPO step (all inner epochs of a rollout batch share its LR)."""
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_factor(s, cfg))
+
+
+class PromptSampler:
+    """Draws prompt indices without replacement, reshuffling (with a seed) at each pass over the data.
+
+    Every data-parallel rank holds the same sampler, draws the same global set of prompts, and
+    keeps its own slice; ``state_dict`` makes resume exact.
+    """
+
+    def __init__(self, n: int, seed: int):
+        if n <= 0:
+            raise ValueError("no training examples to sample from")
+        self.n, self.seed = n, seed
+        self.epoch, self.pos = 0, 0
+        self._order = self._shuffle()
+
+    def _shuffle(self) -> list[int]:
+        order = list(range(self.n))
+        random.Random(self.seed * 100_003 + self.epoch).shuffle(order)
+        return order
+
+    def next(self, k: int) -> list[int]:
+        out = []
+        while len(out) < k:
+            if self.pos == self.n:
+                self.epoch, self.pos = self.epoch + 1, 0
+                self._order = self._shuffle()
+            take = min(k - len(out), self.n - self.pos)
+            out.extend(self._order[self.pos : self.pos + take])
+            self.pos += take
+        return out
+
+    def state_dict(self) -> dict[str, int]:
+        return {"n": self.n, "seed": self.seed, "epoch": self.epoch, "pos": self.pos}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        if state["n"] != self.n:
+            raise ValueError(f"the checkpoint's sampler saw {state['n']} examples, the data has {self.n}")
+        self.seed, self.epoch, self.pos = state["seed"], state["epoch"], state["pos"]
+        self._order = self._shuffle()

@@ -1,0 +1,566 @@
+"""GRPO training: ``python -m grpo_fast.train --preset NAME [--config F.yaml ...] [key=value ...]``.
+
+The variant: GRPO (Shao et al. 2024) as used for R1-Zero-style reasoning RL, on-policy by
+default, with the choices our users reach for as config keys:
+
+- advantages: reward minus the group mean, divided by the group std unless
+  ``loss.normalize_by_std=false`` (Dr. GRPO); zero-variance groups get zero advantage;
+- loss: the clipped surrogate with ``clip_low``/``clip_high`` (DAPO's clip-higher) and an
+  optional dual clip; or REINFORCE with/without baseline;
+- length normalization as per-token loss weights: ``sequence_mean`` (GRPO), ``constant``
+  (Dr. GRPO), ``token_mean`` (DAPO);
+- optional KL penalty to the initial policy (k1/k2/k3, fixed or adaptive β), entropy bonus,
+  several epochs per rollout batch with KL early stop.
+
+Where it deviates from the paper: the KL term is off by default (β = 0, as in DAPO and
+Dr. GRPO); with one epoch per rollout batch (the default) the importance ratio is 1, so π_old
+is never computed — the loss is the on-policy policy gradient and its clipping never triggers.
+
+Each step reads top to bottom: rollout phase (sample prompts → generate → rewards →
+advantages), then optimization phase (microbatches → fused lm_head + loss → backward →
+clip → step), then metrics, evaluation and checkpoint.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import copy
+import json
+import math
+import random
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from grpo_fast import checkpoint as ckpt
+from grpo_fast import dist, plan
+from grpo_fast.batch import build_sequences, make_microbatches
+from grpo_fast.config import AUTO, Config, load_config, to_yaml
+from grpo_fast.core import AdaptiveKLController, compute_group_normalized_rewards, kl_early_stop
+from grpo_fast.errors import ConfigError, cli_errors
+from grpo_fast.evaluate import evaluate
+from grpo_fast.health import HealthMonitor, HealthThresholds
+from grpo_fast.metrics import MetricsLogger, PhaseProgress, gpu_stats, peak_memory_gb, reset_peak_memory
+from grpo_fast.model import (
+    PolicyLoss,
+    autocast_dtype,
+    load_policy,
+    load_tokenizer,
+    resolve_device,
+    response_logprobs,
+)
+from grpo_fast.optim import PromptSampler, build_optimizer, build_scheduler
+from grpo_fast.rollout import SamplingParams, make_backend
+from grpo_fast.sft import sft_warm_start
+from grpo_fast.task import Task, load_task
+
+
+@dataclass
+class TrainState:
+    """What changes from step to step and must survive a resume."""
+
+    step: int = 0
+    beta: float = 0.0
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(
+        prog="python -m grpo_fast.train",
+        description="GRPO training. Overrides are OmegaConf dot-list pairs, e.g. train.lr=3e-6 steps=50.",
+    )
+    p.add_argument("--preset", default="tiny", help="tiny (CPU, default) | smoke | rtx4090 | h100")
+    p.add_argument("--config", action="append", default=[], metavar="FILE.yaml", help="layered in order")
+    p.add_argument("overrides", nargs="*", metavar="key=value")
+    return p.parse_args(argv)
+
+
+@cli_errors
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    cfg = load_config(args.preset, args.config, args.overrides)
+    run(cfg, preset=args.preset)
+    return 0
+
+
+def seed_everything(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+
+
+def run(cfg: Config, preset: str | None = None, engine=None) -> Path:
+    """Train with ``cfg``; returns the output directory. ``engine``: a rollout engine to use
+    instead of building one (tests pass a fake vLLM engine here)."""
+    device = resolve_device(cfg)
+    world = dist.init(device.type)
+    out = Path(cfg.output_dir)
+    try:
+        return _train(cfg, device, world, out, preset, engine)
+    finally:
+        dist.shutdown()
+
+
+def _train(
+    cfg: Config, device: torch.device, world: dist.DistInfo, out: Path, preset: str | None, engine
+) -> Path:
+    t_start = time.perf_counter()
+    # Every rank starts from the same seed (same init, same prompts); sampling differs per rank
+    # because each rank generates for different prompts.
+    seed_everything(cfg.seed)
+    if world.is_main:
+        out.mkdir(parents=True, exist_ok=True)
+    dist.barrier()
+    logger = MetricsLogger(cfg, out, enabled=world.is_main)
+
+    # ---------------------------------------------------------------- setup
+    tokenizer = load_tokenizer(cfg.model.name_or_path)
+    task: Task = load_task(cfg, tokenizer)
+    model = load_policy(cfg, tokenizer, device)
+    amp = autocast_dtype(cfg, device)
+    cfg = plan.resolve_auto(cfg, model.config, device, world.world_size)
+    if world.is_main:
+        (out / "config.yaml").write_text(to_yaml(cfg))
+    r = cfg.rollout
+    n_prompts = r.batch_size // r.group_size
+    if n_prompts % world.world_size:
+        raise ConfigError(
+            f"rollout.batch_size / rollout.group_size = {n_prompts} prompts per step do not split "
+            f"evenly over {world.world_size} ranks"
+        )
+    local_prompts = n_prompts // world.world_size
+
+    state = TrainState(beta=cfg.loss.beta)
+    sampler = PromptSampler(len(task.train), cfg.seed)
+    kl_ctl = AdaptiveKLController(cfg.loss.beta, cfg.loss.target_kl) if cfg.loss.target_kl else None
+    health = HealthMonitor(
+        HealthThresholds(**{**cfg.health.thresholds, "auto_temperature_boost": cfg.health.auto_temperature})
+    )
+    ckpt_root = out / "checkpoints"
+    resume_from = ckpt.latest_checkpoint(ckpt_root) if cfg.resume else None
+
+    sft_steps = 0
+    if resume_from is None and cfg.sft.steps > 0:
+        sft_steps = sft_warm_start(
+            cfg, model, tokenizer, task, device, amp, out if world.is_main else None, logger
+        )
+    # The KL reference is the policy GRPO starts from (after any warm start).
+    ref_model = None
+    if cfg.loss.beta > 0 or kl_ctl is not None:
+        ref_model = copy.deepcopy(model).eval().requires_grad_(False)
+    optimizer = build_optimizer(cfg, model.parameters())
+    scheduler = build_scheduler(cfg, optimizer)
+
+    if resume_from is not None:
+        saved = ckpt.load_state(resume_from)
+        if saved["world_size"] != world.world_size:
+            raise ConfigError(
+                f"resume=true: {resume_from} was written by {saved['world_size']} rank(s); "
+                f"resume with the same number of ranks (now {world.world_size})"
+            )
+        ckpt.load_model_weights(model, resume_from)
+        if ref_model is not None:
+            ref_model.load_state_dict(saved["ref_model"])
+        optimizer.load_state_dict(saved["optimizer"])
+        scheduler.load_state_dict(saved["scheduler"])
+        sampler.load_state_dict(saved["sampler"])
+        health.load_state_dict(saved["health"])
+        if kl_ctl is not None:
+            kl_ctl.load_state_dict(saved["kl_controller"])
+        state = TrainState(**saved["train_state"])
+        ckpt.set_rng_state(saved["rng"][world.rank])
+        logger.truncate_after(state.step)
+        logger.event(f"resumed from {resume_from} at step {state.step}")
+
+    policy = PolicyLoss(
+        model,
+        autocast=amp,
+        loss_options=dict(
+            clip_low=cfg.loss.clip_low,
+            clip_high=cfg.loss.clip_high,
+            dual_clip=cfg.loss.dual_clip,
+            kl_estimator=cfg.loss.kl_estimator,
+            entropy_coef=cfg.loss.entropy_coef,
+            backend=cfg.loss.kernel_backend,
+            chunk_size=None if cfg.loss.chunk_size == AUTO else int(cfg.loss.chunk_size),
+        ),
+    )
+    if world.enabled:
+        from torch.nn.parallel import DistributedDataParallel as DDP
+
+        policy = DDP(policy, device_ids=[device.index] if device.type == "cuda" else None)
+    backend = make_backend(cfg, model, tokenizer, device, amp, engine=engine)
+    eval_subset = task.eval_subset(cfg.data.eval_subset_size, cfg.seed)
+
+    def run_eval(step: int, full: bool, progress: PhaseProgress | None = None) -> dict[str, float]:
+        examples = task.eval if full else eval_subset
+        if progress is not None:
+            progress.phase("eval", len(examples[world.rank :: world.world_size]))
+        advance = progress.advance_phase if progress is not None else None
+        metrics, records = evaluate(backend, task, examples, cfg, device, world=world, progress=advance)
+        prefix = "eval_full/" if full else "eval/"
+        if world.is_main:
+            _dump_samples(
+                out / "samples" / f"eval_step_{step}.jsonl", records[: cfg.logging.samples_per_dump]
+            )
+        return {prefix + k: v for k, v in metrics.items()}
+
+    if state.step == 0 and cfg.eval_every and eval_subset:
+        row = run_eval(0, full=False)
+        logger.log(0, {**row, "sft/steps": sft_steps, "world_size": world.world_size})
+        logger.event(f"step 0 (before GRPO): eval/accuracy {row['eval/accuracy']:.3f}")
+
+    # ---------------------------------------------------------------- the loop
+    params = [p for p in model.parameters() if p.requires_grad]
+    with PhaseProgress(cfg.logging.progress and world.is_main, cfg.steps, state.step) as progress:
+        for step in range(state.step + 1, cfg.steps + 1):
+            t0 = time.perf_counter()
+            reset_peak_memory(device)
+
+            # ---- rollout phase: prompts → G responses each → rewards → group advantages
+            idx = sampler.next(n_prompts)[world.rank * local_prompts : (world.rank + 1) * local_prompts]
+            examples = [task.train[i] for i in idx]
+            prompt_ids = [task.prompt_ids(e) for e in examples]
+            temperature = r.temperature + health.temperature_boost(step)
+            params_s = SamplingParams(
+                n=r.group_size,
+                temperature=temperature,
+                top_p=r.top_p,
+                max_tokens=r.max_tokens,
+                min_tokens=r.min_tokens,
+                stop=tuple(task.stop),
+            )
+            progress.phase("rollout", len(prompt_ids))
+            rollout = backend.generate(prompt_ids, params_s, progress=progress.advance_phase)
+            backend.sleep()
+            gts = [e.answer for e in examples for _ in range(r.group_size)]
+            advantages, raw_rewards, reward_meta = compute_group_normalized_rewards(
+                task.reward_fn,
+                rollout.response_text,
+                gts,
+                r.group_size,
+                cfg.loss.advantage_eps,
+                cfg.loss.normalize_by_std,
+            )
+            t_rollout = time.perf_counter() - t0
+
+            # ---- optimization phase
+            t1 = time.perf_counter()
+            lengths = [len(x) for x in rollout.response_ids]
+            # one collective for the global counts (token_mean needs Σ tokens over all ranks)
+            g_seqs, g_tokens = dist.all_reduce_sum([len(lengths), sum(lengths)], device)
+            seqs = build_sequences(
+                rollout.prompt_ids,
+                rollout.response_ids,
+                advantages,
+                length_norm=cfg.loss.length_norm,
+                max_length=r.max_tokens,
+                num_sequences=int(g_seqs),
+                num_tokens=g_tokens,
+                sampler_logprobs=rollout.sampler_logprobs if r.is_correction else None,
+            )
+            mbs = [
+                mb.to(device)
+                for mb in make_microbatches(
+                    seqs, int(cfg.train.micro_batch_size), tokenizer.pad_token_id, cfg.train.packing
+                )
+            ]
+            extra = _prepare_old_and_ref(cfg, mbs, model, ref_model, amp, temperature)
+            progress.phase("train", cfg.train.epochs_per_rollout_batch * len(mbs))
+            stats = optimize_on_rollout(
+                policy,
+                optimizer,
+                params,
+                mbs,
+                cfg,
+                world,
+                device,
+                state.beta,
+                temperature,
+                logger,
+                step,
+                on_microbatch=progress.advance_phase,
+            )
+            lr = scheduler.get_last_lr()[0]
+            scheduler.step()
+            backend.update_weights(model)
+            t_train = time.perf_counter() - t1
+
+            # ---- metrics (one all-reduce for the token-level sums across ranks)
+            totals = stats.global_totals(world, device, raw_rewards, rollout, reward_meta)
+            if kl_ctl is not None:
+                state.beta = kl_ctl.update(totals["kl"], int(g_seqs))
+            state.step = step
+            step_s = time.perf_counter() - t0
+            row = {
+                "train/loss": totals["loss"],
+                "train/reward_mean": totals["reward_mean"],
+                "train/reward_std": totals["reward_std"],
+                "train/accuracy": totals["accuracy"],
+                "train/format_rate": totals["format_rate"],
+                "train/entropy_mean": totals["entropy"],
+                "train/response_length_mean": g_tokens / max(g_seqs, 1),
+                "train/truncated_fraction": totals["truncated"],
+                "train/zero_variance_fraction": totals["zero_variance"],
+                "train/grad_norm": stats.grad_norm,
+                "train/clip_fraction": totals["clip_fraction"],
+                "train/kl": totals["kl"],
+                "train/beta": state.beta,
+                "train/lr": lr,
+                "train/temperature": temperature,
+                "time/rollout_s": t_rollout,
+                "time/train_s": t_train,
+                "time/step_s": step_s,
+                "memory/peak_gb": peak_memory_gb(device),
+                "throughput/tokens_per_s": (
+                    g_tokens + sum(map(len, rollout.prompt_ids)) * r.group_size * world.world_size
+                )
+                / step_s,
+                "world_size": world.world_size,
+                **extra,
+                **gpu_stats(device),
+            }
+            if cfg.health.enabled:
+                for ev in health.update(step, row, rollout.response_text):
+                    row[f"health/{ev.kind}"] = ev.value
+                    logger.event(f"[health] step {step} {ev.severity}: {ev.message} — {ev.suggestion}")
+                    if world.is_main:
+                        with open(out / "health.jsonl", "a") as fh:
+                            fh.write(json.dumps(ev.to_dict()) + "\n")
+            if cfg.eval_every and (step % cfg.eval_every == 0 or step == cfg.steps) and eval_subset:
+                row.update(run_eval(step, full=False, progress=progress))
+            if cfg.full_eval_every and (step % cfg.full_eval_every == 0 or step == cfg.steps):
+                row.update(run_eval(step, full=True, progress=progress))
+            if world.is_main and cfg.logging.sample_every and step % cfg.logging.sample_every == 0:
+                _dump_samples(
+                    out / "samples" / f"step_{step}.jsonl", _sample_records(task, examples, rollout, cfg)
+                )
+            logger.log(step, row)
+            logger.summary(step, cfg.steps, row)
+            progress.step_done()
+
+            if cfg.checkpoint_every and step % cfg.checkpoint_every == 0 and step < cfg.steps:
+                _save_checkpoint(
+                    cfg,
+                    ckpt_root,
+                    step,
+                    model,
+                    ref_model,
+                    tokenizer,
+                    optimizer,
+                    scheduler,
+                    sampler,
+                    health,
+                    kl_ctl,
+                    state,
+                    world,
+                )
+
+    # ---------------------------------------------------------------- the final model
+    if world.is_main:
+        ckpt.save_pretrained_atomic(model, tokenizer, out / "final")
+        logger.event(
+            f"done: {cfg.steps} steps in {time.perf_counter() - t_start:.1f}s; model in {out / 'final'}"
+        )
+    dist.barrier()
+    logger.close()
+    return out
+
+
+def optimize_on_rollout(
+    policy,
+    optimizer,
+    params,
+    mbs,
+    cfg: Config,
+    world,
+    device,
+    beta: float,
+    temperature: float,
+    logger=None,
+    step: int = 0,
+    on_microbatch=None,
+):
+    """The optimization phase on one rollout batch: ``train.epochs_per_rollout_batch`` passes,
+    each one optimizer step over all microbatches (gradients accumulated; under DDP synced once,
+    on the last microbatch), stopping early once KL(π_old ‖ π) exceeds ``loss.kl_early_stop``.
+
+    Returns the first epoch's token-level statistics (what the step's metrics report).
+    """
+    epochs = cfg.train.epochs_per_rollout_batch
+    stats = _Stats()
+    for epoch in range(epochs):
+        optimizer.zero_grad(set_to_none=True)
+        epoch_stats = _Stats()
+        for i, mb in enumerate(mbs):
+            last = i == len(mbs) - 1
+            sync = policy.no_sync() if world.enabled and not last else contextlib.nullcontext()
+            with sync:
+                out_mb = policy(mb, beta, temperature)
+                # DDP averages gradients over ranks; the weights already hold global
+                # normalizers, so scale by the world size to recover the sum.
+                (out_mb.loss * world.world_size).backward()
+            epoch_stats.add(out_mb, mb)
+            if on_microbatch is not None:
+                on_microbatch(1)
+        grad_norm = torch.nn.utils.clip_grad_norm_(params, cfg.train.grad_clip or float("inf"))
+        optimizer.step()
+        if epoch == 0:
+            stats = epoch_stats
+            stats.grad_norm = grad_norm.item()  # host-device sync, once per step
+        if epoch + 1 < epochs:
+            approx_kl = epoch_stats.kl_to_old(world, device)
+            if kl_early_stop(approx_kl, cfg.loss.kl_early_stop):
+                if logger is not None:
+                    logger.event(
+                        f"step {step}: KL(π_old ‖ π) {approx_kl:.3f} > loss.kl_early_stop={cfg.loss.kl_early_stop}, "
+                        f"stopping after epoch {epoch + 1}"
+                    )
+                break
+    return stats
+
+
+class _Stats:
+    """Token-level sums over the microbatches of one epoch (kept on the device until the end)."""
+
+    def __init__(self):
+        self.sums: torch.Tensor | None = None  # [loss, entropy, clipped, kl_ref, kl_old, tokens]
+        self.grad_norm = float("nan")
+        self.has_ref = False
+
+    def add(self, out, mb) -> None:
+        n = torch.tensor(float(mb.labels.numel()), device=out.entropy.device)
+        self.has_ref = out.kl is not None
+        kl = out.kl.sum() if out.kl is not None else torch.zeros((), device=n.device)
+        kl_old = torch.zeros((), device=n.device)
+        if mb.old_logprobs is not None:  # k3 estimate of KL(π_old ‖ π) from samples of π_old
+            d = mb.old_logprobs - out.logprobs.detach()
+            kl_old = (torch.exp(d) - d - 1).sum()
+        row = torch.stack(
+            [out.loss.detach().float(), out.entropy.sum(), out.clipped.float().sum(), kl, kl_old, n]
+        )
+        self.sums = row if self.sums is None else self.sums + row
+
+    def kl_to_old(self, world: dist.DistInfo, device: torch.device) -> float:
+        s = dist.all_reduce_sum(self.sums.tolist(), device)  # host-device sync
+        return s[4] / max(s[5], 1.0)
+
+    def global_totals(self, world, device, raw_rewards, rollout, reward_meta) -> dict[str, float]:
+        s = self.sums.tolist() if self.sums is not None else [0.0] * 6  # host-device sync
+        r = raw_rewards.double()
+        truncated = sum(f == "length" for f in rollout.finish_reason)
+        acc = reward_meta.get("answer_reward_mean", float((raw_rewards == 1).float().mean().item()))
+        fmt = reward_meta.get("format_reward_mean", float("nan"))
+        n = len(raw_rewards)
+        local = [
+            *s,
+            r.sum().item(),
+            (r * r).sum().item(),
+            acc * n,
+            fmt * n,
+            truncated,
+            n,
+            reward_meta["zero_variance_groups"],
+            reward_meta["num_groups"],
+        ]
+        g = dist.all_reduce_sum(local, device)
+        loss, ent, clipped, kl, kl_old, tokens, rsum, rsq, accn, fmtn, trunc, nseq, zv, ngroups = g
+        tokens = max(tokens, 1.0)
+        mean = rsum / nseq
+        var = max(rsq / nseq - mean * mean, 0.0) * nseq / max(nseq - 1, 1)  # unbiased, as torch.std
+        return {
+            "loss": loss,
+            "entropy": ent / tokens,
+            "clip_fraction": clipped / tokens,
+            # KL to the reference policy when there is one, else to π_old (0 when on-policy)
+            "kl": (kl if self.has_ref else kl_old) / tokens,
+            "reward_mean": mean,
+            "reward_std": math.sqrt(var),
+            "accuracy": accn / nseq,
+            "format_rate": fmtn / nseq,
+            "truncated": trunc / nseq,
+            "zero_variance": zv / max(ngroups, 1),
+        }
+
+
+def _prepare_old_and_ref(cfg, mbs, model, ref_model, amp, temperature) -> dict[str, float]:
+    """No-grad passes for π_old (several epochs, or the sampler-mismatch correction) and π_ref.
+
+    On-policy with one epoch (the default) neither runs: π_old is π itself (ratio 1).
+    """
+    extra: dict[str, float] = {}
+    need_old = cfg.train.epochs_per_rollout_batch > 1 or cfg.rollout.is_correction
+    if need_old:
+        diffs = []
+        for mb in mbs:
+            mb.old_logprobs, _ = response_logprobs(
+                model, mb, temperature=temperature, autocast=amp, backend=cfg.loss.kernel_backend
+            )
+            if cfg.rollout.is_correction and mb.sampler_logprobs is not None:
+                delta = mb.old_logprobs - mb.sampler_logprobs
+                diffs.append(delta.abs())
+                # truncated importance weight ρ = min(exp(logp_trainer − logp_sampler), C)
+                mb.loss_weights = mb.loss_weights * torch.exp(delta).clamp(max=cfg.rollout.is_cap)
+        if diffs:
+            extra["rollout/logprob_abs_diff"] = torch.cat(diffs).mean().item()  # host-device sync
+    if ref_model is not None:
+        for mb in mbs:
+            mb.ref_logprobs, _ = response_logprobs(
+                ref_model, mb, temperature=temperature, autocast=amp, backend=cfg.loss.kernel_backend
+            )
+    return extra
+
+
+def _sample_records(task, examples, rollout, cfg) -> list[dict]:
+    g = cfg.rollout.group_size
+    recs = []
+    for i, text in enumerate(rollout.response_text[: cfg.logging.samples_per_dump]):
+        ex = examples[i // g]
+        recs.append(
+            {
+                "prompt": task.prompt_text(ex),
+                "response": text,
+                "ground_truth": ex.answer,
+                **task.reward_fn(text, ex.answer),
+                "length": len(rollout.response_ids[i]),
+                "finish_reason": rollout.finish_reason[i],
+            }
+        )
+    return recs
+
+
+def _dump_samples(path: Path, records: list[dict]) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "w") as fh:
+        for rec in records:
+            fh.write(json.dumps(rec) + "\n")
+
+
+def _save_checkpoint(
+    cfg, root, step, model, ref_model, tokenizer, optimizer, scheduler, sampler, health, kl_ctl, state, world
+) -> None:
+    rngs = dist.all_gather_objects(ckpt.rng_state())  # every rank's RNG, for an exact resume
+    if world.is_main:
+        extra = {
+            "train_state": {"step": state.step, "beta": state.beta},
+            "optimizer": optimizer.state_dict(),
+            "scheduler": scheduler.state_dict(),
+            "sampler": sampler.state_dict(),
+            "health": health.state_dict(),
+            "rng": rngs,
+            "world_size": world.world_size,
+        }
+        if kl_ctl is not None:
+            extra["kl_controller"] = kl_ctl.state_dict()
+        if ref_model is not None:
+            extra["ref_model"] = ref_model.state_dict()
+        ckpt.save_checkpoint(root, step, model, tokenizer, extra, keep=cfg.keep_checkpoints)
+    dist.barrier()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,107 @@
+"""Rollout → microbatches: response positions, weights, packing, and the fused loss on them."""
+
+import pytest
+import torch
+
+from grpo_fast import core, tiny
+from grpo_fast.batch import build_sequences, make_microbatches
+from grpo_fast.model import PolicyLoss, response_hidden_states
+
+
+def _rollout():
+    prompts = [[5, 6, 7], [8, 9]]
+    responses = [[3, 1], [4, 4, 4, 1], [10], [11, 12, 1]]  # group size 2
+    adv = torch.tensor([1.0, -1.0, 0.5, -0.5])
+    return prompts, responses, adv
+
+
+def test_sequences_and_sequence_mean_weights():
+    prompts, responses, adv = _rollout()
+    seqs = build_sequences(prompts, responses, adv, length_norm="sequence_mean", max_length=4)
+    assert [s.tokens for s in seqs] == [[5, 6, 7, 3, 1], [5, 6, 7, 4, 4, 4, 1], [8, 9, 10], [8, 9, 11, 12, 1]]
+    assert [s.n_prompt for s in seqs] == [3, 3, 2, 2]
+    # sequence_mean: 1 / (length · B) with B = 4 → 1/8, 1/16, 1/4, 1/12
+    assert [s.weight for s in seqs] == pytest.approx([1 / 8, 1 / 16, 1 / 4, 1 / 12])
+    tm = build_sequences(prompts, responses, adv, length_norm="token_mean", max_length=4)
+    assert [s.weight for s in tm] == pytest.approx([1 / 10] * 4)  # 10 response tokens
+
+
+def test_empty_responses_are_dropped():
+    seqs = build_sequences(
+        [[1, 2]], [[3], []], torch.tensor([1.0, -1.0]), length_norm="token_mean", max_length=4
+    )
+    assert len(seqs) == 1 and seqs[0].weight == 1.0
+
+
+@pytest.mark.parametrize("packing", [False, True], ids=["padded", "packed"])
+def test_microbatch_selects_exactly_the_response_labels(packing):
+    prompts, responses, adv = _rollout()
+    seqs = build_sequences(prompts, responses, adv, length_norm="sequence_mean", max_length=4)
+    mbs = make_microbatches(seqs, micro_batch_size=2, pad_id=0, packing=packing)
+    labels, weights = [], []
+    for mb in mbs:
+        # the label of each selected position is the token that follows it
+        nxt = torch.cat([mb.input_ids[:, 1:], torch.zeros_like(mb.input_ids[:, :1])], dim=1)
+        assert torch.equal(nxt[mb.select], mb.labels)
+        labels += mb.labels.tolist()
+        weights += mb.loss_weights.tolist()
+    # every response token appears once, and the weights still sum to 1 (one per-sequence mean each)
+    assert sorted(labels) == sorted(t for r in responses for t in r)
+    assert sum(weights) == pytest.approx(1.0)
+    if packing:
+        assert all(mb.attention_mask is None and mb.position_ids is not None for mb in mbs)
+
+
+def test_packed_forward_equals_padded_forward():
+    """Packing changes the layout, never the numbers: the same hidden states at response positions."""
+    tok = tiny.build_tokenizer()
+    model = tiny.build_model(tok, seed=0).eval()
+    prompts, responses, adv = _rollout()
+    seqs = build_sequences(prompts, responses, adv, length_norm="sequence_mean", max_length=4)
+    ref = {}
+    for mb in make_microbatches(seqs, 8, 0, packing=False):
+        h = response_hidden_states(model, mb)
+        ref = dict(zip(range(len(h)), h))
+    packed = make_microbatches(seqs, 8, 0, packing=True)
+    assert len(packed) == 1 and packed[0].input_ids.shape[0] == 1  # all four sequences share one row
+    h_packed = response_hidden_states(model, packed[0])
+    # same multiset of (label, hidden) pairs: match by label order within the sorted layouts
+    pad = make_microbatches(seqs, 8, 0, packing=False)[0]
+    key = lambda labels, h: sorted(zip(labels.tolist(), h.sum(-1).tolist()))
+    got, want = key(packed[0].labels, h_packed), key(pad.labels, torch.stack(list(ref.values())))
+    for (la, a), (lb, b) in zip(got, want):
+        assert la == lb and a == pytest.approx(b, rel=1e-4, abs=1e-4)
+
+
+def test_policy_loss_equals_the_eager_course_loss():
+    """PolicyLoss (fused lm_head + loss on response positions) = the CS336 per-sequence GRPO loss."""
+    torch.manual_seed(0)
+    tok = tiny.build_tokenizer()
+    model = tiny.build_model(tok, seed=0)
+    prompts, responses, adv = _rollout()
+    seqs = build_sequences(prompts, responses, adv, length_norm="sequence_mean", max_length=4)
+    mbs = make_microbatches(seqs, 2, 0, packing=False)
+    policy = PolicyLoss(model, autocast=None, loss_options={"backend": "torch_chunked"})
+    total = sum(policy(mb, beta=0.0, temperature=1.0).loss for mb in mbs)
+    total.backward()
+    fused_grad = model.model.embed_tokens.weight.grad.clone()
+    model.zero_grad()
+
+    # eager: full logits, CS336 helpers, per-sequence masked mean, batch mean
+    seq_tokens = [s.tokens for s in seqs]
+    width = max(map(len, seq_tokens))
+    ids = torch.zeros(len(seqs), width, dtype=torch.long)
+    mask = torch.zeros(len(seqs), width, dtype=torch.bool)
+    for i, s in enumerate(seqs):
+        ids[i, : len(s.tokens)] = torch.tensor(s.tokens)
+        mask[i, s.n_prompt : len(s.tokens)] = True
+    lp = core.get_response_log_probs(model, ids[:, :-1], ids[:, 1:])["log_probs"]
+    a = torch.tensor([s.advantage for s in seqs])[:, None]
+    per_token, _ = core.compute_policy_gradient_loss(
+        lp, "grpo_clip", advantages=a, old_log_probs=lp.detach(), cliprange=0.2
+    )
+    eager = core.masked_mean(per_token, mask[:, 1:], dim=-1).mean()
+    eager.backward()
+    # fp32 both ways: the same sums in a different order
+    torch.testing.assert_close(total, eager, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(fused_grad, model.model.embed_tokens.weight.grad, rtol=1e-4, atol=1e-6)

@@ -1,0 +1,118 @@
+"""Config layering and validation, and the CLI's one-line errors for bad configs."""
+
+import subprocess
+import sys
+
+import pytest
+
+from grpo_fast.config import PRESETS, Config, load_config, to_yaml
+from grpo_fast.errors import ConfigError
+
+
+def test_defaults_live_once_in_the_dataclasses():
+    cfg = load_config()
+    assert cfg == Config()
+    # a preset only overrides: what it does not name keeps the dataclass default
+    tiny = load_config("tiny")
+    assert tiny.loss.clip_low == Config().loss.clip_low
+    assert tiny.rollout.group_size == PRESETS["tiny"]["rollout"]["group_size"]
+
+
+def test_layering_order_preset_then_files_then_overrides(tmp_path):
+    a = tmp_path / "a.yaml"
+    a.write_text("train:\n  lr: 1.0e-4\nsteps: 7\n")
+    b = tmp_path / "b.yaml"
+    b.write_text("train:\n  lr: 2.0e-4\n")
+    cfg = load_config("tiny", [str(a), str(b)], ["steps=9"])
+    assert cfg.train.lr == 2e-4  # b.yaml over a.yaml
+    assert cfg.steps == 9  # the override over a.yaml
+    assert cfg.rollout.max_tokens == PRESETS["tiny"]["rollout"]["max_tokens"]  # the preset under both
+    assert cfg.train.betas == (0.9, 0.999) and isinstance(cfg.train.betas, tuple)
+
+
+def test_resolved_yaml_round_trips(tmp_path):
+    cfg = load_config("tiny", overrides=["loss.beta=0.05", "loss.target_kl=0.1"])
+    f = tmp_path / "config.yaml"
+    f.write_text(to_yaml(cfg))
+    assert load_config(config_files=[str(f)]) == cfg
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        (
+            ["train.lrr=1e-4"],
+            "unknown config key 'train.lrr' in override train.lrr=... (did you mean 'train.lr'?)",
+        ),
+        (["rollout.tempreature=0.7"], "did you mean 'rollout.temperature'?"),
+        (["steps=0"], "steps must be > 0, got 0"),
+        (["steps=-3"], "steps must be > 0, got -3"),
+        (["steps=many"], "config key 'steps'"),
+        (["rollout.batch_size=100"], "rollout.batch_size=100 is not a multiple of rollout.group_size=8"),
+        (["loss.type=ppo"], "loss.type='ppo' is not one of"),
+        (["loss.length_norm=tokens"], "loss.length_norm='tokens' is not one of"),
+        (["train.micro_batch_size=0"], "train.micro_batch_size=0 is out of range"),
+        (["loss.target_kl=0.1"], "loss.target_kl needs an initial loss.beta > 0"),
+        (["rollout.top_p=0"], "rollout.top_p must be in (0, 1]"),
+        (["train.betas=[0.9,1.5]"], "train.betas must be two numbers in [0, 1)"),
+        (["loss.dual_clip=0.5"], "loss.dual_clip must be > 1"),
+        (["nonsense"], "override 'nonsense' is not of the form key=value"),
+    ],
+)
+def test_bad_config_names_the_key(overrides, message):
+    with pytest.raises(ConfigError) as err:
+        load_config("tiny", overrides=overrides)
+    assert message in str(err.value)
+
+
+def test_bad_yaml_file_names_file_and_line(tmp_path):
+    f = tmp_path / "bad.yaml"
+    f.write_text("train:\n  lr: [1, 2\n")
+    with pytest.raises(ConfigError, match=r"bad.yaml line \d+ is not valid YAML"):
+        load_config("tiny", [str(f)])
+    g = tmp_path / "unknown.yaml"
+    g.write_text("trian:\n  lr: 1\n")
+    with pytest.raises(
+        ConfigError,
+        match=r"unknown config key 'trian' in config file .*unknown.yaml \(did you mean 'train'\?\)",
+    ):
+        load_config("tiny", [str(g)])
+    with pytest.raises(ConfigError, match=r"missing\.yaml not found"):
+        load_config("tiny", [str(tmp_path / "missing.yaml")])
+
+
+def test_gpu_presets_refuse_a_cpu_machine_but_can_be_planned():
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a GPU")
+    with pytest.raises(ConfigError, match="preset 'rtx4090' needs a CUDA GPU"):
+        load_config("rtx4090")
+    assert load_config("rtx4090", check_device=False).train.optimizer == "adamw8bit"
+
+
+def _cli(*args):
+    return subprocess.run(
+        [sys.executable, "-m", "grpo_fast.train", *args], capture_output=True, text=True, timeout=120
+    )
+
+
+@pytest.mark.parametrize(
+    ("args", "needle"),
+    [
+        (["--preset", "tiny", "train.lrr=1"], "did you mean 'train.lr'?"),
+        (["--preset", "tiny", "steps=0"], "steps must be > 0"),
+        (["--preset", "tiny", "rollout.batch_size=12"], "not a multiple of rollout.group_size"),
+        (["--preset", "nope"], "unknown preset 'nope'"),
+        (
+            ["--preset", "tiny", "data.train_path=/nonexistent/train.jsonl"],
+            "/nonexistent/train.jsonl: file not found",
+        ),
+    ],
+)
+def test_cli_bad_config_is_one_line_exit_2_no_traceback(args, needle):
+    res = _cli(*args)
+    assert res.returncode == 2, res.stderr
+    lines = [ln for ln in res.stderr.splitlines() if ln.strip()]
+    assert len(lines) == 1 and lines[0].startswith("error: ") and needle in lines[0], res.stderr
+    assert "Traceback" not in res.stderr

@@ -1,0 +1,186 @@
+"""Engine pieces: checkpoints, LR schedule, prompt sampler, memory planner, HF rollouts."""
+
+import pytest
+import torch
+
+from grpo_fast import checkpoint as ckpt
+from grpo_fast import plan, tiny
+from grpo_fast.config import load_config
+from grpo_fast.errors import ConfigError
+from grpo_fast.optim import PromptSampler, build_optimizer, lr_factor
+from grpo_fast.rollout.base import SamplingParams
+from grpo_fast.rollout.hf import HFBackend
+
+# ---------------------------------------------------------------------------- checkpoints
+
+
+def test_checkpoint_is_atomic_loadable_and_pruned(tmp_path):
+    tok = tiny.build_tokenizer()
+    model = tiny.build_model(tok, seed=0)
+    for step in (10, 20, 30):
+        ckpt.save_checkpoint(tmp_path, step, model, tok, {"train_state": {"step": step}}, keep=2)
+    assert [p.name for p in ckpt.list_checkpoints(tmp_path)] == ["step_000020", "step_000030"]
+    # a half-written checkpoint (killed mid-write) is ignored
+    (tmp_path / "step_000040.tmp").mkdir()
+    (tmp_path / "step_000050").mkdir()  # no trainer_state.pt: incomplete
+    assert ckpt.latest_checkpoint(tmp_path).name == "step_000030"
+    assert ckpt.load_state(tmp_path / "step_000030")["train_state"]["step"] == 30
+    # Hugging Face format: transformers loads it as it is
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path / "step_000030")
+    for a, b in zip(model.state_dict().values(), loaded.state_dict().values()):
+        torch.testing.assert_close(a, b)
+    assert (
+        AutoTokenizer.from_pretrained(tmp_path / "step_000030")("12+3=")["input_ids"]
+        == tok("12+3=")["input_ids"]
+    )
+    other = tiny.build_model(tok, seed=1)
+    ckpt.load_model_weights(other, tmp_path / "step_000030")
+    torch.testing.assert_close(other.lm_head.weight, model.lm_head.weight)
+
+
+def test_final_model_replacement_keeps_a_complete_copy(tmp_path):
+    tok = tiny.build_tokenizer()
+    ckpt.save_pretrained_atomic(tiny.build_model(tok, seed=0), tok, tmp_path / "final")
+    ckpt.save_pretrained_atomic(tiny.build_model(tok, seed=1), tok, tmp_path / "final")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["final"]
+
+
+def test_rng_state_round_trip():
+    state = ckpt.rng_state()
+    a = (torch.rand(3), __import__("random").random())
+    ckpt.set_rng_state(state)
+    b = (torch.rand(3), __import__("random").random())
+    assert torch.equal(a[0], b[0]) and a[1] == b[1]
+
+
+# ---------------------------------------------------------------------------- optimizer, schedule, sampler
+
+
+def test_lr_schedule_hand_values():
+    cfg = load_config(
+        "tiny",
+        overrides=["steps=100", "train.warmup_steps=10", "train.schedule=cosine", "train.min_lr_ratio=0.1"],
+    )
+    assert lr_factor(4, cfg) == pytest.approx(0.5)  # (4+1)/10
+    assert lr_factor(10, cfg) == pytest.approx(1.0)
+    # halfway through the cosine: 0.1 + 0.9·(1 + cos(π/2))/2 = 0.55
+    assert lr_factor(55, cfg) == pytest.approx(0.55)
+    assert lr_factor(100, cfg) == pytest.approx(0.1)
+    lin = load_config("tiny", overrides=["steps=10", "train.schedule=linear", "train.warmup_steps=0"])
+    assert lr_factor(5, lin) == pytest.approx(0.5)
+
+
+def test_adamw8bit_runs_on_cpu():
+    cfg = load_config("tiny", overrides=["train.optimizer=adamw8bit"])
+    p = torch.nn.Parameter(torch.randn(4096))
+    opt = build_optimizer(cfg, [p])
+    assert type(opt).__name__ == "AdamW8bit"
+    before = p.detach().clone()
+    p.square().sum().backward()
+    opt.step()
+    assert not torch.equal(before, p.detach())
+    assert opt.state[p]["state1"].dtype == torch.uint8  # 1 byte per moment
+
+
+def test_prompt_sampler_covers_each_pass_and_resumes_exactly():
+    s = PromptSampler(10, seed=3)
+    first = s.next(4) + s.next(6)
+    assert sorted(first) == list(range(10))
+    state = s.state_dict()
+    ahead = s.next(7)
+    t = PromptSampler(10, seed=3)
+    t.load_state_dict(state)
+    assert t.next(7) == ahead
+
+
+# ---------------------------------------------------------------------------- memory planner
+
+
+def test_plan_rtx4090_fits_24gb_and_counts_what_it_should():
+    cfg = load_config("rtx4090", check_device=False, overrides=["train.micro_batch_size=auto"])
+    arch = plan.arch_for(cfg)
+    assert arch.num_params == pytest.approx(1.54e9, rel=0.01)  # Qwen2.5-1.5B: 1.54 B parameters
+    p = plan.plan_memory(cfg, arch, 24e9)
+    # fp32 master weights and gradients: 4 B/param each; 8-bit AdamW: 2 B/param
+    assert p.weights == p.grads == arch.num_params * 4
+    assert p.optimizer == arch.num_params * 2
+    assert p.micro_batch_size >= 1 and p.train_peak <= 24e9
+    assert 0.05 < p.gpu_memory_utilization < 0.9 and p.vllm_kv_tokens > 100_000
+    # Qwen2.5-1.5B KV cache: 2 (K,V) · 28 layers · 2 KV heads · 128 · 2 B = 28,672 B/token
+    assert p.vllm_kv_per_token == 28_672
+    # without gradient checkpointing activations grow by ~the layer count
+    no_ckpt = plan.plan_memory(
+        load_config("rtx4090", check_device=False, overrides=["model.gradient_checkpointing=false"]),
+        arch,
+        24e9,
+    )
+    assert no_ckpt.activation_per_token > 10 * p.activation_per_token
+
+
+def test_plan_refuses_what_cannot_fit():
+    cfg = load_config(
+        "rtx4090", check_device=False, overrides=["train.micro_batch_size=auto", "train.optimizer=adamw"]
+    )
+    with pytest.raises(ConfigError, match="no room for one 1536-token sequence on a 12 GB card"):
+        plan.plan_memory(cfg, plan.arch_for(cfg), 12e9)
+
+
+def test_plan_cli_prints_the_budget(capsys):
+    assert plan.main(["--preset", "rtx4090", "--gpu-mem-gb", "24"]) == 0
+    out = capsys.readouterr().out
+    for needle in (
+        "weights",
+        "optimizer state",
+        "vLLM KV cache",
+        "train.micro_batch_size",
+        "rollout.gpu_memory_utilization",
+    ):
+        assert needle in out
+
+
+# ---------------------------------------------------------------------------- HF rollouts
+
+
+def test_hf_backend_groups_stop_and_eos():
+    tok = tiny.build_tokenizer()
+    model = tiny.build_model(tok, seed=0)
+    backend = HFBackend(model, tok, generation_batch_size=8)
+    prompts = [tok("1+2=")["input_ids"], tok("33+44=")["input_ids"]]
+    torch.manual_seed(0)
+    out = backend.generate(
+        prompts, SamplingParams(n=3, temperature=1.0, top_p=1.0, max_tokens=5, min_tokens=0)
+    )
+    assert len(out.response_ids) == 6 and out.group_size == 3
+    for ids, reason in zip(out.response_ids, out.finish_reason):
+        assert 1 <= len(ids) <= 5
+        if tok.eos_token_id in ids:
+            assert ids.index(tok.eos_token_id) == len(ids) - 1 and reason == "stop"
+        else:
+            assert len(ids) == 5 and reason == "length"
+    assert model.training  # generate() restores the training mode
+    greedy = backend.generate(
+        prompts, SamplingParams(n=1, temperature=0.0, top_p=1.0, max_tokens=5, min_tokens=0)
+    )
+    again = backend.generate(
+        prompts, SamplingParams(n=1, temperature=0.0, top_p=1.0, max_tokens=5, min_tokens=0)
+    )
+    assert greedy.response_ids == again.response_ids
+
+
+def test_hf_backend_cuts_at_a_stop_string_and_keeps_it():
+    tok = tiny.build_tokenizer()
+    from grpo_fast.rollout.hf import _trim
+
+    params = SamplingParams(n=1, temperature=1.0, top_p=1.0, max_tokens=6, min_tokens=0, stop=("+",))
+    ids = tok("12+3")["input_ids"] + [tok.pad_token_id] * 2
+    kept, reason = _trim(ids, tok, params)
+    assert tok.decode(kept) == "12+" and reason == "stop"
+
+
+def test_tiny_model_matches_the_planner_count():
+    tok = tiny.build_tokenizer()
+    model = tiny.build_model(tok, seed=0)
+    n = sum(p.numel() for p in model.parameters())  # tied embeddings counted once
+    assert plan.Arch.from_hf_config(model.config).num_params == n
