@@ -1,0 +1,157 @@
+"""Data parallelism on CPU with gloo: 2 ranks train exactly like 1 rank, and torchrun runs the preset."""
+
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+
+from grpo_fast import dist, tiny
+from grpo_fast.batch import build_sequences, make_microbatches
+from grpo_fast.config import load_config
+from grpo_fast.model import PolicyLoss
+from grpo_fast.optim import build_optimizer
+from grpo_fast.train import optimize_on_rollout
+
+GROUP = 4
+PROMPTS = 4  # 16 responses: each of 2 ranks takes 2 whole groups
+
+
+def _global_rollout():
+    """A fixed synthetic rollout batch: prompts, responses of mixed lengths, advantages."""
+    g = torch.Generator().manual_seed(123)
+    prompts = [
+        torch.randint(3, 15, (int(torch.randint(3, 7, (1,), generator=g)),), generator=g).tolist()
+        for _ in range(PROMPTS)
+    ]
+    responses = [
+        [*torch.randint(3, 15, (int(torch.randint(1, 5, (1,), generator=g)),), generator=g).tolist(), 1]
+        for _ in range(PROMPTS * GROUP)
+    ]
+    adv = torch.randn(PROMPTS * GROUP, generator=g)
+    return prompts, responses, adv
+
+
+def _one_step(cfg, rank: int, world_size: int) -> dict[str, torch.Tensor]:
+    """One optimizer step on this rank's share of the global rollout batch; returns the weights."""
+    tok = tiny.build_tokenizer()
+    model = tiny.build_model(tok, seed=0)
+    world = dist.DistInfo(rank=rank, world_size=world_size)
+    prompts, responses, adv = _global_rollout()
+    per_rank = PROMPTS // world_size
+    p_lo, p_hi = rank * per_rank, (rank + 1) * per_rank
+    my_prompts, my_resp = prompts[p_lo:p_hi], responses[p_lo * GROUP : p_hi * GROUP]
+    my_adv = adv[p_lo * GROUP : p_hi * GROUP]
+    lengths = [len(r) for r in my_resp]
+    n_seq, n_tok = dist.all_reduce_sum([len(lengths), sum(lengths)], torch.device("cpu"))  # as the loop does
+    seqs = build_sequences(
+        my_prompts,
+        my_resp,
+        my_adv,
+        length_norm=cfg.loss.length_norm,
+        max_length=cfg.rollout.max_tokens,
+        num_sequences=int(n_seq),
+        num_tokens=n_tok,
+    )
+    mbs = make_microbatches(seqs, int(cfg.train.micro_batch_size), tok.pad_token_id, packing=False)
+    policy = PolicyLoss(model, autocast=None, loss_options={"backend": "torch_chunked"})
+    if world.enabled:
+        from torch.nn.parallel import DistributedDataParallel as DDP
+
+        policy = DDP(policy)
+    params = list(model.parameters())
+    optimizer = build_optimizer(cfg, params)
+    optimize_on_rollout(
+        policy, optimizer, params, mbs, cfg, world, torch.device("cpu"), beta=0.0, temperature=1.0
+    )
+    state = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    state.update({f"grad/{n}": p.grad.detach().clone() for n, p in model.named_parameters()})
+    return state
+
+
+def _worker(rank, world_size, port, overrides, out_path):
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        RANK=str(rank),
+        WORLD_SIZE=str(world_size),
+        LOCAL_RANK=str(rank),
+        OMP_NUM_THREADS="1",
+    )
+    torch.set_num_threads(1)
+    info = dist.init("cpu")
+    assert info.world_size == world_size
+    cfg = load_config("tiny", overrides=overrides)
+    state = _one_step(cfg, rank, world_size)
+    if rank == 0:
+        torch.save(state, out_path)
+    dist.shutdown()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.parametrize("length_norm", ["sequence_mean", "token_mean", "constant"])
+def test_one_step_on_two_ranks_equals_one_rank(tmp_path, length_norm):
+    # micro batch 3 on 16 sequences: uneven microbatches, different splits on 1 and 2 ranks;
+    # the tiny preset's optimizer settings (AdamW, lr 1e-4)
+    overrides = [f"loss.length_norm={length_norm}", "train.micro_batch_size=3"]
+    out = tmp_path / "rank0.pt"
+    mp.spawn(_worker, args=(2, _free_port(), overrides, str(out)), nprocs=2, join=True)
+    two = torch.load(out)
+    one = _one_step(load_config("tiny", overrides=overrides), rank=0, world_size=1)
+    start = tiny.build_model(tiny.build_tokenizer(), seed=0).state_dict()
+    weights = [k for k in one if not k.startswith("grad/")]
+    moved = max((one[k] - start[k]).abs().max().item() for k in weights)
+    assert moved > 5e-5  # the step did change the weights (Adam's first step moves each by ≈ lr)
+    worst = max((one[k] - two[k]).abs().max().item() for k in weights)
+    assert worst <= 1e-6, worst
+    # the all-reduced gradient is the 1-rank gradient up to fp32 summation order: a few ulps of
+    # the tensor's largest entry (fp32 eps ≈ 1.2e-7) where terms cancel
+    for k in (k for k in one if k.startswith("grad/")):
+        torch.testing.assert_close(two[k], one[k], rtol=1e-5, atol=1e-6 * one[k].abs().max().item())
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(
+    shutil.which("torchrun") is None
+    and not os.path.exists(os.path.join(os.path.dirname(sys.executable), "torchrun")),
+    reason="torchrun not found",
+)
+def test_torchrun_tiny_preset_on_two_cpu_ranks(tmp_path):
+    torchrun = shutil.which("torchrun") or os.path.join(os.path.dirname(sys.executable), "torchrun")
+    cmd = [
+        torchrun,
+        "--standalone",
+        "--nproc_per_node=2",
+        "-m",
+        "grpo_fast.train",
+        "--preset",
+        "tiny",
+        f"output_dir={tmp_path}",
+        "steps=4",
+        "sft.steps=30",
+        "eval_every=2",
+        "checkpoint_every=2",
+        "data.eval_subset_size=32",
+        "logging.progress=false",
+    ]
+    res = subprocess.run(
+        cmd, capture_output=True, text=True, timeout=900, env={**os.environ, "OMP_NUM_THREADS": "1"}
+    )
+    assert res.returncode == 0, res.stderr[-3000:]
+    rows = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [0, 1, 2, 3, 4]  # rank 0 alone writes the metrics
+    assert all(r["world_size"] == 2 for r in rows)
+    assert (tmp_path / "checkpoints" / "step_000002" / "trainer_state.pt").is_file()
+    state = torch.load(tmp_path / "checkpoints" / "step_000002" / "trainer_state.pt", weights_only=False)
+    assert state["world_size"] == 2 and len(state["rng"]) == 2  # every rank's RNG, for resume
+    assert (tmp_path / "final" / "model.safetensors").is_file()
