@@ -291,6 +291,11 @@ def _too_costly(s: str) -> bool:
 # verify(..., timeout_seconds=None) turn off its own signal.alarm timeouts.
 _WORKER_SOURCE = r"""
 import json, logging, signal, sys
+try:  # Linux: die with the parent, even when it is SIGKILLed (PR_SET_PDEATHSIG = 1)
+    import ctypes
+    ctypes.CDLL(None).prctl(1, signal.SIGKILL)
+except (OSError, AttributeError):
+    pass
 logging.disable(logging.CRITICAL)
 reply, sys.stdout = sys.stdout, sys.stderr  # stray prints must not corrupt the protocol
 from math_verify import parse, verify

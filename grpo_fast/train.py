@@ -83,7 +83,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     cfg = load_config(args.preset, args.config, args.overrides)
-    run(cfg, preset=args.preset)
+    run(cfg)
     return 0
 
 
@@ -93,21 +93,19 @@ def seed_everything(seed: int) -> None:
     torch.manual_seed(seed)
 
 
-def run(cfg: Config, preset: str | None = None, engine=None) -> Path:
+def run(cfg: Config, engine=None) -> Path:
     """Train with ``cfg``; returns the output directory. ``engine``: a rollout engine to use
     instead of building one (tests pass a fake vLLM engine here)."""
     device = resolve_device(cfg)
     world = dist.init(device.type)
     out = Path(cfg.output_dir)
     try:
-        return _train(cfg, device, world, out, preset, engine)
+        return _train(cfg, device, world, out, engine)
     finally:
         dist.shutdown()
 
 
-def _train(
-    cfg: Config, device: torch.device, world: dist.DistInfo, out: Path, preset: str | None, engine
-) -> Path:
+def _train(cfg: Config, device: torch.device, world: dist.DistInfo, out: Path, engine) -> Path:
     t_start = time.perf_counter()
     # Every rank starts from the same seed (same init, same prompts); sampling differs per rank
     # because each rank generates for different prompts.
@@ -142,16 +140,21 @@ def _train(
     )
     ckpt_root = out / "checkpoints"
     resume_from = ckpt.latest_checkpoint(ckpt_root) if cfg.resume else None
+    if cfg.resume and resume_from is None:
+        logger.event(f"resume=true but {ckpt_root} holds no checkpoint: starting from scratch")
 
     sft_steps = 0
     if resume_from is None and cfg.sft.steps > 0:
         sft_steps = sft_warm_start(
             cfg, model, tokenizer, task, device, amp, out if world.is_main else None, logger
         )
-    # The KL reference is the policy GRPO starts from (after any warm start).
+    # The KL reference is the policy GRPO starts from (after any warm start), frozen, kept in
+    # the autocast dtype when there is one (bf16: half the memory of fp32 master weights).
     ref_model = None
     if cfg.loss.beta > 0 or kl_ctl is not None:
         ref_model = copy.deepcopy(model).eval().requires_grad_(False)
+        if amp is not None:
+            ref_model.to(amp)
     optimizer = build_optimizer(cfg, model.parameters())
     scheduler = build_scheduler(cfg, optimizer)
 
