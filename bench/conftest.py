@@ -9,6 +9,7 @@ device copy measured in the same session (or ``tflops`` for the matmul-bound fus
 
 from __future__ import annotations
 
+import contextlib
 import os
 import platform
 from collections.abc import Callable
@@ -78,7 +79,7 @@ def run_bench(benchmark, copy_bandwidth):
         # other work on the machine shows here: a 2-core CPU at load 4 is 2x oversubscribed, and
         # torch_chunked's many small ops then wait on OpenMP barriers (seconds instead of ms)
         info["load_average_1m"] = os.getloadavg()[0]
-        info["device"] = torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor()
+        info["device"] = torch.cuda.get_device_name(device) if device.type == "cuda" else _cpu_name()
         if device.type == "cuda":
             info["peak_memory_bytes"] = peak_cuda_memory(step)
             seconds = benchmark.stats.stats.mean
@@ -93,3 +94,11 @@ def run_bench(benchmark, copy_bandwidth):
             info["peak_memory_bytes"] = peak_rss_growth(build, *args)
 
     return run
+
+
+def _cpu_name() -> str:
+    """The CPU model (``platform.processor()`` is empty on Linux), with the core count."""
+    name = platform.processor() or platform.machine()
+    with contextlib.suppress(OSError), open("/proc/cpuinfo") as f:
+        name = next((ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")), name)
+    return f"{name} ({os.cpu_count()} cores)"

@@ -22,7 +22,18 @@ from collections.abc import Callable
 
 import torch
 
-__all__ = ["peak_cuda_memory", "peak_rss_growth"]
+__all__ = ["peak_cuda_memory", "peak_rss_growth", "process_peak_bytes", "reset_process_peak"]
+
+
+def process_peak_bytes() -> int:
+    """This process's peak resident memory since the last ``reset_process_peak`` (VmHWM)."""
+    return _status_bytes("VmHWM")
+
+
+def reset_process_peak() -> None:
+    """Reset the peak-RSS mark to the current RSS (Linux ≥ 4.0; a no-op where unsupported)."""
+    with contextlib.suppress(OSError), open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
 
 
 def _status_bytes(field: str) -> int:

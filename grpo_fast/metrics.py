@@ -24,19 +24,25 @@ from rich.progress import (
 )
 
 from grpo_fast.config import AUTO, Config, to_dict
+from grpo_fast.memory import process_peak_bytes, reset_process_peak
 
 
 def peak_memory_gb(device: torch.device) -> float:
-    """Peak memory since the last reset: CUDA allocated bytes, or the process's peak RSS on CPU."""
+    """Peak memory since the last ``reset_peak_memory``: CUDA allocated bytes, or on CPU the
+    process's peak resident memory (VmHWM; the lifetime ru_maxrss where /proc is missing)."""
     if device.type == "cuda":
         return torch.cuda.max_memory_allocated(device) / 1e9
-    kb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # Linux: kilobytes
-    return kb * 1024 / 1e9
+    try:
+        return process_peak_bytes() / 1e9
+    except (OSError, RuntimeError):
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / 1e9  # Linux: kB
 
 
 def reset_peak_memory(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
+    else:
+        reset_process_peak()
 
 
 def gpu_stats(device: torch.device) -> dict[str, float]:

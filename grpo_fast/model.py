@@ -76,8 +76,38 @@ def load_policy(cfg: Config, tokenizer, device: torch.device) -> nn.Module:
     model.to(device)
     model.config.use_cache = False  # training; generate() turns the cache on for itself
     if m.gradient_checkpointing:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        enable_checkpointing(model)
+    # from_pretrained returns eval mode, and transformers checkpoints only in training mode: the
+    # policy stays in train mode (rollout backends switch to eval and back around generate).
+    model.train()
     return model
+
+
+def enable_checkpointing(model: nn.Module) -> None:
+    """Per-layer activation checkpointing, non-reentrant. transformers ≥ 5.2x names it
+    ``activation_checkpointing_enable`` (``gradient_checkpointing_enable`` is deprecated there)."""
+    if hasattr(model, "activation_checkpointing_enable"):
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+
+
+def build_policy_loss(cfg: Config, model: nn.Module, amp: torch.dtype | None) -> PolicyLoss:
+    """The loss module with the ``loss.*`` options of ``cfg`` (β and temperature come per call)."""
+    lo = cfg.loss
+    return PolicyLoss(
+        model,
+        autocast=amp,
+        loss_options=dict(
+            clip_low=lo.clip_low,
+            clip_high=lo.clip_high,
+            dual_clip=lo.dual_clip,
+            kl_estimator=lo.kl_estimator,
+            entropy_coef=lo.entropy_coef,
+            backend=lo.kernel_backend,
+            chunk_size=None if lo.chunk_size == AUTO else int(lo.chunk_size),
+        ),
+    )
 
 
 @dataclass

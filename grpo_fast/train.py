@@ -40,15 +40,15 @@ import torch
 from grpo_fast import checkpoint as ckpt
 from grpo_fast import dist, plan
 from grpo_fast.batch import build_sequences, make_microbatches
-from grpo_fast.config import AUTO, Config, load_config, to_yaml
+from grpo_fast.config import Config, load_config, to_yaml
 from grpo_fast.core import AdaptiveKLController, compute_group_normalized_rewards, kl_early_stop
 from grpo_fast.errors import ConfigError, cli_errors
 from grpo_fast.evaluate import evaluate
 from grpo_fast.health import HealthMonitor, HealthThresholds
 from grpo_fast.metrics import MetricsLogger, PhaseProgress, gpu_stats, peak_memory_gb, reset_peak_memory
 from grpo_fast.model import (
-    PolicyLoss,
     autocast_dtype,
+    build_policy_loss,
     load_policy,
     load_tokenizer,
     resolve_device,
@@ -179,19 +179,7 @@ def _train(cfg: Config, device: torch.device, world: dist.DistInfo, out: Path, e
         logger.truncate_after(state.step)
         logger.event(f"resumed from {resume_from} at step {state.step}")
 
-    policy = PolicyLoss(
-        model,
-        autocast=amp,
-        loss_options=dict(
-            clip_low=cfg.loss.clip_low,
-            clip_high=cfg.loss.clip_high,
-            dual_clip=cfg.loss.dual_clip,
-            kl_estimator=cfg.loss.kl_estimator,
-            entropy_coef=cfg.loss.entropy_coef,
-            backend=cfg.loss.kernel_backend,
-            chunk_size=None if cfg.loss.chunk_size == AUTO else int(cfg.loss.chunk_size),
-        ),
-    )
+    policy = build_policy_loss(cfg, model, amp)
     if world.enabled:
         from torch.nn.parallel import DistributedDataParallel as DDP
 

@@ -184,3 +184,30 @@ def test_tiny_model_matches_the_planner_count():
     model = tiny.build_model(tok, seed=0)
     n = sum(p.numel() for p in model.parameters())  # tied embeddings counted once
     assert plan.Arch.from_hf_config(model.config).num_params == n
+
+
+def test_policy_is_loaded_in_train_mode_with_checkpointing_active():
+    """transformers checkpoints only in training mode, and from_pretrained returns eval mode."""
+    from grpo_fast.model import load_policy
+
+    cfg = load_config("tiny", overrides=["model.gradient_checkpointing=true"])
+    tok = tiny.build_tokenizer()
+    model = load_policy(cfg, tok, torch.device("cpu"))
+    assert model.training
+    # checkpointed layers keep far less for the backward: compare saved tensors with and without
+    ids = torch.randint(3, 15, (4, 12))
+
+    def saved_bytes(m):
+        total = 0
+
+        def pack(t):
+            nonlocal total
+            total += t.numel() * t.element_size()
+            return t
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            m(ids).logits.sum()
+        return total
+
+    plain = load_policy(load_config("tiny"), tok, torch.device("cpu"))
+    assert saved_bytes(model) < 0.5 * saved_bytes(plain)
