@@ -1,0 +1,598 @@
+"""End-to-end benchmarks of one GRPO training step: the rollout phase and the optimization phase.
+
+    python -m pytest bench/test_bench_train_step.py --benchmark-json OUT.json   # CPU set here
+    python -m pytest -m gpu bench/test_bench_train_step.py                     # GPU set (CUDA)
+
+GPU (``gpu`` mark, skipped without CUDA): the ``rtx4090`` preset with a random-init
+Qwen2.5-Math-1.5B architecture (``grpo_fast.plan.KNOWN_ARCHS``: no weights, no tokenizer), on a
+card capped at 24 GB (``set_per_process_memory_fraction``) to stand in for an RTX 4090:
+
+- rollout: transformers ``generate`` through ``grpo_fast.rollout.hf.HFBackend`` on random prompts;
+- optimization: a synthetic rollout batch through ``build_sequences`` → ``make_microbatches`` →
+  ``PolicyLoss`` → backward → grad clip → 8-bit AdamW step (gradient checkpointing, bf16 autocast),
+  with the fused lm_head + loss (``loss.kernel_backend=triton``) and the eager reference (``eager``:
+  ``[n, V]`` logits + ``grpo_fast.core.eager_grpo_loss_from_logits``) at the same shapes. Eager may
+  run out of memory under the cap: that is recorded as its result (``extra_info["status"] = "oom"``).
+
+CPU: the same optimization phase on the ``tiny`` preset's model (fused = ``torch_chunked``, eager),
+and one whole ``tiny`` step (rollout + optimization), with peak memory measured as resident-set
+growth in a fresh process (``grpo_fast.memory.peak_rss_growth``).
+
+Every number goes into ``benchmark.extra_info`` (see ``_describe``); ``tools/bench_report.py`` turns
+the JSON into ``BENCHMARKS.md``. ``tools/profile.py`` profiles ``OptimizationPhase`` from this file.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import importlib
+import importlib.util
+import os
+import platform
+import shlex
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import pytest
+import torch
+
+from grpo_fast import dist, plan
+from grpo_fast.batch import build_sequences, make_microbatches
+from grpo_fast.config import AUTO, Config, load_config
+from grpo_fast.core import compute_group_normalized_rewards
+from grpo_fast.memory import peak_cuda_memory, peak_rss_growth
+from grpo_fast.model import PolicyLoss, autocast_dtype, load_policy, load_tokenizer
+from grpo_fast.optim import PromptSampler, build_optimizer
+from grpo_fast.rollout import SamplingParams, make_backend
+from grpo_fast.rollout.hf import HFBackend
+from grpo_fast.task import load_task
+from grpo_fast.train import optimize_on_rollout
+
+GPU_ARCH = "Qwen/Qwen2.5-Math-1.5B"
+CARD_BYTES = 24e9  # an RTX 4090
+QWEN_EOS_ID = 151643  # <|endoftext|>: Qwen2.5's EOS and pad token
+
+# GPU optimization phase: 4 prompts × group 8 = 32 of the preset's 256 responses per step, prompts of
+# 200 tokens, responses of random lengths in [64, 1,024] (one at 1,024). Each microbatch is the
+# preset's (2 sequences of ≤ 1,224 tokens), so the peak memory is the preset's and the time is ≈ 1/8
+# of a full optimization phase (≈ 23 k tokens).
+GPU_TRAIN_PROMPTS = 4
+GPU_PROMPT_TOKENS = 200
+GPU_MIN_RESPONSE_TOKENS = 64
+GPU_TRAIN_ROUNDS = 3
+# GPU rollout: 16 prompts × 8 = 128 sequences in one generate call, 200 prompt tokens + 256 sampled
+# (a quarter of the preset's 1,024, to keep the GPU set to a few minutes; random weights almost
+# never sample EOS, so every response runs to max_tokens).
+GPU_ROLLOUT_PROMPTS = 16
+GPU_ROLLOUT_MAX_TOKENS = 256
+GPU_ROLLOUT_ROUNDS = 2
+
+# CPU: the tiny preset's own batch (rollout.batch_size responses of 1 to rollout.max_tokens tokens);
+# its prompts ("37+45=") are 6 tokens.
+TINY_PROMPT_TOKENS = 6
+CPU_ROUNDS = 10
+# Environment variables that change what a run measures, recorded as part of its command.
+COMMAND_ENV = ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "CUDA_VISIBLE_DEVICES", "PYTORCH_CUDA_ALLOC_CONF")
+
+
+# ----------------------------------------------------------------------------------------------
+# Workloads (also driven by tools/profile.py)
+# ----------------------------------------------------------------------------------------------
+
+
+@dataclass
+class RolloutBatch:
+    """What the optimization phase consumes. P prompts, R = P·G responses (response i answers
+    prompt i // G).
+
+    Fields: ``prompt_ids`` ``[P]`` and ``response_ids`` ``[R]`` lists of token ids;
+    ``advantages`` ``[R]`` fp32.
+    """
+
+    prompt_ids: list[list[int]]
+    response_ids: list[list[int]]
+    advantages: torch.Tensor
+
+    def __post_init__(self) -> None:
+        r = len(self.response_ids)
+        assert r % len(self.prompt_ids) == 0, f"{len(self.prompt_ids)} prompts, {r} responses"
+        assert self.advantages.shape == (r,), f"advantages must be [{r}], got {tuple(self.advantages.shape)}"
+
+    @property
+    def response_tokens(self) -> int:
+        return sum(len(x) for x in self.response_ids)
+
+    @property
+    def tokens(self) -> int:
+        """Tokens through the model: every response with its prompt (as ``throughput/tokens_per_s``)."""
+        g = len(self.response_ids) // len(self.prompt_ids)
+        return self.response_tokens + g * sum(len(p) for p in self.prompt_ids)
+
+
+def random_prompts(n: int, length: int, vocab: int, seed: int = 0) -> list[list[int]]:
+    """``n`` prompts of ``length`` token ids uniform in ``[0, vocab)``."""
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, vocab, (length,), generator=g).tolist() for _ in range(n)]
+
+
+def synthetic_rollout(
+    n_prompts: int,
+    group_size: int,
+    prompt_tokens: int,
+    max_tokens: int,
+    vocab: int,
+    min_tokens: int = 1,
+    seed: int = 0,
+) -> RolloutBatch:
+    """Random token ids: prompts of ``prompt_tokens``, responses of lengths uniform in
+    ``[min_tokens, max_tokens]`` with the first at ``max_tokens`` (so the longest microbatch is the
+    preset's), advantages ``randn``."""
+    g = torch.Generator().manual_seed(seed + 1)
+    r = n_prompts * group_size
+    lengths = torch.randint(min_tokens, max_tokens + 1, (r,), generator=g)
+    lengths[0] = max_tokens
+    responses = [torch.randint(0, vocab, (int(n),), generator=g).tolist() for n in lengths]
+    prompts = random_prompts(n_prompts, prompt_tokens, vocab, seed)
+    return RolloutBatch(prompts, responses, torch.randn(r, generator=g))
+
+
+class OptimizationPhase:
+    """The optimization phase of ``grpo_fast.train`` on a fixed rollout batch, on one process:
+    on-policy (π_old is never computed, as with the presets' ``epochs_per_rollout_batch=1``), β =
+    ``loss.beta`` (0 in every preset: no reference model).
+
+    ``__call__`` runs what the loop runs: ``build_sequences`` → ``make_microbatches`` →
+    ``.to(device)`` → ``grpo_fast.train.optimize_on_rollout`` (per microbatch ``PolicyLoss`` +
+    backward, ``clip_grad_norm_``, ``optimizer.step()``, the grad-norm sync), and returns the
+    gradient norm. It then drops the gradients (the loop does so at the start of the next step), so
+    every call starts and ends in the same state and a repeated call measures the same peak.
+    """
+
+    def __init__(self, cfg: Config, model: torch.nn.Module, device: torch.device, pad_id: int):
+        self.cfg, self.model, self.device, self.pad_id = cfg, model, device, pad_id
+        self.amp = autocast_dtype(cfg, device)
+        # As grpo_fast.train builds it.
+        self.policy = PolicyLoss(
+            model,
+            autocast=self.amp,
+            loss_options=dict(
+                clip_low=cfg.loss.clip_low,
+                clip_high=cfg.loss.clip_high,
+                dual_clip=cfg.loss.dual_clip,
+                kl_estimator=cfg.loss.kl_estimator,
+                entropy_coef=cfg.loss.entropy_coef,
+                backend=cfg.loss.kernel_backend,
+                chunk_size=None if cfg.loss.chunk_size == AUTO else int(cfg.loss.chunk_size),
+            ),
+        )
+        self.optimizer = build_optimizer(cfg, model.parameters())
+        self.params = [p for p in model.parameters() if p.requires_grad]
+
+    def logits_bytes(self, batch: RolloutBatch) -> int:
+        """Bytes of the ``[n, V]`` logits of the largest microbatch in the autocast (else weight)
+        dtype: what the eager path materializes and the fused path never does."""
+        n = max(int(mb.labels.numel()) for mb in self._microbatches(batch, on_device=False))
+        head = self.model.get_output_embeddings().weight
+        return n * head.shape[0] * (self.amp or head.dtype).itemsize
+
+    def _microbatches(self, batch: RolloutBatch, on_device: bool = True):
+        cfg = self.cfg
+        lengths = [len(x) for x in batch.response_ids]
+        seqs = build_sequences(
+            batch.prompt_ids,
+            batch.response_ids,
+            batch.advantages,
+            length_norm=cfg.loss.length_norm,
+            max_length=cfg.rollout.max_tokens,
+            num_sequences=len(lengths),
+            num_tokens=sum(lengths),
+        )
+        mbs = make_microbatches(seqs, int(cfg.train.micro_batch_size), self.pad_id, cfg.train.packing)
+        return [mb.to(self.device) for mb in mbs] if on_device else mbs
+
+    def __call__(self, batch: RolloutBatch) -> float:
+        cfg = self.cfg
+        stats = optimize_on_rollout(
+            self.policy,
+            self.optimizer,
+            self.params,
+            self._microbatches(batch),
+            cfg,
+            dist.DistInfo(),
+            self.device,
+            cfg.loss.beta,
+            cfg.rollout.temperature,
+        )
+        self.optimizer.zero_grad(set_to_none=True)
+        return stats.grad_norm  # read with .item(): a host-device sync that ends the timed region
+
+    def release(self) -> None:
+        """Drop gradients and cached blocks after an out-of-memory error (outside any timed region)."""
+        self.optimizer.zero_grad(set_to_none=True)
+        gc.collect()
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+
+
+def preset_config(preset: str, backend: str, *overrides: str) -> Config:
+    """``preset`` with ``loss.kernel_backend=backend`` and the hf rollout backend (no vLLM here)."""
+    return load_config(
+        preset,
+        overrides=[f"loss.kernel_backend={backend}", "rollout.backend=hf", *overrides],
+        check_device=False,
+    )
+
+
+def random_init_policy(cfg: Config, device: torch.device) -> torch.nn.Module:
+    """A random-init model of ``KNOWN_ARCHS[GPU_ARCH]`` set up as ``grpo_fast.model.load_policy``
+    sets up a pretrained one (fp32 master weights, attention implementation, no KV cache in
+    training, gradient checkpointing), built directly on ``device``.
+
+    ``model.train()``: ``load_policy``'s ``from_pretrained`` models are in eval mode, where
+    transformers skips gradient checkpointing (``GradientCheckpointingLayer`` checks
+    ``self.training``; transformers 5.24); the benchmark measures the preset as configured.
+    """
+    from transformers import AutoModelForCausalLM, Qwen2Config
+
+    a = plan.KNOWN_ARCHS[GPU_ARCH]
+    config = Qwen2Config(
+        vocab_size=a.vocab,
+        hidden_size=a.hidden,
+        intermediate_size=a.intermediate,
+        num_hidden_layers=a.layers,
+        num_attention_heads=a.heads,
+        num_key_value_heads=a.kv_heads,
+        tie_word_embeddings=a.tie_embeddings,
+        bos_token_id=QWEN_EOS_ID,
+        eos_token_id=QWEN_EOS_ID,
+        pad_token_id=QWEN_EOS_ID,
+    )
+    attn = cfg.model.attn_implementation
+    if attn == AUTO:  # load_policy's rule
+        has_fa2 = importlib.util.find_spec("flash_attn") is not None
+        attn = "flash_attention_2" if device.type == "cuda" and has_fa2 else "sdpa"
+    with torch.device(device):
+        model = AutoModelForCausalLM.from_config(config, attn_implementation=attn, dtype=torch.float32)
+    model.config.use_cache = False
+    if cfg.model.gradient_checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    return model.train()
+
+
+def optimization_workload(
+    preset: str, backend: str, device: torch.device, model: torch.nn.Module | None = None
+) -> tuple[OptimizationPhase, RolloutBatch]:
+    """``preset``'s optimization phase with ``loss.kernel_backend=backend``, on ``device``.
+
+    ``tiny``: its built-in model and its whole rollout batch (``rollout.batch_size`` responses).
+    A GPU preset: a random-init ``GPU_ARCH`` (or ``model``, to share one) and ``GPU_TRAIN_PROMPTS``
+    prompts × its group size.
+    """
+    cfg = preset_config(preset, backend)
+    if cfg.model.name_or_path.startswith("builtin:"):
+        tokenizer = load_tokenizer(cfg.model.name_or_path)
+        model = load_policy(cfg, tokenizer, device) if model is None else model
+        pad_id, n_prompts, prompt_tokens, min_tokens = tokenizer.pad_token_id, None, TINY_PROMPT_TOKENS, 1
+    else:
+        model = random_init_policy(cfg, device) if model is None else model
+        pad_id, n_prompts, prompt_tokens, min_tokens = (
+            QWEN_EOS_ID,
+            GPU_TRAIN_PROMPTS,
+            GPU_PROMPT_TOKENS,
+            GPU_MIN_RESPONSE_TOKENS,
+        )
+    cfg = plan.resolve_auto(cfg, model.config, device)
+    r = cfg.rollout
+    batch = synthetic_rollout(
+        n_prompts or r.batch_size // r.group_size,
+        r.group_size,
+        prompt_tokens,
+        r.max_tokens,
+        model.config.vocab_size,
+        min_tokens=min_tokens,
+    )
+    return OptimizationPhase(cfg, model, device, pad_id), batch
+
+
+class TinyTrainStep:
+    """One whole ``tiny`` step as ``grpo_fast.train`` runs it: sample prompts → generate (hf) →
+    rewards → group advantages → optimization phase, from the random-init model (no SFT warm
+    start: the time of a step does not depend on what the model knows). ``__call__`` returns the
+    phase times (s) and the tokens through the model."""
+
+    def __init__(self, backend: str = "torch_chunked"):
+        cfg = preset_config("tiny", backend)
+        device = torch.device("cpu")
+        self.tokenizer = load_tokenizer(cfg.model.name_or_path)
+        self.task = load_task(cfg, self.tokenizer)
+        model = load_policy(cfg, self.tokenizer, device)
+        self.cfg = cfg = plan.resolve_auto(cfg, model.config, device)
+        self.backend = make_backend(cfg, model, self.tokenizer, device, autocast_dtype(cfg, device))
+        self.sampler = PromptSampler(len(self.task.train), cfg.seed)
+        self.phase = OptimizationPhase(cfg, model, device, self.tokenizer.pad_token_id)
+
+    def __call__(self) -> dict[str, float]:
+        cfg, r = self.cfg, self.cfg.rollout
+        t0 = time.perf_counter()
+        examples = [self.task.train[i] for i in self.sampler.next(r.batch_size // r.group_size)]
+        params = SamplingParams(
+            n=r.group_size,
+            temperature=r.temperature,
+            top_p=r.top_p,
+            max_tokens=r.max_tokens,
+            min_tokens=r.min_tokens,
+            stop=tuple(self.task.stop),
+        )
+        rollout = self.backend.generate([self.task.prompt_ids(e) for e in examples], params)
+        gts = [e.answer for e in examples for _ in range(r.group_size)]
+        advantages, _, _ = compute_group_normalized_rewards(
+            self.task.reward_fn,
+            rollout.response_text,
+            gts,
+            r.group_size,
+            cfg.loss.advantage_eps,
+            cfg.loss.normalize_by_std,
+        )
+        t1 = time.perf_counter()
+        batch = RolloutBatch(rollout.prompt_ids, rollout.response_ids, advantages)
+        self.phase(batch)
+        return {"rollout_s": t1 - t0, "train_s": time.perf_counter() - t1, "tokens": batch.tokens}
+
+
+# Builders for grpo_fast.memory.peak_rss_growth (top-level: they run in a spawned process).
+
+
+def build_optimization_step(preset: str, backend: str) -> Callable[[], float]:
+    phase, batch = optimization_workload(preset, backend, torch.device("cpu"))
+    return lambda: phase(batch)
+
+
+def build_tiny_train_step() -> Callable[[], dict[str, float]]:
+    return TinyTrainStep()
+
+
+# ----------------------------------------------------------------------------------------------
+# Measurement helpers
+# ----------------------------------------------------------------------------------------------
+
+
+def version(module: str) -> str | None:
+    try:
+        return importlib.import_module(module).__version__
+    except ImportError:
+        return None
+
+
+def device_name(device: torch.device) -> str:
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    model = platform.machine()
+    with contextlib.suppress(OSError), open("/proc/cpuinfo") as f:
+        model = next((ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")), model)
+    return f"{model} CPU, {os.cpu_count()} cores, {torch.get_num_threads()} torch threads"
+
+
+def _median(benchmark) -> float | None:
+    """The median round time, or None under ``--benchmark-disable`` (one untimed call)."""
+    return benchmark.stats.stats.median if benchmark.stats else None
+
+
+def _per_s(count: int, seconds: float | None) -> float | None:
+    return None if not seconds else count / seconds
+
+
+def _describe(benchmark, request, device: torch.device, **info) -> None:
+    """``extra_info``: what ran where (device, versions, the exact command), plus the numbers ``info``."""
+    args = shlex.join(request.config.invocation_params.args)
+    env = " ".join(f"{k}={os.environ[k]}" for k in COMMAND_ENV if k in os.environ)
+    benchmark.extra_info.update(
+        device=device_name(device),
+        # other work on the machine shows here (a 2-core CPU at load 5 is 2.5x oversubscribed)
+        load_average_1m=os.getloadavg()[0],
+        cpu_count=os.cpu_count(),
+        versions={m: version(m) for m in ("torch", "triton", "transformers", "bitsandbytes")}
+        | {"cuda": torch.version.cuda},
+        command=f"{env} python -m pytest {args}".strip(),
+        **info,
+    )
+
+
+@contextlib.contextmanager
+def memory_cap(device: torch.device, cap_bytes: float):
+    """Cap this process's CUDA caching allocator at ``cap_bytes`` (restored to the whole card after)."""
+    total = torch.cuda.get_device_properties(device).total_memory
+    torch.cuda.set_per_process_memory_fraction(min(1.0, cap_bytes / total), device)
+    try:
+        yield total
+    finally:
+        torch.cuda.set_per_process_memory_fraction(1.0, device)
+
+
+@pytest.fixture(scope="module")
+def cuda_device():
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    return torch.device("cuda")
+
+
+@pytest.fixture(scope="module")
+def gpu_model(cuda_device):
+    """One random-init 1.5B model shared by the GPU benchmarks (building it takes seconds)."""
+    model = random_init_policy(preset_config("rtx4090", "triton"), cuda_device)
+    yield model
+    del model
+    gc.collect()
+    torch.cuda.empty_cache()
+
+
+# ----------------------------------------------------------------------------------------------
+# GPU benchmarks
+# ----------------------------------------------------------------------------------------------
+
+
+@pytest.mark.gpu
+@pytest.mark.benchmark(group="train_step-gpu-optimization")
+@pytest.mark.parametrize("backend", ["triton", "eager"])
+def test_optimization_phase_gpu(benchmark, request, backend, cuda_device, gpu_model):
+    pytest.importorskip("bitsandbytes", reason="the rtx4090 preset's 8-bit AdamW needs bitsandbytes")
+    phase, batch = optimization_workload("rtx4090", backend, cuda_device, gpu_model)
+    oom: list[str] = []
+
+    def guarded() -> None:
+        try:
+            phase(batch)
+        except torch.cuda.OutOfMemoryError as exc:
+            oom.append(str(exc).splitlines()[0])
+        if oom:
+            phase.release()
+
+    with memory_cap(cuda_device, CARD_BYTES) as total:
+        guarded()  # warm-up (Triton autotuning, cuBLAS workspaces, optimizer state); also the OOM probe
+        # Out of memory: time the failing attempt once, so the run is in the JSON with its status.
+        rounds = 1 if oom else GPU_TRAIN_ROUNDS
+        peak = peak_cuda_memory(lambda: benchmark.pedantic(guarded, rounds=rounds, iterations=1), cuda_device)
+        absolute_peak = torch.cuda.max_memory_allocated(cuda_device)
+    cfg = phase.cfg
+    _describe(
+        benchmark,
+        request,
+        cuda_device,
+        impl=backend,
+        case=(
+            f"{GPU_ARCH} random init, rtx4090 preset: {len(batch.response_ids)} seqs of {GPU_PROMPT_TOKENS} + "
+            f"[{GPU_MIN_RESPONSE_TOKENS}, {cfg.rollout.max_tokens}] tokens, micro-batch {cfg.train.micro_batch_size}"
+        ),
+        phase="optimization",
+        status="oom" if oom else "ok",
+        error=oom[0] if oom else None,
+        memory_cap_bytes=CARD_BYTES,
+        card_bytes=total,
+        peak_memory_bytes=peak,  # gradients + activations + loss, on top of weights and optimizer state
+        absolute_peak_memory_bytes=absolute_peak,
+        logits_bytes=phase.logits_bytes(batch),
+        tokens=batch.tokens,
+        response_tokens=batch.response_tokens,
+        tokens_per_s=None if oom else _per_s(batch.tokens, _median(benchmark)),
+        optimizer=cfg.train.optimizer,
+        gradient_checkpointing=cfg.model.gradient_checkpointing,
+        autocast=str(phase.amp),
+    )
+
+
+class _IdsOnlyTokenizer:
+    """What ``HFBackend`` needs of a tokenizer when only token ids matter: pad/EOS ids and a
+    ``batch_decode`` (empty texts: no stop strings, no rewards)."""
+
+    def __init__(self, eos_id: int):
+        self.pad_token_id = self.eos_token_id = eos_id
+
+    def batch_decode(self, ids: list[list[int]], skip_special_tokens: bool = True) -> list[str]:
+        return [""] * len(ids)
+
+
+@pytest.mark.gpu
+@pytest.mark.benchmark(group="train_step-gpu-rollout")
+def test_rollout_phase_gpu(benchmark, request, cuda_device, gpu_model):
+    cfg = preset_config("rtx4090", "triton")
+    r = cfg.rollout
+    n_seqs = GPU_ROLLOUT_PROMPTS * r.group_size
+    amp = autocast_dtype(cfg, cuda_device)
+    backend = HFBackend(gpu_model, _IdsOnlyTokenizer(QWEN_EOS_ID), n_seqs, autocast_dtype=amp)
+    prompts = random_prompts(GPU_ROLLOUT_PROMPTS, GPU_PROMPT_TOKENS, gpu_model.config.vocab_size, seed=1)
+    sampling = dict(n=r.group_size, temperature=r.temperature, top_p=r.top_p, min_tokens=0)
+    params = SamplingParams(max_tokens=GPU_ROLLOUT_MAX_TOKENS, **sampling)
+    generated: list[int] = []
+
+    def generate() -> None:
+        # ends with a host-device sync: HFBackend copies the sampled ids to Python lists
+        generated.append(backend.generate(prompts, params).num_response_tokens)
+
+    with memory_cap(cuda_device, CARD_BYTES) as total:
+        backend.generate(prompts, SamplingParams(max_tokens=8, **sampling))  # warm-up
+        peak = peak_cuda_memory(lambda: benchmark.pedantic(generate, rounds=GPU_ROLLOUT_ROUNDS, iterations=1))
+        absolute_peak = torch.cuda.max_memory_allocated(cuda_device)
+    response_tokens = generated[-1]
+    tokens = response_tokens + n_seqs * GPU_PROMPT_TOKENS
+    _describe(
+        benchmark,
+        request,
+        cuda_device,
+        impl="hf_generate",
+        case=(
+            f"{GPU_ARCH} random init, rtx4090 preset: {GPU_ROLLOUT_PROMPTS} prompts × {r.group_size} of "
+            f"{GPU_PROMPT_TOKENS} + ≤ {GPU_ROLLOUT_MAX_TOKENS} tokens, one generate call, {amp} autocast"
+        ),
+        phase="rollout",
+        status="ok",
+        memory_cap_bytes=CARD_BYTES,
+        card_bytes=total,
+        peak_memory_bytes=peak,  # KV cache + activations, on top of the weights
+        absolute_peak_memory_bytes=absolute_peak,
+        tokens=tokens,
+        response_tokens=response_tokens,
+        tokens_per_s=_per_s(tokens, _median(benchmark)),
+        response_tokens_per_s=_per_s(response_tokens, _median(benchmark)),
+    )
+
+
+# ----------------------------------------------------------------------------------------------
+# CPU benchmarks
+# ----------------------------------------------------------------------------------------------
+
+
+@pytest.mark.benchmark(group="train_step-cpu-optimization")
+@pytest.mark.parametrize("backend", ["torch_chunked", "eager"])
+def test_optimization_phase_tiny_cpu(benchmark, request, backend):
+    phase, batch = optimization_workload("tiny", backend, torch.device("cpu"))
+    phase(batch)  # warm-up: optimizer state, thread pools
+    benchmark.pedantic(phase, args=(batch,), rounds=CPU_ROUNDS, iterations=1)
+    cfg = phase.cfg
+    _describe(
+        benchmark,
+        request,
+        torch.device("cpu"),
+        impl=backend,
+        case=(
+            f"tiny preset model: {len(batch.response_ids)} seqs of {TINY_PROMPT_TOKENS} + "
+            f"[1, {cfg.rollout.max_tokens}] tokens, micro-batch {cfg.train.micro_batch_size}"
+        ),
+        phase="optimization",
+        status="ok",
+        peak_memory_bytes=peak_rss_growth(build_optimization_step, "tiny", backend),
+        logits_bytes=phase.logits_bytes(batch),
+        tokens=batch.tokens,
+        response_tokens=batch.response_tokens,
+        tokens_per_s=_per_s(batch.tokens, _median(benchmark)),
+        optimizer=cfg.train.optimizer,
+    )
+
+
+@pytest.mark.benchmark(group="train_step-cpu-full")
+def test_train_step_tiny_cpu(benchmark, request):
+    step = TinyTrainStep()
+    step()  # warm-up
+    rounds: list[dict[str, float]] = []
+    benchmark.pedantic(lambda: rounds.append(step()), rounds=CPU_ROUNDS, iterations=1)
+    median = lambda key: sorted(x[key] for x in rounds)[len(rounds) // 2]
+    cfg = step.cfg
+    _describe(
+        benchmark,
+        request,
+        torch.device("cpu"),
+        impl=cfg.loss.kernel_backend,
+        case=(
+            f"tiny preset: {cfg.rollout.batch_size // cfg.rollout.group_size} prompts × {cfg.rollout.group_size}, "
+            f"hf generate of ≤ {cfg.rollout.max_tokens} tokens, rewards, then the optimization phase"
+        ),
+        phase="rollout+optimization",
+        status="ok",
+        peak_memory_bytes=peak_rss_growth(build_tiny_train_step),
+        rollout_s=median("rollout_s"),
+        train_s=median("train_s"),
+        tokens=median("tokens"),
+        tokens_per_s=_per_s(
+            sum(x["tokens"] for x in rounds), sum(x["rollout_s"] + x["train_s"] for x in rounds)
+        ),
+    )

@@ -1,0 +1,274 @@
+"""tools/bench_report.py on synthetic pytest-benchmark JSON: ratios, memory over logits, GB/s, run
+metadata, generated notes, OOM rows, CLI errors; and BENCHMARKS.md is what it generates from
+bench/results/."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+_spec = importlib.util.spec_from_file_location("bench_report", ROOT / "tools" / "bench_report.py")
+bench_report = importlib.util.module_from_spec(_spec)
+sys.modules["bench_report"] = bench_report  # its dataclasses look the module up while they are built
+_spec.loader.exec_module(bench_report)
+
+DATE = "2026-11-30T09:00:00+00:00"
+
+
+def bench(test: str, param_impl: str | None, median: float, *, iqr=0.0, rounds=5, group=None, **info):
+    """One pytest-benchmark entry, as ``--benchmark-json`` writes it (the fields the report reads);
+    ``param_impl``: the ``impl`` parameter (with ``n=512, v=1000``), or None for no parameters."""
+    file, func = test.split("::")
+    params = {"impl": param_impl, "n": 512, "v": 1000} if param_impl else {}
+    param = "-".join(str(v) for v in params.values())
+    name = f"{func}[{param}]" if params else func
+    return {
+        "group": group,
+        "name": name,
+        "fullname": f"{file}::{name}",
+        "params": params or None,
+        "param": param or None,
+        "extra_info": info,
+        "options": {},
+        "stats": {"median": median, "iqr": iqr, "rounds": rounds, "mean": median, "min": median},
+    }
+
+
+def report_file(
+    tmp_path: Path, benchmarks: list[dict], name: str = "run.json", date: str = DATE, **top
+) -> Path:
+    data = {
+        "machine_info": {"python_version": "3.11.7", "cpu": {"brand_raw": "Test CPU"}},
+        "commit_info": {"id": "0123456789abcdef0123", "dirty": True},
+        "benchmarks": benchmarks,
+        "datetime": date,
+        "version": "5.3.1",
+        **top,
+    }
+    path = tmp_path / name
+    path.write_text(json.dumps(data))
+    return path
+
+
+def table_rows(text: str, heading: str) -> list[list[str]]:
+    """The cells of the markdown table under ``### heading``."""
+    lines = text.split(f"### {heading}\n\n", 1)[1].splitlines()
+    rows = lines[: next((i for i, ln in enumerate(lines) if not ln.startswith("|")), len(lines))]
+    header = [c.strip() for c in rows[0].strip("|").split("|")]
+    return [header] + [[c.strip() for c in r.strip("|").split("|")] for r in rows[2:]]
+
+
+def column(rows: list[list[str]], name: str) -> list[str]:
+    i = rows[0].index(name)
+    return [r[i] for r in rows[1:]]
+
+
+def render(*paths: Path) -> str:
+    return bench_report.render([bench_report.load_run(p) for p in paths], "python tools/bench_report.py X")
+
+
+def test_speedups_against_eager_and_compile(tmp_path):
+    # eager 4 ms, compiled 2 ms, torch_chunked 1 ms on one case:
+    # × eager = 4/median → 1.00, 2.00, 4.00; × compile = 2/median → 0.50, 1.00, 2.00
+    path = report_file(
+        tmp_path,
+        [
+            bench("bench/test_bench_op.py::test_cpu", "eager", 4e-3),
+            bench("bench/test_bench_op.py::test_cpu", "compiled", 2e-3),
+            bench("bench/test_bench_op.py::test_cpu", "torch_chunked", 1e-3),
+        ],
+    )
+    rows = table_rows(render(path), "op · test_cpu")
+    assert column(rows, "impl") == ["eager", "compiled", "**torch_chunked**"]
+    assert column(rows, "time (median)") == ["4 ms", "2 ms", "1 ms"]
+    assert column(rows, "× eager") == ["1.00×", "2.00×", "4.00×"]
+    assert column(rows, "× compile") == ["0.50×", "1.00×", "2.00×"]
+    assert column(rows, "case") == ["n=512, v=1000"] * 3
+
+
+def test_peak_memory_over_the_logits(tmp_path):
+    # CPU case, fp32: 512 · 1000 · 4 B = 2.05 MB of logits; a 6.144 MB peak is 3.00× that.
+    # CUDA case (test function ending in "gpu"), bf16: 512 · 1000 · 2 B = 1.02 MB; 2.048 MB -> 2.00×.
+    # extra_info["dtype"] wins: float16 on the CPU, 1.02 MB; 3.072 MB -> 3.00×.
+    # extra_info["logits_bytes"] wins over everything: 4 MB; 1 MB -> 0.25×.
+    path = report_file(
+        tmp_path,
+        [
+            bench("bench/test_bench_a.py::test_cpu", "eager", 1e-3, peak_memory_bytes=6_144_000),
+            bench("bench/test_bench_b.py::test_gpu", "eager", 1e-3, peak_memory_bytes=2_048_000),
+            bench(
+                "bench/test_bench_c.py::test_cpu",
+                "eager",
+                1e-3,
+                peak_memory_bytes=3_072_000,
+                dtype="torch.float16",
+            ),
+            bench("bench/test_bench_d.py::test_cpu", "eager", 1e-3, peak_memory_bytes=1e6, logits_bytes=4e6),
+        ],
+    )
+    text = render(path)
+    for heading, logits, ratio in [
+        ("a · test_cpu", "2.05 MB", "3.00×"),
+        ("b · test_gpu", "1.02 MB", "2.00×"),
+        ("c · test_cpu", "1.02 MB", "3.00×"),
+        ("d · test_cpu", "4 MB", "0.25×"),
+    ]:
+        rows = table_rows(text, heading)
+        assert column(rows, "[N, V] logits") == [logits], heading
+        assert column(rows, "peak / logits") == [ratio], heading
+
+
+def test_gpu_bandwidth_columns_and_header(tmp_path):
+    env = {
+        "device": "NVIDIA H200, 141 GB, 132 SMs",
+        "versions": {"torch": "2.13.0", "triton": "3.9.0", "cuda": "12.8"},
+        "copy_gb_per_s": 4123.4,
+        "commands": ["python -m pytest -m gpu bench/test_bench_op.py --benchmark-json=x.json"],
+    }
+    path = report_file(
+        tmp_path,
+        [
+            bench(
+                "bench/test_bench_op.py::test_gpu",
+                "triton",
+                1e-3,
+                gb_per_s=3000.0,
+                copy_fraction=0.75,
+                tflops=410.2,
+            )
+        ],
+        grpo_fast_env=env,
+    )
+    text = render(path)
+    assert "## NVIDIA H200, 141 GB, 132 SMs — 2026-11-30 09:00 UTC" in text
+    assert "- versions: torch 2.13.0, triton 3.9.0, CUDA 12.8" in text
+    assert "- measured copy bandwidth: 4,123 GB/s" in text
+    assert "- command: `python -m pytest -m gpu bench/test_bench_op.py --benchmark-json=x.json`" in text
+    rows = table_rows(text, "op · test_gpu")
+    assert column(rows, "GB/s") == ["3,000"]
+    assert column(rows, "of copy BW") == ["75%"]
+    assert column(rows, "TFLOP/s") == ["410"]
+
+
+def test_metadata_from_extra_info_and_what_is_missing(tmp_path):
+    info = dict(
+        device="Test CPU, 2 cores, 2 torch threads",
+        versions={"torch": "2.13.0+cpu", "triton": "3.9.0", "cuda": None, "transformers": "5.24.0"},
+        command="python -m pytest bench/ --benchmark-json bench/results/cpu.json",
+    )
+    text = render(report_file(tmp_path, [bench("bench/test_bench_op.py::test_cpu", "eager", 1e-3, **info)]))
+    assert "## Test CPU, 2 cores, 2 torch threads — 2026-11-30 09:00 UTC" in text
+    assert "- versions: torch 2.13.0+cpu, triton 3.9.0, CUDA none, transformers 5.24.0" in text
+    assert "- python 3.11.7, commit 0123456789ab (uncommitted changes)" in text
+    assert "- command: `python -m pytest bench/ --benchmark-json bench/results/cpu.json`" in text
+
+    bare = render(
+        report_file(tmp_path, [bench("bench/test_bench_op.py::test_cpu", "eager", 1e-3)], "bare.json")
+    )
+    assert "## Test CPU (CPU) — " in bare  # machine_info's CPU when no case names its device
+    assert "- versions: torch not recorded, triton not recorded, CUDA not recorded" in bare
+    assert "- command: `not recorded`" in bare
+
+
+def test_notes_say_when_the_machine_was_shared_and_noisy(tmp_path):
+    # load 5.0 on 2 cores > 0.75 per core; spreads 10 % (quiet) and 50 % (> 25 %: noisy)
+    shared = dict(load_average_1m=5.0, cpu_count=2)
+    path = report_file(
+        tmp_path,
+        [
+            bench("bench/test_bench_op.py::test_cpu", "eager", 1e-3, iqr=1e-4, **shared),
+            bench("bench/test_bench_op.py::test_cpu", "torch_chunked", 1e-3, iqr=5e-4, **shared),
+        ],
+    )
+    text = render(path)
+    assert "load average up to 5.0 on 2 cores" in text
+    assert (
+        "1 of 2 cases have a spread (IQR / median) over 25%, up to 50% (op · test_cpu, torch_chunked" in text
+    )
+
+    quiet = [
+        bench("bench/test_bench_op.py::test_cpu", "eager", 1e-3, iqr=1e-4, load_average_1m=0.3, cpu_count=2)
+    ]
+    assert "Notes:" not in render(report_file(tmp_path, quiet, "quiet.json"))
+
+
+def test_out_of_memory_row_is_a_result(tmp_path):
+    group = "train_step-gpu-optimization"
+    path = report_file(
+        tmp_path,
+        [
+            bench(
+                "bench/test_bench_train_step.py::test_optimization_phase_gpu",
+                None,
+                2.0,
+                group=group,
+                impl="triton",
+                status="ok",
+                peak_memory_bytes=4e9,
+                absolute_peak_memory_bytes=20e9,
+                logits_bytes=0.6e9,
+                tokens_per_s=12000.0,
+            ),
+            bench(
+                "bench/test_bench_train_step.py::test_optimization_phase_gpu",
+                None,
+                0.5,
+                group=group,
+                rounds=1,
+                impl="eager",
+                status="oom",
+                error="CUDA out of memory. Tried to allocate 1.16 GiB",
+                peak_memory_bytes=6e9,
+                absolute_peak_memory_bytes=24e9,
+                logits_bytes=0.6e9,
+            ),
+        ],
+    )
+    text = render(path)
+    rows = table_rows(text, group)
+    assert column(rows, "impl") == ["**triton**", "eager"]
+    assert column(rows, "status") == ["", "OOM"]
+    assert column(rows, "time (median)") == ["2 s", "—"]
+    assert "× eager" not in rows[0]  # no eager time to compare with: the column is left out
+    assert column(rows, "absolute peak") == ["20 GB", "24 GB"]
+    assert column(rows, "tokens/s") == ["12,000", ""]
+    assert "TFLOP/s" not in rows[0]
+    assert "eager: OOM — CUDA out of memory. Tried to allocate 1.16 GiB." in text
+
+
+def test_runs_newest_first_and_the_cli(tmp_path, capsys):
+    old = report_file(
+        tmp_path,
+        [bench("bench/test_bench_op.py::test_cpu", "eager", 1e-3)],
+        "old.json",
+        date="2026-11-01T00:00:00+00:00",
+    )
+    new = report_file(tmp_path, [bench("bench/test_bench_op.py::test_cpu", "eager", 1e-3)], "new.json")
+    out = tmp_path / "B.md"
+    assert bench_report.main([str(old), str(new), "--out", str(out)]) == 0
+    text = out.read_text()
+    assert text.index("2026-11-30") < text.index("2026-11-01")
+    assert f"Generated by `python tools/bench_report.py {old} {new} --out {out}`" in text
+
+    broken = tmp_path / "broken.json"
+    broken.write_text(json.dumps({"rows": []}))
+    assert bench_report.main([str(broken)]) == 2
+    assert "broken.json: not pytest-benchmark JSON" in capsys.readouterr().err
+
+
+def test_benchmarks_md_is_generated_from_bench_results(monkeypatch):
+    """BENCHMARKS.md must be exactly what `python tools/bench_report.py bench/results/*.json` writes."""
+    monkeypatch.chdir(ROOT)
+    files = sorted(Path("bench/results").glob("*.json"))
+    if not files:
+        pytest.skip("no committed results in bench/results/")
+    command = " ".join(["python tools/bench_report.py", *(f.as_posix() for f in files)])
+    expected = bench_report.render([bench_report.load_run(f) for f in files], command)
+    assert Path("BENCHMARKS.md").read_text() == expected, (
+        f"BENCHMARKS.md is stale: regenerate it with `{command}`"
+    )

@@ -1,0 +1,352 @@
+"""Generate BENCHMARKS.md from pytest-benchmark JSON files: the published tables, never typed by hand.
+
+    python tools/bench_report.py bench/results/*.json [--out BENCHMARKS.md]
+
+One section per JSON file (one ``pytest`` run), newest first, headed by the device, the versions
+(torch, triton, CUDA), the date, the commit and the exact command; one table per benchmark group
+(``@pytest.mark.benchmark(group=...)``, else ``file::test function``), one row per case and
+implementation. What a row shows, from the benchmark's stats and ``extra_info``:
+
+- time: median of the rounds, and the spread (interquartile range over the median: noise);
+- ``× eager`` / ``× compile``: the eager (``impl`` ``eager``) and ``torch.compile`` (``compiled``)
+  medians of the same case over this row's median (> 1: this row is faster);
+- peak memory (``peak_memory_bytes``) and ``× logits``: peak memory over the size of the case's
+  ``[N, V]`` logits (``logits_bytes``, else ``N·V·bytes`` from the ``n``, ``v`` parameters in
+  ``extra_info["dtype"]``, else bf16 for a CUDA case and fp32 for a CPU one);
+- ``GB/s`` over the traffic floor and its fraction of the copy bandwidth measured in the same
+  session (``gb_per_s``, ``copy_fraction``), ``TFLOP/s``, tokens/s, status (``oom``).
+
+A case is a CUDA case when its test function's name ends in ``gpu`` (the convention of ``bench/``).
+Run metadata comes from the JSON's ``grpo_fast_env`` (written by ``tools/gpu_check.sh``), else
+from the cases' ``extra_info`` (``device``, ``versions``, ``command``, ``load_average_1m``), else
+pytest-benchmark's ``machine_info``; what no file holds is printed as "not recorded".
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from dataclasses import dataclass, field
+from datetime import datetime
+from pathlib import Path
+
+EAGER_IMPLS = ("eager",)
+COMPILE_IMPLS = ("compiled", "torch_compile", "compile")
+IMPL_KEYS = ("impl", "backend", "provider")  # parameter names that pick the implementation
+DTYPE_BYTES = {"float32": 4, "fp32": 4, "bfloat16": 2, "bf16": 2, "float16": 2, "fp16": 2}
+NOISY_SPREAD = 0.25  # IQR / median above which a run's note calls its timings noisy
+BUSY_LOAD_PER_CORE = 0.75  # 1-minute load average per core above which the machine was shared
+
+
+class ReportError(Exception):
+    """An input file that is not pytest-benchmark JSON (the message names the file)."""
+
+
+@dataclass
+class Row:
+    """One benchmark: a case (shape) run by one implementation."""
+
+    table: str
+    case: str
+    impl: str
+    on_cuda: bool
+    stats: dict
+    info: dict
+    params: dict
+
+    @property
+    def median(self) -> float:
+        return self.stats["median"]
+
+    @property
+    def spread(self) -> float:
+        return self.stats.get("iqr", 0.0) / self.median if self.median else 0.0
+
+    @property
+    def failed(self) -> bool:
+        return self.info.get("status", "ok") != "ok"
+
+    def logits_bytes(self) -> float | None:
+        if self.info.get("logits_bytes"):
+            return self.info["logits_bytes"]
+        n, v = self.params.get("n"), self.params.get("v")
+        if n is None or v is None:
+            return None
+        default = "bfloat16" if self.on_cuda else "float32"
+        return n * v * DTYPE_BYTES[str(self.info.get("dtype", default)).removeprefix("torch.")]
+
+
+@dataclass
+class Run:
+    """One JSON file: one pytest invocation."""
+
+    path: Path
+    date: datetime | None
+    rows: list[Row]
+    meta: dict = field(default_factory=dict)
+
+
+def _table_name(bench: dict) -> str:
+    if bench.get("group"):
+        return bench["group"]
+    fullname = bench["fullname"].split("[", 1)[0]  # bench/test_bench_x.py::test_gpu[...]
+    file, _, func = fullname.partition("::")
+    return f"{Path(file).stem.removeprefix('test_bench_')} · {func}"
+
+
+def _split_params(bench: dict) -> tuple[str, dict]:
+    """``(impl, the other parameters)``; impl from ``extra_info["impl"]`` or an ``IMPL_KEYS`` parameter."""
+    params = dict(bench.get("params") or {})
+    impl = bench.get("extra_info", {}).get("impl")
+    for key in IMPL_KEYS:
+        if key in params:
+            impl = impl or str(params[key])
+            del params[key]
+    return impl or bench["name"].split("[", 1)[0], params
+
+
+def load_run(path: Path) -> Run:
+    try:
+        data = json.loads(Path(path).read_text())
+    except (OSError, json.JSONDecodeError) as exc:
+        raise ReportError(f"{path}: cannot read JSON ({exc})") from None
+    if not isinstance(data, dict) or not isinstance(data.get("benchmarks"), list):
+        raise ReportError(
+            f"{path}: not pytest-benchmark JSON (no 'benchmarks' list; make it with --benchmark-json)"
+        )
+    rows = []
+    for bench in data["benchmarks"]:
+        impl, params = _split_params(bench)
+        func = bench["fullname"].split("::")[-1].split("[", 1)[0]
+        case = ", ".join(f"{k}={v}" for k, v in params.items()) or "—"
+        rows.append(
+            Row(
+                table=_table_name(bench),
+                case=case,
+                impl=impl,
+                on_cuda=func.endswith("gpu"),
+                stats=bench["stats"],
+                info=bench.get("extra_info") or {},
+                params=params,
+            )
+        )
+    date = datetime.fromisoformat(data["datetime"]) if data.get("datetime") else None
+    return Run(Path(path), date, rows, _run_meta(data, rows))
+
+
+def _first(rows: list[Row], key: str):
+    """The first non-empty ``extra_info[key]`` of the run's cases (an empty string says nothing)."""
+    return next((r.info[key] for r in rows if r.info.get(key) not in (None, "", {})), None)
+
+
+def _run_meta(data: dict, rows: list[Row]) -> dict:
+    env = data.get("grpo_fast_env") or {}
+    machine = data.get("machine_info") or {}
+    cpu = (machine.get("cpu") or {}).get("brand_raw")
+    commit = data.get("commit_info") or {}
+    loads = [r.info["load_average_1m"] for r in rows if r.info.get("load_average_1m") is not None]
+    return {
+        "device": env.get("device") or _first(rows, "device") or (f"{cpu} (CPU)" if cpu else None),
+        "versions": env.get("versions") or _first(rows, "versions") or {},
+        "python": machine.get("python_version"),
+        "commit": (commit.get("id", "")[:12] + (" (uncommitted changes)" if commit.get("dirty") else ""))
+        if commit.get("id")
+        else None,
+        "commands": env.get("commands") or sorted({r.info["command"] for r in rows if r.info.get("command")}),
+        "copy_gb_per_s": env.get("copy_gb_per_s") or _first(rows, "copy_gb_per_s"),
+        "cpu_count": env.get("cpu_count") or _first(rows, "cpu_count"),
+        "max_load": max(loads) if loads else None,
+        "notes": env.get("notes") or [],
+    }
+
+
+# ----------------------------------------------------------------------------------------------
+# Formatting
+# ----------------------------------------------------------------------------------------------
+
+
+def fmt_time(seconds: float) -> str:
+    for unit, scale in (("s", 1.0), ("ms", 1e-3), ("µs", 1e-6)):
+        if seconds >= scale:
+            return f"{seconds / scale:.3g} {unit}"
+    return f"{seconds / 1e-9:.3g} ns"
+
+
+def fmt_bytes(b: float) -> str:
+    for unit, scale in (("GB", 1e9), ("MB", 1e6), ("KB", 1e3)):
+        if abs(b) >= scale:
+            return f"{b / scale:.3g} {unit}"
+    return f"{b:.0f} B"
+
+
+def fmt_ratio(x: float | None) -> str:
+    return "" if x is None else f"{x:.2f}×"
+
+
+def _baseline(rows: list[Row], row: Row, impls: tuple[str, ...]) -> Row | None:
+    return next((r for r in rows if r.case == row.case and r.impl in impls and not r.failed), None)
+
+
+# (header, cell) per column; a column whose cells are all empty is left out of its table.
+def _columns(rows: list[Row]):
+    def speedup(impls):
+        def cell(r: Row) -> str:
+            base = _baseline(rows, r, impls)
+            return "" if base is None or r.failed else fmt_ratio(base.median / r.median)
+
+        return cell
+
+    def per_logits(r: Row) -> str:
+        peak, logits = r.info.get("peak_memory_bytes"), r.logits_bytes()
+        return fmt_ratio(peak / logits) if peak is not None and logits else ""
+
+    def opt(key, fmt):
+        return lambda r: "" if r.info.get(key) is None else fmt(r.info[key])
+
+    return [
+        ("case", lambda r: r.case if r.case != "—" else ""),
+        ("impl", lambda r: f"**{r.impl}**" if r.impl not in EAGER_IMPLS + COMPILE_IMPLS else r.impl),
+        ("status", lambda r: r.info["status"].upper() if r.failed else ""),
+        ("time (median)", lambda r: fmt_time(r.median) if not r.failed else "—"),
+        ("spread", lambda r: f"{r.spread:.0%}" if not r.failed else ""),
+        ("rounds", lambda r: str(r.stats.get("rounds", ""))),
+        ("× eager", speedup(EAGER_IMPLS)),
+        ("× compile", speedup(COMPILE_IMPLS)),
+        ("tokens/s", opt("tokens_per_s", lambda x: f"{x:,.0f}")),
+        ("peak memory", opt("peak_memory_bytes", fmt_bytes)),
+        ("absolute peak", opt("absolute_peak_memory_bytes", fmt_bytes)),
+        ("[N, V] logits", lambda r: fmt_bytes(r.logits_bytes()) if r.logits_bytes() else ""),
+        ("peak / logits", per_logits),
+        ("GB/s", opt("gb_per_s", lambda x: f"{x:,.0f}")),
+        ("of copy BW", opt("copy_fraction", lambda x: f"{x:.0%}")),
+        ("TFLOP/s", opt("tflops", lambda x: f"{x:.0f}")),
+    ]
+
+
+def render_table(rows: list[Row]) -> list[str]:
+    cols = [(h, [cell(r) for r in rows]) for h, cell in _columns(rows)]
+    cols = [(h, cells) for h, cells in cols if any(cells)]
+    numeric = {
+        "time (median)",
+        "spread",
+        "rounds",
+        "× eager",
+        "× compile",
+        "tokens/s",
+        "peak memory",
+        "absolute peak",
+        "[N, V] logits",
+        "peak / logits",
+        "GB/s",
+        "of copy BW",
+        "TFLOP/s",
+    }
+    lines = [
+        "| " + " | ".join(h for h, _ in cols) + " |",
+        "|" + "|".join("---:" if h in numeric else "---" for h, _ in cols) + "|",
+    ]
+    for i in range(len(rows)):
+        lines.append("| " + " | ".join(cells[i] for _, cells in cols) + " |")
+    return lines
+
+
+def _notes(run: Run) -> list[str]:
+    m = run.meta
+    notes = list(m["notes"])
+    cores = m["cpu_count"]
+    if m["max_load"] is not None and cores and m["max_load"] > BUSY_LOAD_PER_CORE * cores:
+        notes.append(
+            f"The machine was shared with other work while this ran: 1-minute load average up to "
+            f"{m['max_load']:.1f} on {cores} cores. Timings are noisier and slower than on an idle machine."
+        )
+    timed = [r for r in run.rows if not r.failed and r.stats.get("rounds", 0) > 1]
+    if timed:
+        worst = max(timed, key=lambda r: r.spread)
+        if worst.spread > NOISY_SPREAD:
+            noisy = sum(r.spread > NOISY_SPREAD for r in timed)
+            where = ", ".join(x for x in (worst.table, worst.impl, worst.case) if x != "—")
+            notes.append(
+                f"{noisy} of {len(timed)} cases have a spread (IQR / median) over {NOISY_SPREAD:.0%}, "
+                f"up to {worst.spread:.0%} ({where})."
+            )
+    for r in run.rows:
+        if r.failed:
+            notes.append(
+                f"{r.table}, {r.impl}: {r.info['status'].upper()} — {r.info.get('error') or 'no message'}."
+            )
+    return notes
+
+
+def render_run(run: Run) -> list[str]:
+    m = run.meta
+    v = m["versions"]
+    cuda = (v["cuda"] or "none") if "cuda" in v else "not recorded"
+    device = m["device"] or "not recorded"
+    when = run.date.strftime("%Y-%m-%d %H:%M %Z").strip() if run.date else "not recorded"
+    lines = [
+        f"## {device} — {when}",
+        "",
+        f"- source: `{run.path.as_posix()}`",
+        f"- versions: torch {v.get('torch', 'not recorded')}, triton {v.get('triton', 'not recorded')}, "
+        f"CUDA {cuda}" + "".join(f", {k} {v[k]}" for k in ("transformers", "bitsandbytes") if v.get(k)),
+        f"- python {m['python'] or 'not recorded'}, commit {m['commit'] or 'not recorded'}",
+    ]
+    if m["copy_gb_per_s"]:
+        lines.append(
+            f"- measured copy bandwidth: {m['copy_gb_per_s']:,.0f} GB/s (read + write, 1 GiB `copy_`)"
+        )
+    commands = m["commands"] or ["not recorded"]
+    lines += [f"- command: `{c}`" for c in commands]
+    notes = _notes(run)
+    if notes:
+        lines += ["", "Notes:", "", *(f"- {n}" for n in notes)]
+    tables: dict[str, list[Row]] = {}
+    for r in run.rows:
+        tables.setdefault(r.table, []).append(r)
+    for name, rows in tables.items():
+        first_seen = {case: i for i, case in reversed(list(enumerate(r.case for r in rows)))}
+        rows.sort(key=lambda r: first_seen[r.case])  # a case's implementations together, stable order
+        lines += ["", f"### {name}", "", *render_table(rows)]
+        for case in sorted({r.info["case"] for r in rows if r.info.get("case")}):
+            lines += ["", f"Case: {case}."]
+    return lines
+
+
+def render(runs: list[Run], command: str) -> str:
+    runs = sorted(runs, key=lambda r: r.date.timestamp() if r.date else 0.0, reverse=True)
+    lines = [
+        "# Benchmarks",
+        "",
+        f"Generated by `{command}` from pytest-benchmark JSON; do not edit by hand "
+        "(see `tools/bench_report.py` for what each column means).",
+        "",
+        "Peak memory: on CUDA the memory one step allocates on top of its inputs (`max_memory_allocated`; "
+        "*absolute peak* counts the weights and optimizer state too); on CPU the resident-set growth of one "
+        "step in a fresh process (`grpo_fast.memory.peak_rss_growth`). `× eager`, `× compile`: how many "
+        "times faster than eager PyTorch / `torch.compile` on the same case. `GB/s`: the op's traffic floor "
+        "over its time; `of copy BW`: that over a plain device copy measured in the same session.",
+    ]
+    for run in runs:
+        lines += ["", *render_run(run)]
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    p = argparse.ArgumentParser(prog="python tools/bench_report.py", description=__doc__.split("\n", 1)[0])
+    p.add_argument("files", nargs="+", type=Path, help="pytest-benchmark JSON files (--benchmark-json)")
+    p.add_argument("--out", type=Path, default=Path("BENCHMARKS.md"), help="default: BENCHMARKS.md")
+    args = p.parse_args(argv)
+    try:
+        runs = [load_run(f) for f in args.files]
+    except ReportError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    args.out.write_text(render(runs, " ".join(["python tools/bench_report.py", *argv])))
+    print(f"wrote {args.out} ({sum(len(r.rows) for r in runs)} benchmarks from {len(runs)} file(s))")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

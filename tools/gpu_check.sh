@@ -1,0 +1,266 @@
+#!/usr/bin/env bash
+# One GPU check in under 8 minutes: environment, copy bandwidth, the `gpu` tests, the GPU benchmarks.
+#
+#   tools/gpu_check.sh OUTDIR                        # on a CUDA machine, from anywhere
+#   GPU_CHECK_DRY_RUN=1 tools/gpu_check.sh OUTDIR    # print the commands, run nothing but the preflight
+#   GPU_CHECK_BENCH_MARK='not gpu and not slow' tools/gpu_check.sh OUTDIR   # the CPU benchmarks instead
+#                                                    # (exercises every part of the script on a CPU)
+#
+# Needs python with torch, triton and pytest; runs from the source tree (PYTHONPATH=., no install,
+# no network: HF_HUB_OFFLINE=1). A module whose import fails for a missing package (transformers,
+# pytest-benchmark, hypothesis, ...) is left out and listed as skipped: the kernel tests and kernel
+# benchmarks need only torch, triton, pytest and pytest-benchmark.
+#
+# Parts, each under `timeout` (SIGINT first, so pytest still writes what it measured) with a cap
+# shrunk to the time left of GPU_CHECK_BUDGET_S (default 450 s = 7.5 min):
+#   preflight 60 s, nvidia-smi 20 s, copy bandwidth 60 s, `python -m pytest -m gpu tests/` 120 s,
+#   then `python -m pytest -m gpu bench/<file>` per benchmark file (80-90 s each), report 30 s.
+#   Expected on an H200: ≈ 6-7 min; the budget keeps the whole script under 8 min.
+#
+# OUTDIR gets 8 files: env.json (versions, GPU, copy bandwidth, every part's command, status and
+# time), nvidia-smi.txt, check.log (preflight, bandwidth, report), tests.log, bench.log, bench.json
+# (pytest-benchmark JSON of all benchmark files, with each case's command), BENCHMARKS.md
+# (tools/bench_report.py) and summary.md (printed at the end). A failing part is recorded and the
+# script goes on; it exits 0.
+
+set -u -o pipefail
+
+if [[ $# -ne 1 ]]; then
+    echo "usage: tools/gpu_check.sh OUTDIR   (GPU_CHECK_DRY_RUN=1 to print the commands only)" >&2
+    exit 2
+fi
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+mkdir -p "$1"
+OUT="$(cd "$1" && pwd)"
+cd "$ROOT" || exit 2
+DRY="${GPU_CHECK_DRY_RUN:-0}"
+BUDGET_S="${GPU_CHECK_BUDGET_S:-450}"
+BENCH_MARK="${GPU_CHECK_BENCH_MARK:-gpu}"
+PY="${PYTHON:-$(command -v python || command -v python3)}"
+export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}" HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
+START_S=$(date +%s)
+TMP="$(mktemp -d)"
+trap 'rm -rf "$TMP"' EXIT
+PARTS="$TMP/parts.tsv"  # name, status, seconds, command: one line per part
+: >"$PARTS"
+
+# run_part NAME CAP_S LOG COMMAND...: run COMMAND under timeout (stdout+stderr appended to LOG) and
+# record its status; the cap shrinks to the budget left, minus 30 s kept for the report. A dry run
+# prints the command and runs only the preflight (it decides which modules the commands leave out).
+run_part() {
+    local name=$1 cap=$2 log=$3
+    shift 3
+    local left=$((BUDGET_S - ($(date +%s) - START_S) - 30))
+    local limit=$((cap < left ? cap : left))
+    local cmd
+    cmd=$(printf '%q ' "$@")
+    cmd=${cmd% }
+    if ((limit < 10)); then
+        printf '%s\tskipped: no time left of the %s s budget\t0\t%s\n' "$name" "$BUDGET_S" "$cmd" >>"$PARTS"
+        return
+    fi
+    echo "+ [$name, ${limit} s] $cmd"
+    if [[ "$DRY" == 1 && "$name" != preflight ]]; then
+        printf '%s\tdry run\t0\t%s\n' "$name" "$cmd" >>"$PARTS"
+        return
+    fi
+    local t0 rc status
+    t0=$(date +%s)
+    echo "+ $cmd" >>"$log"
+    timeout -s INT -k 15 "$limit" "$@" >>"$log" 2>&1
+    rc=$?
+    case $rc in
+        0) status=ok ;;
+        5) status="ok (no tests selected)" ;;
+        124 | 137) status="timed out after ${limit} s (pytest keeps what it measured)" ;;
+        *) status="failed (exit code $rc, see $(basename "$log"))" ;;
+    esac
+    printf '%s\t%s\t%s\t%s\n' "$name" "$status" "$(($(date +%s) - t0))" "$cmd" >>"$PARTS"
+}
+
+# ---- preflight: versions, CUDA, and which test/benchmark modules import here
+run_part preflight 60 "$OUT/check.log" "$PY" - "$TMP/preflight.json" <<'EOF'
+import importlib, importlib.util, json, os, sys
+from pathlib import Path
+
+def version(name):
+    try:
+        return importlib.import_module(name).__version__
+    except Exception as exc:  # missing, or broken at import: say which
+        return None if isinstance(exc, ImportError) else f"broken: {exc!r}"[:200]
+
+info = {"versions": {m: version(m) for m in ("torch", "triton", "pytest", "pytest_benchmark", "transformers",
+                                             "bitsandbytes", "hypothesis", "liger_kernel", "vllm")}}
+torch = importlib.import_module("torch") if info["versions"]["torch"] else None
+info["versions"]["cuda"] = torch.version.cuda if torch else None
+info["cuda_available"] = bool(torch and torch.cuda.is_available())
+if info["cuda_available"]:
+    p = torch.cuda.get_device_properties(0)
+    info["device"] = f"{p.name}, {p.total_memory / 1e9:.0f} GB, {p.multi_processor_count} SMs"
+info["cpu_count"] = os.cpu_count()
+# A module whose import raises ImportError (a missing package) is skipped with the reason; any other
+# error stays in the run, where pytest reports it.
+info["unimportable"] = {}
+for path in sorted(Path("tests").glob("test_*.py")) + sorted(Path("bench").glob("test_bench_*.py")):
+    sys.path.insert(0, str(path.parent))
+    spec = importlib.util.spec_from_file_location(f"_preflight_{path.parent.name}_{path.stem}", path)
+    try:
+        spec.loader.exec_module(importlib.util.module_from_spec(spec))
+    except ImportError as exc:
+        info["unimportable"][str(path)] = f"{type(exc).__name__}: {exc}"
+    except BaseException:
+        pass
+    finally:
+        sys.path.remove(str(path.parent))
+Path(sys.argv[1]).write_text(json.dumps(info, indent=2))
+EOF
+if [[ ! -s "$TMP/preflight.json" ]]; then  # dry run, or it failed (check.log says why)
+    echo '{"versions": {}, "cuda_available": false, "unimportable": {}}' >"$TMP/preflight.json"
+fi
+mapfile -t SKIP < <("$PY" -c 'import json,sys; [print(p) for p in json.load(open(sys.argv[1]))["unimportable"]]' "$TMP/preflight.json")
+IGNORE=()
+for path in ${SKIP[@]+"${SKIP[@]}"}; do [[ $path == tests/* ]] && IGNORE+=("--ignore=$path"); done
+read -r has_bench_plugin has_cuda < <("$PY" -c 'import json, sys; p = json.load(open(sys.argv[1]))
+print(int(bool(p["versions"].get("pytest_benchmark"))), int(p["cuda_available"]))' "$TMP/preflight.json")
+
+# ---- environment: nvidia-smi, then versions and a device-to-device copy bandwidth
+if command -v nvidia-smi >/dev/null; then
+    run_part nvidia-smi 20 "$OUT/nvidia-smi.txt" bash -c \
+        "nvidia-smi && nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.max.sm,clocks.max.mem,power.limit --format=csv"
+else
+    printf 'nvidia-smi\tskipped: nvidia-smi not found\t0\tnvidia-smi\n' >>"$PARTS"
+fi
+if [[ "$has_cuda" == 1 || "$DRY" == 1 ]]; then
+    run_part copy-bandwidth 60 "$OUT/check.log" "$PY" - "$TMP/bandwidth.json" <<'EOF'
+import json, sys
+import torch
+
+# dst.copy_(src) on 1 GiB: bytes read + written over the time of 20 copies (after 3 warm-up copies)
+src = torch.empty(2**28, dtype=torch.float32, device="cuda")
+dst = torch.empty_like(src)
+for _ in range(3):
+    dst.copy_(src)
+start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+start.record()
+for _ in range(20):
+    dst.copy_(src)
+end.record()
+torch.cuda.synchronize()  # host-device sync: read the timer
+gbps = 2 * src.numel() * src.element_size() * 20 / (start.elapsed_time(end) / 1e3) / 1e9
+json.dump({"copy_gb_per_s": gbps}, open(sys.argv[1], "w"))
+print(f"copy bandwidth: {gbps:,.0f} GB/s")
+EOF
+else
+    printf 'copy-bandwidth\tskipped: no CUDA device\t0\t-\n' >>"$PARTS"
+fi
+
+# ---- the gpu-marked tests
+run_part tests 120 "$OUT/tests.log" "$PY" -m pytest -m gpu tests/ -q -p no:cacheprovider -rfEs \
+    ${IGNORE[@]+"${IGNORE[@]}"}
+
+# ---- the GPU benchmarks, one pytest run per file (a slow file cannot take the others' results with it)
+if [[ "$has_bench_plugin" != 1 ]]; then
+    printf 'bench\tskipped: pytest-benchmark is not installed\t0\t-\n' >>"$PARTS"
+else
+    # file:cap_s, most valuable first (each op file compiles eager with torch.compile for 3 shapes)
+    for entry in bench/test_bench_token_logprobs.py:80 bench/test_bench_grpo_loss.py:90 \
+        bench/test_bench_fused_linear_grpo_loss.py:80 bench/test_bench_train_step.py:90; do
+        file=${entry%:*}
+        name="bench:$(basename "$file" .py)"
+        if [[ ! -f "$file" ]]; then
+            printf '%s\tskipped: %s not found\t0\t-\n' "$name" "$file" >>"$PARTS"
+        elif [[ " ${SKIP[*]-} " == *" $file "* ]]; then
+            printf '%s\tskipped: cannot import it here\t0\t-\n' "$name" >>"$PARTS"
+        else
+            run_part "$name" "${entry#*:}" "$OUT/bench.log" "$PY" -m pytest -m "$BENCH_MARK" "$file" -q \
+                -p no:cacheprovider --benchmark-json="$TMP/$(basename "$file" .py).json"
+        fi
+    done
+fi
+
+# ---- bench.json (all files, each case with its command), BENCHMARKS.md, env.json, summary.md
+if [[ "$DRY" == 1 ]]; then
+    echo "+ [report] merge $TMP/test_bench_*.json into $OUT/bench.json; $PY tools/bench_report.py $OUT/bench.json --out $OUT/BENCHMARKS.md"
+fi
+"$PY" - "$OUT" "$TMP" "$BUDGET_S" "$START_S" "$DRY" "$ROOT" <<'EOF'
+import json, re, subprocess, sys, time
+from pathlib import Path
+
+out, tmp, budget, start, dry, root = Path(sys.argv[1]), Path(sys.argv[2]), sys.argv[3], int(sys.argv[4]), sys.argv[5] == "1", sys.argv[6]
+pre = json.loads((tmp / "preflight.json").read_text())
+bw_file = tmp / "bandwidth.json"
+copy_gbps = json.loads(bw_file.read_text())["copy_gb_per_s"] if bw_file.exists() else None
+parts = []
+for line in (tmp / "parts.tsv").read_text().splitlines():
+    name, status, seconds, command = line.split("\t", 3)
+    parts.append({"name": name, "status": status, "seconds": int(seconds), "command": command})
+skipped = [f"{path}: {why}" for path, why in pre["unimportable"].items()]
+env = {
+    "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+    "device": pre.get("device"),
+    "versions": pre["versions"],
+    "cpu_count": pre.get("cpu_count"),
+    "copy_gb_per_s": copy_gbps,
+    "parts": parts,
+    "skipped_modules": skipped,
+    "environment": f"cd {root}; PYTHONPATH={root} HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1",
+}
+
+merged = None
+commands = {p["name"].removeprefix("bench:"): p["command"] for p in parts if p["name"].startswith("bench:")}
+for part in sorted(tmp.glob("test_bench_*.json")):
+    data = json.loads(part.read_text())
+    for bench in data["benchmarks"]:
+        bench.setdefault("extra_info", {}).setdefault("command", commands.get(part.stem))
+    if merged is None:
+        merged = data
+    else:
+        merged["benchmarks"] += data["benchmarks"]
+if merged is not None:
+    merged["grpo_fast_env"] = {
+        "device": env["device"],
+        "versions": {k: env["versions"].get(k) for k in ("torch", "triton", "cuda", "transformers", "bitsandbytes")},
+        "cpu_count": env["cpu_count"],
+        "copy_gb_per_s": copy_gbps,
+        "commands": sorted(set(commands.values())),
+        "notes": [f"Not run (import failed): {s}" for s in skipped if s.startswith("bench/")]
+        + [f"{p['name']}: {p['status']}" for p in parts if p["name"].startswith("bench:") and p["status"] != "ok"],
+    }
+    (out / "bench.json").write_text(json.dumps(merged, indent=2))
+    t0 = time.time()
+    with open(out / "check.log", "a") as log:
+        rc = subprocess.run(
+            [sys.executable, "tools/bench_report.py", str(out / "bench.json"), "--out", str(out / "BENCHMARKS.md")],
+            stdout=log, stderr=log,
+        ).returncode
+    parts.append({"name": "report", "status": "ok" if rc == 0 else f"failed (exit code {rc}, see check.log)",
+                  "seconds": round(time.time() - t0), "command": "python tools/bench_report.py bench.json"})
+(out / "env.json").write_text(json.dumps(env, indent=2))
+
+tests = "not run"
+log = out / "tests.log"
+if log.exists():  # pytest's last line: "4 passed, 2 skipped, 457 deselected in 3.21s"
+    counts = [ln for ln in log.read_text().splitlines() if re.search(r"\d+ (passed|failed|error|skipped|deselected)", ln)]
+    tests = counts[-1].strip("= ") if counts else "no result line in tests.log"
+n_bench = len(merged["benchmarks"]) if merged else 0
+v = env["versions"]
+lines = [
+    f"# GPU check {'(dry run) ' if dry else ''}— {env['date']}",
+    "",
+    f"- device: {env['device'] or 'no CUDA device'}; torch {v.get('torch')}, triton {v.get('triton')}, CUDA {v.get('cuda')}, "
+    f"transformers {v.get('transformers') or 'missing'}, bitsandbytes {v.get('bitsandbytes') or 'missing'}",
+    f"- copy bandwidth: {f'{copy_gbps:,.0f} GB/s' if copy_gbps else 'not measured'}",
+    f"- tests (-m gpu): {tests}",
+    f"- benchmarks: {n_bench} cases in bench.json" + (", tables in BENCHMARKS.md" if n_bench else ""),
+    f"- total: {round(time.time() - start)} s of a {budget} s budget; commands run with: {env['environment']}",
+    "",
+    "| part | status | s | command |",
+    "|---|---|---:|---|",
+    *(f"| {p['name']} | {p['status']} | {p['seconds']} | `{p['command']}` |" for p in parts),
+]
+if skipped:
+    lines += ["", "Skipped modules (import failed here):", "", *(f"- {s}" for s in skipped)]
+(out / "summary.md").write_text("\n".join(lines) + "\n")
+print("\n".join(lines))
+EOF
+exit 0
