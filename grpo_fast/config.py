@@ -165,17 +165,18 @@ class Config:
 # Presets hold only what differs from the defaults above.
 PRESETS: dict[str, dict[str, Any]] = {
     # CPU, built-in model, tokenizer and task (grpo_fast.tiny): what a newcomer runs first.
-    # 2-digit addition; a 500-step SFT warm start (a "base model" that is right ~1/3 of the
-    # time), then GRPO sharpens it: greedy eval ≈ 0.35 → ≈ 0.8 in ~300 steps on 2 CPU cores.
+    # Two-digit addition. An SFT warm start stops once the model solves 25% of training
+    # problems (a "base model"); then 500 GRPO steps. Measured on 2 cores (seeds 0-3): greedy
+    # eval 0.25-0.32 → 0.72-0.78 in ~70 s.
     "tiny": {
         "output_dir": "runs/tiny",
-        "steps": 300,
+        "steps": 500,
         "eval_every": 25,
         "full_eval_every": 0,
         "checkpoint_every": 100,
         "device": "cpu",
         "model": {"name_or_path": "builtin:tiny", "dtype": "float32"},
-        "data": {"task": "tiny", "prompt_template": "question_only", "eval_subset_size": 200},
+        "data": {"task": "tiny", "prompt_template": "question_only", "eval_subset_size": 500},
         "rollout": {
             "group_size": 8,
             "batch_size": 256,
@@ -184,8 +185,15 @@ PRESETS: dict[str, dict[str, Any]] = {
             "max_prompt_tokens": 16,
             "generation_batch_size": 256,
         },
-        "train": {"lr": 1e-4, "warmup_steps": 10, "micro_batch_size": 256, "mixed_precision": "no"},
-        "sft": {"steps": 1000, "lr": 1e-3, "batch_size": 64, "target_accuracy": 0.3},
+        "train": {
+            "lr": 2e-4,
+            "warmup_steps": 10,
+            "schedule": "cosine",
+            "min_lr_ratio": 0.1,
+            "micro_batch_size": 256,
+            "mixed_precision": "no",
+        },
+        "sft": {"steps": 1000, "lr": 1e-3, "batch_size": 64, "target_accuracy": 0.25},
         "logging": {"sample_every": 50},
         # A 1-4 digit answer is nearly deterministic: its healthy entropy is far below an essay's.
         "health": {"thresholds": {"entropy_warn_low": 0.05, "entropy_healthy_low": 0.1}},

@@ -101,11 +101,18 @@ def parse_args(argv):
 
 @cli_errors
 def main(argv: list[str] | None = None) -> int:
-    from grpo_fast.model import autocast_dtype, load_policy, load_tokenizer, resolve_device
+    from grpo_fast.model import (
+        autocast_dtype,
+        load_policy,
+        load_tokenizer,
+        quiet_transformers,
+        resolve_device,
+    )
     from grpo_fast.rollout import make_backend
     from grpo_fast.task import load_task
 
     args = parse_args(argv)
+    quiet_transformers()
     cfg = load_config(args.preset, args.config, [*args.overrides, f"model.name_or_path={args.model}"])
     device = resolve_device(cfg)
     tokenizer = load_tokenizer(cfg.model.name_or_path)

@@ -38,6 +38,13 @@ def autocast_dtype(cfg: Config, device: torch.device) -> torch.dtype | None:
     return {"bf16": torch.bfloat16, "fp16": torch.float16, "no": None}[mp]
 
 
+def quiet_transformers() -> None:
+    """No per-file progress bars from transformers (loading/saving weights): our own phases report."""
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
+
+
 def load_tokenizer(name_or_path: str):
     if name_or_path == tiny.BUILTIN_NAME:
         return tiny.build_tokenizer()

@@ -1,12 +1,14 @@
 """A task as the loop sees it: train/eval examples, the prompt template, stop strings, the reward.
 
 ``data.task`` picks the data (``math``, ``gsm8k`` through ``grpo_fast.data``; ``tiny`` built in),
-``data.prompt_template`` the prompt, ``data.reward`` the reward function (``auto`` = the task's
-own: ``math`` → ``r1_zero``, ``gsm8k`` → ``gsm8k``, ``tiny`` → ``tiny``).
+``data.prompt_template`` the prompt, ``data.reward`` the reward function: a registered name
+(``auto`` = the task's own: ``math`` → ``r1_zero``, ``gsm8k`` → ``gsm8k``, ``tiny`` → ``tiny``)
+or ``package.module:function`` for one of your own.
 """
 
 from __future__ import annotations
 
+import importlib
 import random
 import warnings
 from collections.abc import Callable
@@ -15,6 +17,7 @@ from dataclasses import dataclass, field
 from grpo_fast import tiny
 from grpo_fast.config import AUTO, Config
 from grpo_fast.data import Example, load_examples
+from grpo_fast.errors import ConfigError
 from grpo_fast.prompts import get_template
 from grpo_fast.rewards import get_reward_fn
 
@@ -79,13 +82,29 @@ def load_task(cfg: Config, tokenizer) -> Task:
         evals = load_examples(d.task, d.eval_path, split=EVAL_SPLIT[d.task], **common)
     template = get_template(d.prompt_template)
     reward = DEFAULT_REWARD[d.task] if d.reward == AUTO else d.reward
+    if ":" in reward:  # "package.module:function": import it (its @register_reward runs too)
+        reward_fn = _import_reward(reward)
+    else:
+        reward_fn = get_reward_fn(reward)
     return Task(
         name=d.task,
         train=train,
         eval=evals,
         template=d.prompt_template,
         stop=list(template.stop),
-        reward_fn=get_reward_fn(reward),
+        reward_fn=reward_fn,
         tokenizer=tokenizer,
         max_prompt_tokens=cfg.rollout.max_prompt_tokens,
     )
+
+
+def _import_reward(spec: str) -> Callable[[str, str], dict[str, float]]:
+    """``"package.module:function"`` → the function (a user's reward, no registration needed)."""
+    module_name, _, attr = spec.partition(":")
+    try:
+        fn = getattr(importlib.import_module(module_name), attr)
+    except (ImportError, AttributeError) as exc:
+        raise ConfigError(f"data.reward={spec!r}: cannot import it ({exc})") from None
+    if not callable(fn):
+        raise ConfigError(f"data.reward={spec!r} is not a function")
+    return fn

@@ -1,7 +1,7 @@
 """The built-in tiny task: a model, a tokenizer and a verifiable task that fit a 2-core CPU.
 
 - Task: two-digit addition, ``"37+45="`` → ``"82"``. All 10,000 ordered pairs (a, b) with
-  0 ≤ a, b ≤ 99, shuffled with a fixed seed; the first 200 are held out for evaluation.
+  0 ≤ a, b ≤ 99, shuffled with a fixed seed; the first 500 are held out for evaluation.
 - Tokenizer: one token per character (``0-9 + =``) plus ``<pad>``, ``<eos>``, ``<unk>``; a
   Hugging Face ``tokenizers`` WordLevel model, saved with every checkpoint.
 - Model: a Qwen2-architecture decoder (hidden 128, 3 layers, 4 heads / 2 KV heads, tied
@@ -28,7 +28,7 @@ from grpo_fast.rewards import register_reward
 BUILTIN_NAME = "builtin:tiny"
 SPECIAL_TOKENS = ("<pad>", "<eos>", "<unk>")
 CHARS = "0123456789+="
-EVAL_SIZE = 200
+EVAL_SIZE = 500
 TASK_SEED = 1234
 
 
@@ -75,7 +75,7 @@ def build_model(tokenizer: PreTrainedTokenizerFast, seed: int) -> Qwen2ForCausal
 
 
 def examples(split: str) -> list[Example]:
-    """``split="train"``: 9,800 problems; ``split="eval"``: the 200 held-out ones."""
+    """``split="train"``: 9,500 problems; ``split="eval"``: the 500 held-out ones."""
     pairs = [(a, b) for a in range(100) for b in range(100)]
     random.Random(TASK_SEED).shuffle(pairs)
     chosen = pairs[:EVAL_SIZE] if split == "eval" else pairs[EVAL_SIZE:]

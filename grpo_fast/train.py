@@ -51,6 +51,7 @@ from grpo_fast.model import (
     build_policy_loss,
     load_policy,
     load_tokenizer,
+    quiet_transformers,
     resolve_device,
     response_logprobs,
 )
@@ -96,6 +97,7 @@ def seed_everything(seed: int) -> None:
 def run(cfg: Config, engine=None) -> Path:
     """Train with ``cfg``; returns the output directory. ``engine``: a rollout engine to use
     instead of building one (tests pass a fake vLLM engine here)."""
+    quiet_transformers()
     device = resolve_device(cfg)
     world = dist.init(device.type)
     out = Path(cfg.output_dir)

@@ -1,5 +1,7 @@
 """Engine pieces: checkpoints, LR schedule, prompt sampler, memory planner, HF rollouts."""
 
+import re
+
 import pytest
 import torch
 
@@ -211,3 +213,42 @@ def test_policy_is_loaded_in_train_mode_with_checkpointing_active():
 
     plain = load_policy(load_config("tiny"), tok, torch.device("cpu"))
     assert saved_bytes(model) < 0.5 * saved_bytes(plain)
+
+
+def test_reward_from_a_module_path_and_clear_errors(tmp_path, monkeypatch):
+    from grpo_fast.task import load_task
+
+    (tmp_path / "my_rewards.py").write_text(
+        "def exact(response, ground_truth):\n    return {'reward': float(response == ground_truth)}\n"
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    tok = tiny.build_tokenizer()
+    task = load_task(load_config("tiny", overrides=["data.reward=my_rewards:exact"]), tok)
+    assert task.reward_fn("46", "46") == {"reward": 1.0}
+    with pytest.raises(ConfigError, match=re.escape("data.reward='my_rewards:nope': cannot import it")):
+        load_task(load_config("tiny", overrides=["data.reward=my_rewards:nope"]), tok)
+    with pytest.raises(ConfigError, match="unknown reward 'nope'"):
+        load_task(load_config("tiny", overrides=["data.reward=nope"]), tok)
+
+
+def test_evaluate_cli_on_a_saved_checkpoint(tmp_path, capsys):
+    import json
+
+    from grpo_fast import evaluate
+
+    tok = tiny.build_tokenizer()
+    ckpt.save_pretrained_atomic(tiny.build_model(tok, seed=0), tok, tmp_path / "m")
+    out = tmp_path / "records.jsonl"
+    assert (
+        evaluate.main(
+            ["--model", str(tmp_path / "m"), "--preset", "tiny", "--limit", "20", "--out", str(out)]
+        )
+        == 0
+    )
+    metrics = json.loads(capsys.readouterr().out)
+    assert metrics["eval/num_examples"] == 20 and 0.0 <= metrics["eval/accuracy"] <= 1.0
+    records = [json.loads(x) for x in out.read_text().splitlines()]
+    assert len(records) == 20 and {"prompt", "response", "ground_truth", "reward", "length"} <= set(
+        records[0]
+    )
+    assert evaluate.main(["--model", str(tmp_path / "missing"), "--preset", "tiny"]) == 2
