@@ -70,7 +70,10 @@ def test_lr_schedule_hand_values():
     # halfway through the cosine: 0.1 + 0.9·(1 + cos(π/2))/2 = 0.55
     assert lr_factor(55, cfg) == pytest.approx(0.55)
     assert lr_factor(100, cfg) == pytest.approx(0.1)
-    lin = load_config("tiny", overrides=["steps=10", "train.schedule=linear", "train.warmup_steps=0"])
+    lin = load_config(
+        "tiny",
+        overrides=["steps=10", "train.schedule=linear", "train.warmup_steps=0", "train.min_lr_ratio=0"],
+    )
     assert lr_factor(5, lin) == pytest.approx(0.5)
 
 
