@@ -40,10 +40,10 @@ import torch
 
 from grpo_fast import dist, plan
 from grpo_fast.batch import build_sequences, make_microbatches
-from grpo_fast.config import AUTO, Config, load_config
+from grpo_fast.config import Config, load_config
 from grpo_fast.core import compute_group_normalized_rewards
 from grpo_fast.memory import peak_cuda_memory, peak_rss_growth
-from grpo_fast.model import PolicyLoss, autocast_dtype, load_policy, load_tokenizer
+from grpo_fast.model import autocast_dtype, build_policy_loss, load_policy, load_tokenizer
 from grpo_fast.optim import PromptSampler, build_optimizer
 from grpo_fast.rollout import SamplingParams, make_backend
 from grpo_fast.rollout.hf import HFBackend
@@ -153,20 +153,7 @@ class OptimizationPhase:
     def __init__(self, cfg: Config, model: torch.nn.Module, device: torch.device, pad_id: int):
         self.cfg, self.model, self.device, self.pad_id = cfg, model, device, pad_id
         self.amp = autocast_dtype(cfg, device)
-        # As grpo_fast.train builds it.
-        self.policy = PolicyLoss(
-            model,
-            autocast=self.amp,
-            loss_options=dict(
-                clip_low=cfg.loss.clip_low,
-                clip_high=cfg.loss.clip_high,
-                dual_clip=cfg.loss.dual_clip,
-                kl_estimator=cfg.loss.kl_estimator,
-                entropy_coef=cfg.loss.entropy_coef,
-                backend=cfg.loss.kernel_backend,
-                chunk_size=None if cfg.loss.chunk_size == AUTO else int(cfg.loss.chunk_size),
-            ),
-        )
+        self.policy = build_policy_loss(cfg, model, self.amp)  # as grpo_fast.train builds it
         self.optimizer = build_optimizer(cfg, model.parameters())
         self.params = [p for p in model.parameters() if p.requires_grad]
 
@@ -226,15 +213,10 @@ def preset_config(preset: str, backend: str, *overrides: str) -> Config:
 
 
 def random_init_policy(cfg: Config, device: torch.device) -> torch.nn.Module:
-    """A random-init model of ``KNOWN_ARCHS[GPU_ARCH]`` set up as ``grpo_fast.model.load_policy``
-    sets up a pretrained one (fp32 master weights, attention implementation, no KV cache in
-    training, gradient checkpointing), built directly on ``device``.
-
-    ``model.train()``: ``load_policy``'s ``from_pretrained`` models are in eval mode, where
-    transformers skips gradient checkpointing (``GradientCheckpointingLayer`` checks
-    ``self.training``; transformers 5.24); the benchmark measures the preset as configured.
-    """
-    from transformers import AutoModelForCausalLM, Qwen2Config
+    """A random-init model of ``KNOWN_ARCHS[GPU_ARCH]``, set up by ``load_policy`` exactly as a
+    pretrained one (fp32 master weights, attention implementation, gradient checkpointing, train
+    mode), built directly on ``device``."""
+    from transformers import Qwen2Config
 
     a = plan.KNOWN_ARCHS[GPU_ARCH]
     config = Qwen2Config(
@@ -249,16 +231,7 @@ def random_init_policy(cfg: Config, device: torch.device) -> torch.nn.Module:
         eos_token_id=QWEN_EOS_ID,
         pad_token_id=QWEN_EOS_ID,
     )
-    attn = cfg.model.attn_implementation
-    if attn == AUTO:  # load_policy's rule
-        has_fa2 = importlib.util.find_spec("flash_attn") is not None
-        attn = "flash_attention_2" if device.type == "cuda" and has_fa2 else "sdpa"
-    with torch.device(device):
-        model = AutoModelForCausalLM.from_config(config, attn_implementation=attn, dtype=torch.float32)
-    model.config.use_cache = False
-    if cfg.model.gradient_checkpointing:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    return model.train()
+    return load_policy(cfg, None, device, hf_config=config)
 
 
 def optimization_workload(

@@ -59,11 +59,15 @@ def load_tokenizer(name_or_path: str):
     return tok
 
 
-def load_policy(cfg: Config, tokenizer, device: torch.device) -> nn.Module:
-    """The trainable causal LM, on ``device``, in ``model.dtype`` (auto = fp32 master weights)."""
+def load_policy(cfg: Config, tokenizer, device: torch.device, hf_config=None) -> nn.Module:
+    """The trainable causal LM, on ``device``, in ``model.dtype`` (auto = fp32 master weights).
+
+    ``hf_config``: build a randomly initialized model of that architecture instead of loading
+    ``model.name_or_path`` (benchmarks of real shapes without weights).
+    """
     m = cfg.model
     dtype = torch.float32 if m.dtype == AUTO else _DTYPES[m.dtype]
-    if m.name_or_path == tiny.BUILTIN_NAME:
+    if m.name_or_path == tiny.BUILTIN_NAME and hf_config is None:
         model = tiny.build_model(tokenizer, seed=cfg.seed).to(dtype)
     else:
         from transformers import AutoModelForCausalLM
@@ -72,14 +76,21 @@ def load_policy(cfg: Config, tokenizer, device: torch.device) -> nn.Module:
         if attn == AUTO:
             has_fa2 = importlib.util.find_spec("flash_attn") is not None
             attn = "flash_attention_2" if device.type == "cuda" and has_fa2 else "sdpa"
-        try:
-            model = AutoModelForCausalLM.from_pretrained(
-                m.name_or_path, dtype=dtype, attn_implementation=attn, trust_remote_code=m.trust_remote_code
-            )
-        except (OSError, ValueError) as exc:
-            raise ConfigError(
-                f"model.name_or_path={m.name_or_path!r}: cannot load the model ({exc})"
-            ) from None
+        if hf_config is not None:
+            with torch.device(device):  # initialize in place: a 1.5 B fp32 model is 6 GB
+                model = AutoModelForCausalLM.from_config(hf_config, attn_implementation=attn, dtype=dtype)
+        else:
+            try:
+                model = AutoModelForCausalLM.from_pretrained(
+                    m.name_or_path,
+                    dtype=dtype,
+                    attn_implementation=attn,
+                    trust_remote_code=m.trust_remote_code,
+                )
+            except (OSError, ValueError) as exc:
+                raise ConfigError(
+                    f"model.name_or_path={m.name_or_path!r}: cannot load the model ({exc})"
+                ) from None
     model.to(device)
     model.config.use_cache = False  # training; generate() turns the cache on for itself
     if m.gradient_checkpointing:
