@@ -14,7 +14,8 @@
 # Parts, each under `timeout` (SIGINT first, so pytest still writes what it measured) with a cap
 # shrunk to the time left of GPU_CHECK_BUDGET_S (default 450 s = 7.5 min):
 #   preflight 60 s, nvidia-smi 20 s, copy bandwidth 60 s, `python -m pytest -m gpu tests/` 120 s,
-#   then `python -m pytest -m gpu bench/<file>` per benchmark file (80-90 s each), report 30 s.
+#   the kernel tests' triton cases on the GPU 90 s, then `python -m pytest -m gpu bench/<file>`
+#   per benchmark file (80-90 s each), report 30 s.
 #   Expected on an H200: ≈ 6-7 min; the budget keeps the whole script under 8 min.
 #
 # OUTDIR gets 8 files: env.json (versions, GPU, copy bandwidth, every part's command, status and
@@ -154,9 +155,13 @@ else
     printf 'copy-bandwidth\tskipped: no CUDA device\t0\t-\n' >>"$PARTS"
 fi
 
-# ---- the gpu-marked tests
+# ---- the gpu-marked tests, then every triton case of the kernel tests on the real GPU (on a CPU
+# they run under the interpreter; with CUDA, grpo_fast.testing.backend_device sends them to it)
 run_part tests 120 "$OUT/tests.log" "$PY" -m pytest -m gpu tests/ -q -p no:cacheprovider -rfEs \
     ${IGNORE[@]+"${IGNORE[@]}"}
+run_part kernel-tests 90 "$OUT/tests.log" "$PY" -m pytest -m "not gpu and not slow" -k triton \
+    tests/test_token_logprobs.py tests/test_grpo_loss.py tests/test_fused_linear_grpo_loss.py \
+    -q -p no:cacheprovider -rfEs ${IGNORE[@]+"${IGNORE[@]}"}
 
 # ---- the GPU benchmarks, one pytest run per file (a slow file cannot take the others' results with it)
 if [[ "$has_bench_plugin" != 1 ]]; then
