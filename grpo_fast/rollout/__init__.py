@@ -27,11 +27,16 @@ def make_backend(
             raise ConfigError(
                 "rollout.backend=vllm needs a Hugging Face model; the built-in tiny model is hf-only"
             )
+        import torch.distributed as torch_dist
+
+        multi = torch_dist.is_initialized() and torch_dist.get_world_size() > 1
+        rank = torch_dist.get_rank() if multi else 0
         engine = VLLMEngine(
             cfg.model.name_or_path,
             gpu_memory_utilization=float(r.gpu_memory_utilization),
             max_model_len=r.max_prompt_tokens + r.max_tokens,
-            seed=cfg.seed,
+            seed=cfg.seed + rank,  # each rank samples its own prompts with its own stream
+            data_parallel=multi,
         )
     backend = VLLMBackend(engine, tokenizer, sleep_level=r.sleep_level)
     backend.update_weights(model)  # the first rollout pushes the (possibly warm-started) policy

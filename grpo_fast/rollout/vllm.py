@@ -54,11 +54,16 @@ class VLLMEngine:
         max_model_len: int,
         seed: int,
         dtype: str = "bfloat16",
+        data_parallel: bool = False,
     ):
         # The V1 engine exposes its model to this process only without multiprocessing.
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
         from vllm import LLM
 
+        # Under torchrun, one engine per rank (tensor parallel 1) on this rank's GPU: the
+        # external launcher makes vLLM join the existing process group instead of spawning
+        # workers (LOCAL_RANK picks the device), as TRL's and verl's colocate modes do.
+        extra = {"distributed_executor_backend": "external_launcher"} if data_parallel else {}
         self.llm = LLM(
             model=model_path,
             dtype=dtype,
@@ -68,6 +73,8 @@ class VLLMEngine:
             enable_prefix_caching=True,
             seed=seed,
             logprobs_mode="processed_logprobs",  # log-probs after temperature, as the trainer computes
+            tensor_parallel_size=1,
+            **extra,
         )
 
     def generate(self, prompt_ids: list[list[int]], params: SamplingParams) -> list[list[dict[str, Any]]]:
