@@ -24,6 +24,7 @@ from rich.progress import (
 )
 
 from grpo_fast.config import AUTO, Config, to_dict
+from grpo_fast.errors import ConfigError
 from grpo_fast.memory import process_peak_bytes, reset_process_peak
 
 
@@ -74,7 +75,10 @@ class MetricsLogger:
         self.console = Console(stderr=True, highlight=False, soft_wrap=True)
         self.wandb = None
         if enabled and cfg.logging.wandb:
-            import wandb
+            try:
+                import wandb
+            except ImportError:
+                raise ConfigError("logging.wandb=true needs wandb: pip install -e '.[wandb]'") from None
 
             mode = cfg.logging.wandb_mode
             if mode == AUTO:
