@@ -2,6 +2,7 @@
 
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -116,3 +117,12 @@ def test_cli_bad_config_is_one_line_exit_2_no_traceback(args, needle):
     lines = [ln for ln in res.stderr.splitlines() if ln.strip()]
     assert len(lines) == 1 and lines[0].startswith("error: ") and needle in lines[0], res.stderr
     assert "Traceback" not in res.stderr
+
+
+@pytest.mark.parametrize(
+    "path", sorted(p.name for p in (Path(__file__).parent.parent / "configs").glob("*.yaml"))
+)
+@pytest.mark.parametrize("preset", list(PRESETS))
+def test_shipped_experiment_files_layer_on_every_preset(path, preset):
+    cfg = load_config(preset, [str(Path(__file__).parent.parent / "configs" / path)], check_device=False)
+    assert cfg.steps > 0
