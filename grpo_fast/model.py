@@ -39,10 +39,13 @@ def autocast_dtype(cfg: Config, device: torch.device) -> torch.dtype | None:
 
 
 def quiet_transformers() -> None:
-    """No per-file progress bars from transformers (loading/saving weights): our own phases report."""
+    """No per-file progress bars from transformers (loading/saving weights), and no per-retry
+    warnings from the Hub client: our own phases report, and a failed load is one error line."""
+    from huggingface_hub.utils import logging as hub_logging
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()
+    hub_logging.set_verbosity_error()
 
 
 def load_tokenizer(name_or_path: str):

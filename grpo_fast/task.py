@@ -62,7 +62,9 @@ class Task:
         return random.Random(seed).sample(self.eval, size)
 
 
-def load_task(cfg: Config, tokenizer) -> Task:
+def load_task(cfg: Config, tokenizer=None) -> Task:
+    """The task of ``cfg`` with its examples loaded and checked. ``tokenizer`` may be attached
+    later (``task.tokenizer = ...``): prompts are tokenized on first use."""
     d = cfg.data
     if d.task == "tiny":
         # Local files override the built-in problems: JSONL/Parquet with question and a bare answer.

@@ -118,8 +118,9 @@ def _train(cfg: Config, device: torch.device, world: dist.DistInfo, out: Path, e
     logger = MetricsLogger(cfg, out, enabled=world.is_main)
 
     # ---------------------------------------------------------------- setup
+    task: Task = load_task(cfg)  # the data first: a bad file fails in seconds, before any model loads
     tokenizer = load_tokenizer(cfg.model.name_or_path)
-    task: Task = load_task(cfg, tokenizer)
+    task.tokenizer = tokenizer
     model = load_policy(cfg, tokenizer, device)
     amp = autocast_dtype(cfg, device)
     cfg = plan.resolve_auto(cfg, model.config, device, world.world_size)

@@ -227,3 +227,28 @@ def test_tiny_preset_learns(tmp_path):
     first, last = evals[0], evals[-1]
     assert first[0] == 0
     assert last[1] - first[1] >= 0.30, evals
+
+
+def test_bad_data_is_reported_before_any_model_loads(tmp_path):
+    """A real-model preset with a bad MATH file: the data error comes first (no hub access)."""
+    bad = tmp_path / "math.jsonl"
+    bad.write_text(
+        '{"problem": "1+1?", "solution": "\\\\boxed{2}"}\n{"problem": "2+2?", "solution": "no box"}\n'
+    )
+    res = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "grpo_fast.train",
+            "--preset",
+            "smoke",
+            f"data.train_path={bad}",
+            f"output_dir={tmp_path / 'out'}",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "HF_HUB_OFFLINE": "1"},
+    )
+    assert res.returncode == 2
+    assert res.stderr.strip() == f"error: {bad}:2: no \\boxed{{...}} answer found in field 'solution'"
