@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import importlib.util
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 from torch import nn
@@ -53,6 +54,8 @@ def load_tokenizer(name_or_path: str):
         return tiny.build_tokenizer()
     from transformers import AutoTokenizer
 
+    if name_or_path.startswith(("/", "./", "../", "~")) and not Path(name_or_path).expanduser().is_dir():
+        raise ConfigError(f"model.name_or_path={name_or_path!r}: no such folder")
     try:
         tok = AutoTokenizer.from_pretrained(name_or_path)
     except (OSError, ValueError) as exc:
