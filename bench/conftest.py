@@ -17,35 +17,18 @@ from collections.abc import Callable
 import pytest
 import torch
 
-from grpo_fast.memory import peak_cuda_memory, peak_rss_growth
+from grpo_fast.memory import copy_bandwidth_gbps, peak_cuda_memory, peak_rss_growth
+from grpo_fast.testing import skip_gpu_items_without_cuda
 
 
 def pytest_collection_modifyitems(config, items):
-    if torch.cuda.is_available():
-        return
-    skip_gpu = pytest.mark.skip(reason="needs a CUDA device")
-    for item in items:
-        if "gpu" in item.keywords:
-            item.add_marker(skip_gpu)
+    skip_gpu_items_without_cuda(items)
 
 
 @pytest.fixture(scope="session")
 def copy_bandwidth() -> float | None:
-    """GB/s of ``dst.copy_(src)`` on 1 GiB (bytes read + written over time), or None without CUDA."""
-    if not torch.cuda.is_available():
-        return None
-    src = torch.empty(2**28, dtype=torch.float32, device="cuda")  # 1 GiB
-    dst = torch.empty_like(src)
-    for _ in range(3):
-        dst.copy_(src)
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(20):
-        dst.copy_(src)
-    end.record()
-    torch.cuda.synchronize()  # sync point: read the timer
-    seconds = start.elapsed_time(end) / 1e3
-    return 2 * src.numel() * src.element_size() * 20 / seconds / 1e9
+    """GB/s of a 1 GiB device copy (``grpo_fast.memory.copy_bandwidth_gbps``), or None without CUDA."""
+    return copy_bandwidth_gbps() if torch.cuda.is_available() else None
 
 
 @pytest.fixture

@@ -22,7 +22,13 @@ from collections.abc import Callable
 
 import torch
 
-__all__ = ["peak_cuda_memory", "peak_rss_growth", "process_peak_bytes", "reset_process_peak"]
+__all__ = [
+    "copy_bandwidth_gbps",
+    "peak_cuda_memory",
+    "peak_rss_growth",
+    "process_peak_bytes",
+    "reset_process_peak",
+]
 
 
 def process_peak_bytes() -> int:
@@ -106,3 +112,19 @@ def peak_cuda_memory(step: Callable[[], object], device: torch.device | int | No
     step()
     torch.cuda.synchronize(device)
     return torch.cuda.max_memory_allocated(device) - before
+
+
+def copy_bandwidth_gbps(device: torch.device | str = "cuda") -> float:
+    """Device memory bandwidth: bytes read + written by ``dst.copy_(src)`` on 1 GiB, over the time
+    of 20 copies after 3 warm-up copies (the reference the kernels' GB/s are compared with)."""
+    src = torch.empty(2**28, dtype=torch.float32, device=device)  # 1 GiB
+    dst = torch.empty_like(src)
+    for _ in range(3):
+        dst.copy_(src)
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(20):
+        dst.copy_(src)
+    end.record()
+    torch.cuda.synchronize()  # host-device sync: read the timer
+    return 2 * src.numel() * src.element_size() * 20 / (start.elapsed_time(end) / 1e3) / 1e9

@@ -25,6 +25,19 @@ __all__ = [
 ]
 
 
+def skip_gpu_items_without_cuda(items) -> None:
+    """``pytest_collection_modifyitems`` body for tests/ and bench/: ``gpu``-marked items skip
+    without CUDA (decided at collection, never by querying CUDA at import)."""
+    if torch.cuda.is_available():
+        return
+    import pytest
+
+    skip_gpu = pytest.mark.skip(reason="needs a CUDA device")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip_gpu)
+
+
 def backend_device(backend: str) -> torch.device:
     """Where a test runs ``backend``: ``triton`` on CUDA when there is one (else the CPU, under the
     interpreter the tests' conftest enables), everything else on the CPU."""

@@ -126,6 +126,12 @@ def test_kl_penalty_and_entropy_bonus_run_and_log(tmp_path):
     assert rows[1]["train/kl"] > 0 and rows[1]["train/beta"] != 0.1  # the controller moved β
 
 
+def _cli(preset: str, *args: str, timeout: int = 120, **env: str) -> subprocess.CompletedProcess:
+    """``python -m grpo_fast.train --preset PRESET ARGS...`` in a subprocess, output captured."""
+    cmd = [sys.executable, "-m", "grpo_fast.train", "--preset", preset, *args]
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env={**os.environ, **env})
+
+
 def _train_cmd(out, *extra):
     return [
         sys.executable,
@@ -182,20 +188,7 @@ def test_sigkill_then_resume_gives_the_same_metrics(tmp_path):
 def test_bad_data_file_is_one_line_exit_2(tmp_path):
     bad = tmp_path / "train.jsonl"
     bad.write_text('{"question": "1+1=", "answer": "2"}\n{"question": "2+2=", "answer": \n')
-    res = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "grpo_fast.train",
-            "--preset",
-            "tiny",
-            f"data.train_path={bad}",
-            f"output_dir={tmp_path / 'out'}",
-        ],
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    res = _cli("tiny", f"data.train_path={bad}", f"output_dir={tmp_path / 'out'}")
     assert res.returncode == 2
     lines = res.stderr.strip().splitlines()
     assert len(lines) == 1 and f"{bad}:2" in lines[0] and "Traceback" not in res.stderr
@@ -206,20 +199,7 @@ def test_tiny_preset_learns(tmp_path):
     """The README's main job: eval accuracy rises by ≥ 0.30 between the first evaluation (after
     the SFT warm start, before any GRPO step) and the last. (Its wall time is measured in
     bench/test_bench_train_step.py, not asserted here.)"""
-    res = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "grpo_fast.train",
-            "--preset",
-            "tiny",
-            f"output_dir={tmp_path}",
-            "logging.progress=false",
-        ],
-        capture_output=True,
-        text=True,
-        timeout=900,
-    )
+    res = _cli("tiny", f"output_dir={tmp_path}", "logging.progress=false", timeout=900)
     assert res.returncode == 0, res.stderr[-2000:]
     evals = [
         (r["step"], r["eval/accuracy"]) for r in _rows(tmp_path / "metrics.jsonl") if "eval/accuracy" in r
@@ -235,20 +215,6 @@ def test_bad_data_is_reported_before_any_model_loads(tmp_path):
     bad.write_text(
         '{"problem": "1+1?", "solution": "\\\\boxed{2}"}\n{"problem": "2+2?", "solution": "no box"}\n'
     )
-    res = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "grpo_fast.train",
-            "--preset",
-            "smoke",
-            f"data.train_path={bad}",
-            f"output_dir={tmp_path / 'out'}",
-        ],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        env={**os.environ, "HF_HUB_OFFLINE": "1"},
-    )
+    res = _cli("smoke", f"data.train_path={bad}", f"output_dir={tmp_path / 'out'}", HF_HUB_OFFLINE="1")
     assert res.returncode == 2
     assert res.stderr.strip() == f"error: {bad}:2: no \\boxed{{...}} answer found in field 'solution'"

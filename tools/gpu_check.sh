@@ -134,20 +134,10 @@ fi
 if [[ "$has_cuda" == 1 || "$DRY" == 1 ]]; then
     run_part copy-bandwidth 60 "$OUT/check.log" "$PY" - "$TMP/bandwidth.json" <<'EOF'
 import json, sys
-import torch
 
-# dst.copy_(src) on 1 GiB: bytes read + written over the time of 20 copies (after 3 warm-up copies)
-src = torch.empty(2**28, dtype=torch.float32, device="cuda")
-dst = torch.empty_like(src)
-for _ in range(3):
-    dst.copy_(src)
-start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-start.record()
-for _ in range(20):
-    dst.copy_(src)
-end.record()
-torch.cuda.synchronize()  # host-device sync: read the timer
-gbps = 2 * src.numel() * src.element_size() * 20 / (start.elapsed_time(end) / 1e3) / 1e9
+from grpo_fast.memory import copy_bandwidth_gbps  # torch only: runs without transformers
+
+gbps = copy_bandwidth_gbps("cuda")
 json.dump({"copy_gb_per_s": gbps}, open(sys.argv[1], "w"))
 print(f"copy bandwidth: {gbps:,.0f} GB/s")
 EOF
