@@ -99,8 +99,8 @@ class LossConfig:
     dual_clip: float | None = None  # c > 1 bounds the loss of negative-advantage tokens at −c·A
     beta: float = 0.0  # KL penalty coefficient (initial value when target_kl is set)
     kl_estimator: str = "k3"  # k1 | k2 | k3
-    target_kl: float | None = None  # adaptive β (proportional controller) when set
-    kl_early_stop: float | None = None  # stop the inner epochs once KL(π‖π_old) exceeds this
+    target_kl: float | None = None  # adaptive β (proportional controller) when set; per-token KL
+    kl_early_stop: float | None = None  # stop the inner epochs once KL(π_old‖π) exceeds this
     entropy_coef: float = 0.0
     normalize_by_std: bool = True
     advantage_eps: float = 1e-6

@@ -359,6 +359,19 @@ def kl_penalty(log_probs: torch.Tensor, ref_log_probs: torch.Tensor, estimator: 
 
     With ``d = log π_ref − log π``: ``k1 = −d`` (unbiased, can be negative),
     ``k2 = d² / 2`` (low variance, biased), ``k3 = e^d − d − 1`` (unbiased, ≥ 0; GRPO's choice).
+    Any pair of policies works: ``kl_penalty(log π_old, log π)`` estimates ``KL(π_old ‖ π)`` from
+    samples of π_old (the KL early stop).
+
+    As a loss term ``β·k`` (the gradient flows through ``log π`` of the sampled tokens, the samples
+    held fixed), the three give different gradients in expectation over ``y ~ π``:
+
+    - k1: ``∇k1 = ∇log π``, and ``E_π[∇log π] = 0``: zero in expectation, only noise. (k1 belongs
+      in the reward, as in PPO-RLHF, where the policy gradient carries it.)
+    - k2: ``∇k2 = (log π − log π_ref)·∇log π``, whose expectation is ``∇KL(π ‖ π_ref)``: the
+      gradient of the KL it estimates.
+    - k3: ``∇k3 = (1 − π_ref/π)·∇log π``, whose expectation is ``−Σ_y π_ref·∇log π =
+      ∇KL(π_ref ‖ π)``: the gradient of the *other* direction, although its value estimates
+      ``KL(π ‖ π_ref)``. This is what DeepSeekMath's GRPO and TRL's ``GRPOTrainer`` use.
 
     Example:
         ``log π = 0, log π_ref = ln 2`` → ``d ≈ 0.6931``: k1 ≈ −0.6931, k2 ≈ 0.2402, k3 = 2 − 0.6931 − 1 ≈ 0.3069.
@@ -529,6 +542,11 @@ class AdaptiveKLController:
     After each step: ``e = clip(KL / target − 1, −0.2, 0.2)``, ``β ← β·(1 + e·n / horizon)``
     where ``n`` is the number of sequences the KL was measured on. β rises while the measured
     KL is above target and falls while below.
+
+    The training loop passes the per-token KL (the mean over response tokens of the
+    ``loss.kl_estimator`` estimate, ``train/kl``), so ``loss.target_kl`` is a per-token target.
+    Ziegler et al. target the per-sequence KL (the sum over a response, e.g. 6 nats); the
+    per-token equivalent is that divided by the mean response length.
 
     Example:
         β = 0.1, target 0.05, measured 0.1, n = 64, horizon 10,000: e = 0.2 (clipped from 1),

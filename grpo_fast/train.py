@@ -41,7 +41,7 @@ from grpo_fast import checkpoint as ckpt
 from grpo_fast import dist, plan
 from grpo_fast.batch import build_sequences, make_microbatches
 from grpo_fast.config import Config, load_config, to_yaml
-from grpo_fast.core import AdaptiveKLController, compute_group_normalized_rewards, kl_early_stop
+from grpo_fast.core import AdaptiveKLController, compute_group_normalized_rewards, kl_early_stop, kl_penalty
 from grpo_fast.errors import ConfigError, cli_errors
 from grpo_fast.evaluate import evaluate
 from grpo_fast.health import HealthMonitor, HealthThresholds
@@ -388,7 +388,7 @@ def optimize_on_rollout(
     epochs = cfg.train.epochs_per_rollout_batch
     stats = _Stats()
     for epoch in range(epochs):
-        optimizer.zero_grad(set_to_none=True)
+        optimizer.zero_grad(set_to_none=True)  # no-op unless the SFT warm start left gradients
         epoch_stats = _Stats()
         for i, mb in enumerate(mbs):
             last = i == len(mbs) - 1
@@ -403,6 +403,9 @@ def optimize_on_rollout(
                 on_microbatch(1)
         grad_norm = torch.nn.utils.clip_grad_norm_(params, cfg.train.grad_clip or float("inf"))
         optimizer.step()
+        # Free the gradients now: kept until the next phase, they would sit beside the rollout
+        # engine through the next rollout (Qwen2.5-1.5B: 6.2 GB of fp32 gradients).
+        optimizer.zero_grad(set_to_none=True)
         if epoch == 0:
             stats = epoch_stats
             stats.grad_norm = grad_norm.item()  # host-device sync, once per step
@@ -431,9 +434,9 @@ class _Stats:
         self.has_ref = out.kl is not None
         kl = out.kl.sum() if out.kl is not None else torch.zeros((), device=n.device)
         kl_old = torch.zeros((), device=n.device)
-        if mb.old_logprobs is not None:  # k3 estimate of KL(π_old ‖ π) from samples of π_old
-            d = mb.old_logprobs - out.logprobs.detach()
-            kl_old = (torch.exp(d) - d - 1).sum()
+        if mb.old_logprobs is not None:
+            # KL(π_old ‖ π) from samples of π_old: k3 with d = log π_old − log π is e^(−d) − 1 + d
+            kl_old = kl_penalty(mb.old_logprobs, out.logprobs.detach(), "k3").sum()
         row = torch.stack(
             [out.loss.detach().float(), out.entropy.sum(), out.clipped.float().sum(), kl, kl_old, n]
         )

@@ -277,6 +277,28 @@ def test_kl_estimators_hand_values():
         core.kl_penalty(lp, ref, "k4")
 
 
+def test_kl_estimator_gradients_in_expectation():
+    """As loss terms, by exact enumeration over a 5-token vocabulary: E_{y~π}[∇k(y)] is 0 for
+    k1, ∇KL(π ‖ π_ref) for k2, ∇KL(π_ref ‖ π) for k3 (the samples' weights π(y) held fixed)."""
+    theta = torch.tensor([0.3, -1.2, 2.0, 0.0, -0.4], dtype=torch.float64, requires_grad=True)
+    ref = torch.log_softmax(torch.tensor([1.0, 0.5, -0.3, 0.2, -2.0], dtype=torch.float64), -1)
+
+    def expected_grad(estimator: str) -> torch.Tensor:
+        logp = torch.log_softmax(theta, -1)
+        k = core.kl_penalty(logp, ref, estimator)  # the loss term at each possible sample y
+        return torch.autograd.grad((logp.exp().detach() * k).sum(), theta)[0]
+
+    def kl_grad(forward: bool) -> torch.Tensor:
+        logp = torch.log_softmax(theta, -1)
+        kl = (logp.exp() * (logp - ref)).sum() if forward else (ref.exp() * (ref - logp)).sum()
+        return torch.autograd.grad(kl, theta)[0]
+
+    torch.testing.assert_close(expected_grad("k1"), torch.zeros(5, dtype=torch.float64))
+    torch.testing.assert_close(expected_grad("k2"), kl_grad(forward=True))
+    torch.testing.assert_close(expected_grad("k3"), kl_grad(forward=False))
+    assert (kl_grad(forward=True) - kl_grad(forward=False)).abs().max() > 0.1  # the two differ
+
+
 def test_grpo_token_loss_on_policy_gradient_and_bonus_terms():
     lp = torch.tensor([-1.0, -2.0], requires_grad=True)
     adv = torch.tensor([2.0, -1.0])
