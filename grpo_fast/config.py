@@ -440,6 +440,8 @@ def validate(cfg: Config, preset: str | None = None, check_device: bool = True) 
         raise ConfigError(f"loss.clip_low must be < 1, got {lo.clip_low}")
     if lo.dual_clip is not None and lo.dual_clip <= 1:
         raise ConfigError(f"loss.dual_clip must be > 1 (or null), got {lo.dual_clip}")
+    if lo.dual_clip is not None and lo.type != "grpo_clip":
+        raise ConfigError(f"loss.dual_clip applies only to loss.type=grpo_clip, not {lo.type}")
     positive("loss.beta", lo.beta, allow_zero=True)
     if lo.target_kl is not None:
         positive("loss.target_kl", lo.target_kl)

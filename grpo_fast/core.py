@@ -399,12 +399,23 @@ def grpo_token_loss(
     beta: float = 0.0,
     kl_estimator: str = "k3",
     entropy_coef: float = 0.0,
+    loss_type: str = "grpo_clip",
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor | None]]:
     """The full per-token GRPO loss, before length normalization.
 
-    ``ℓ_t = −min(r_t·A_t, clip(r_t, 1 − clip_low, 1 + clip_high)·A_t) + β·KL_t − c·H_t``,
-    ``r_t = exp(log π_t − log π_old,t)``. ``old_log_probs=None`` means on-policy: π_old is π
-    detached, so ``r = 1`` and the gradient is ``−A·∇log π`` (no extra forward pass needed).
+    ``ℓ_t = pg_t + β·KL_t − c·H_t`` with ``r_t = exp(log π_t − log π_old,t)`` and, by ``loss_type``:
+
+    - ``grpo_clip``: ``pg = −min(r·A, clip(r, 1 − clip_low, 1 + clip_high)·A)`` (and the dual clip);
+    - ``reinforce_with_baseline``, ``no_baseline``: ``pg = −r·A``, never clipped (``clip_*`` and
+      ``clipped`` unused; ``dual_clip`` must be None). The two differ in what the caller passes as
+      ``A``: reward minus the group baseline, or the raw reward.
+
+    ``old_log_probs=None`` means on-policy: π_old is π detached, so ``r = 1`` and the gradient is
+    ``−A·∇log π`` (no extra forward pass needed) for every ``loss_type``.
+
+    Example:
+        ``A = 1``, ``log π − log π_old = 0.5``: ``r = e^0.5 ≈ 1.6487``; ``grpo_clip`` gives
+        ``ℓ = −1.2`` (clipped, no gradient), ``reinforce_with_baseline`` ``ℓ ≈ −1.6487``.
 
     Args:
         log_probs: ``[...]`` per-token log π (differentiable).
@@ -415,7 +426,16 @@ def grpo_token_loss(
         ``(loss [...], {"clipped": bool [...], "kl": [...] or None})``.
     """
     old = log_probs.detach() if old_log_probs is None else old_log_probs
-    loss, meta = grpo_clip_loss(advantages, log_probs, old, clip_low, clip_high, dual_clip)
+    if loss_type == "grpo_clip":
+        loss, meta = grpo_clip_loss(advantages, log_probs, old, clip_low, clip_high, dual_clip)
+    elif loss_type in LOSS_TYPES:
+        if dual_clip is not None:
+            raise ValueError(f"dual_clip applies only to loss_type='grpo_clip', not {loss_type!r}")
+        ratio = torch.exp(log_probs - old)
+        loss = -ratio * advantages
+        meta = {"clipped": torch.zeros(loss.shape, dtype=torch.bool, device=loss.device)}
+    else:
+        raise ValueError(f"unknown loss_type {loss_type!r}; expected one of {', '.join(LOSS_TYPES)}")
     kl = None
     if ref_log_probs is not None:
         kl = kl_penalty(log_probs, ref_log_probs, kl_estimator)
@@ -637,10 +657,12 @@ def eager_grpo_loss_from_logits(
     entropy_coef: float = 0.0,
     kl_estimator: str = "k3",
     dual_clip: float | None = None,
+    loss_type: str = "grpo_clip",
 ) -> GRPOLossOutput:
     """Reference for ``grpo_fast.ops.grpo_loss_from_logits`` (same arguments, same output).
 
-    ``loss = Σ_t w_t·(−min(r_t·A_t, clip(r_t, 1−clip_low, 1+clip_high)·A_t) + β·KL_t − c·H_t)``.
+    ``loss = Σ_t w_t·ℓ_t`` with ``ℓ`` from ``grpo_token_loss`` (for ``grpo_clip``:
+    ``−min(r_t·A_t, clip(r_t, 1−clip_low, 1+clip_high)·A_t) + β·KL_t − c·H_t``).
     Shapes: logits ``[N, V]``, labels/advantages/loss_weights/old/ref ``[N]``.
     """
     logp, entropy = eager_token_logprobs_and_entropy(logits, labels, temperature)
@@ -657,6 +679,7 @@ def eager_grpo_loss_from_logits(
         beta=beta,
         kl_estimator=kl_estimator,
         entropy_coef=entropy_coef,
+        loss_type=loss_type,
     )
     loss = (cast(loss_weights) * per_token).sum()
     return GRPOLossOutput(loss, logp, entropy, meta["kl"], meta["clipped"])

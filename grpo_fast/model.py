@@ -128,6 +128,7 @@ def build_policy_loss(cfg: Config, model: nn.Module, amp: torch.dtype | None) ->
             dual_clip=lo.dual_clip,
             kl_estimator=lo.kl_estimator,
             entropy_coef=lo.entropy_coef,
+            loss_type=lo.type,
             backend=lo.kernel_backend,
             chunk_size=None if lo.chunk_size == AUTO else int(lo.chunk_size),
         ),

@@ -240,6 +240,8 @@ def _train(cfg: Config, device: torch.device, world: dist.DistInfo, out: Path, e
                 cfg.loss.advantage_eps,
                 cfg.loss.normalize_by_std,
             )
+            if cfg.loss.type == "no_baseline":  # REINFORCE without a baseline: A = the raw reward
+                advantages = raw_rewards
             t_rollout = time.perf_counter() - t0
 
             # ---- optimization phase

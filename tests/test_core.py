@@ -222,6 +222,28 @@ def test_asymmetric_and_dual_clip_hand_values():
     assert loss.item() == pytest.approx(3.0) and meta["clipped"].item()
 
 
+
+@pytest.mark.parametrize("loss_type", ["reinforce_with_baseline", "no_baseline"])
+def test_grpo_token_loss_unclipped_types_hand_values(loss_type):
+    lp = torch.tensor([0.5, -0.5, 0.0], requires_grad=True)
+    old = torch.zeros(3)
+    adv = torch.tensor([1.0, -1.0, 2.0])
+    loss, meta = core.grpo_token_loss(lp, adv, old_log_probs=old, loss_type=loss_type)
+    # ℓ = −r·A, never clipped: r = e^.5 ≈ 1.6487, A = 1 → −1.6487 (grpo_clip: −1.2, clipped);
+    # r = e^−.5 ≈ .6065, A = −1 → .6065 (grpo_clip: .8, clipped); r = 1, A = 2 → −2
+    e = math.exp
+    torch.testing.assert_close(loss.detach(), torch.tensor([-e(0.5), e(-0.5), -2.0]))
+    assert not meta["clipped"].any()
+    loss.sum().backward()  # ∂(−r·A)/∂lp = −r·A: the gradient is never cut off
+    torch.testing.assert_close(lp.grad, torch.tensor([-e(0.5), e(-0.5), -2.0]))
+    clip, clip_meta = core.grpo_token_loss(lp.detach(), adv, old_log_probs=old)
+    torch.testing.assert_close(clip, torch.tensor([-1.2, 0.8, -2.0]))
+    assert clip_meta["clipped"].tolist() == [True, True, False]
+    with pytest.raises(ValueError, match="dual_clip applies only to loss_type='grpo_clip'"):
+        core.grpo_token_loss(lp, adv, dual_clip=3.0, loss_type=loss_type)
+    with pytest.raises(ValueError, match="unknown loss_type 'ppo'"):
+        core.grpo_token_loss(lp, adv, loss_type="ppo")
+
 @settings(max_examples=60, deadline=None)
 @given(
     delta=st.floats(-2, 2, allow_nan=False),

@@ -105,6 +105,36 @@ def test_matches_float64_reference(chunk_size, dtype, backend):
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("loss_type", ["reinforce_with_baseline", "no_baseline"])
+def test_unclipped_loss_types_match_float64_reference(loss_type, backend):
+    """``loss_type`` reaches the per-row math: off-policy ratios that clip under ``grpo_clip`` are
+    not clipped, and loss and gradients follow ``−r·A`` as the reference computes it."""
+    hidden, weight, inputs = _problem(torch.float32, seed=3)
+    options = dict(OPTIONS, loss_type=loss_type)
+    device, cpu = backend_device(backend), torch.device("cpu")
+    ours, gh, gw = _run(
+        fused_linear_grpo_loss, hidden, weight, inputs, torch.float32, device, chunk_size=12,
+        backend=backend, **options,
+    )  # fmt: skip
+    ref, gh64, gw64 = _run(_materialized, hidden, weight, inputs, torch.float64, cpu, **options)
+    eager, gh_e, gw_e = _run(_materialized, hidden, weight, inputs, torch.float32, cpu, **options)
+    clip, _, _ = _run(_materialized, hidden, weight, inputs, torch.float64, cpu, **OPTIONS)
+    assert clip.clipped.any() and not ours.clipped.any() and not ref.clipped.any()
+    assert abs(ref.loss.item() - clip.loss.item()) > 1e-3  # a different loss than grpo_clip's
+    per_token, _ = grpo_token_loss(
+        ref.logprobs.detach(),
+        inputs.advantages.double(),
+        old_log_probs=inputs.old_logprobs.double(),
+        ref_log_probs=inputs.ref_logprobs.double(),
+        entropy=ref.entropy.detach(),
+        **{k: v for k, v in options.items() if k != "temperature"},
+    )
+    loss_scale = (inputs.loss_weights.double() * per_token).abs().sum().item()
+    assert_close_to_reference(ours.loss, ref.loss, eager.loss, name="loss", scale=loss_scale)
+    assert_close_to_reference(gh, gh64, gh_e, name="grad_hidden")
+    assert_close_to_reference(gw, gw64, gw_e, name="grad_weight")
+
+@pytest.mark.parametrize("backend", BACKENDS)
 def test_same_as_grpo_loss_from_logits(backend):
     """Per-token outputs equal the logits-level op on the same logits (the chunks' matmuls
     concatenated), so chunking loses or reorders nothing."""

@@ -30,6 +30,7 @@ CASES = {
     "k2-beta": (dict(with_ref=True), dict(beta=0.1, kl_estimator="k2")),
     "k3-beta-entropy": (dict(off_policy=True, with_ref=True), dict(beta=0.04, entropy_coef=0.01)),
     "entropy-bonus": (dict(), dict(temperature=1.3, entropy_coef=0.05)),
+    "reinforce-off-policy": (dict(off_policy=True), dict(loss_type="reinforce_with_baseline")),
 }
 
 
@@ -96,7 +97,10 @@ def test_matches_float64_reference(case, n, v, dtype, backend):
     if flags.get("off_policy"):
         clipped = ours.clipped.cpu()
         a = inputs.advantages
-        assert (clipped & (a > 0)).any() and (clipped & (a < 0)).any(), "both clip sides must be active"
+        if options.get("loss_type", "grpo_clip") == "grpo_clip":
+            assert (clipped & (a > 0)).any() and (clipped & (a < 0)).any(), "both clip sides must be active"
+        else:  # the same ratios, never clipped
+            assert not clipped.any()
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -140,6 +144,35 @@ def test_hand_worked_clipping(backend):
     expected[2] = -2.0 * (torch.tensor([0.0, 0.0, 1.0, 0.0]) - 0.25)  # −2·(δ − p)
     torch.testing.assert_close(logits.grad.cpu(), expected)
 
+
+
+@pytest.mark.parametrize("loss_type", ["reinforce_with_baseline", "no_baseline"])
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_hand_worked_unclipped_loss_types(backend, loss_type):
+    """The tokens of ``test_hand_worked_clipping`` with ``ℓ = −r·A``, never clipped.
+
+    Token 0: r = e^0.5 ≈ 1.6487, A = +1: ℓ ≈ −1.6487, ∂ℓ/∂logp = −r·A ≈ −1.6487.
+    Token 1: r = 0.5, A = −1: ℓ = 0.5, ∂ℓ/∂logp = 0.5.
+    Token 2: r = 1, A = +2: ℓ = −2, ∂ℓ/∂logp = −2.
+    Weights 1: loss ≈ −1.6487 + 0.5 − 2 = −3.1487; ∂/∂logits = ∂ℓ/∂logp·(δ − 1/4).
+    """
+    device = backend_device(backend)
+    logp = -math.log(4.0)
+    logits = torch.zeros(3, 4, device=device).requires_grad_()
+    out = grpo_loss_from_logits(
+        logits * 1.0,
+        torch.tensor([0, 1, 2], device=device),
+        torch.tensor([1.0, -1.0, 2.0], device=device),
+        torch.ones(3, device=device),
+        old_logprobs=torch.tensor([logp - 0.5, logp + math.log(2.0), logp], device=device),
+        loss_type=loss_type,
+        backend=backend,
+    )
+    torch.testing.assert_close(out.loss.cpu(), torch.tensor(-math.exp(0.5) + 0.5 - 2.0))
+    assert out.clipped.tolist() == [False, False, False]
+    out.loss.backward()
+    g = torch.tensor([-math.exp(0.5), 0.5, -2.0])
+    torch.testing.assert_close(logits.grad.cpu(), g[:, None] * (torch.eye(4)[:3] - 0.25))
 
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -232,6 +265,12 @@ _BAD = [
     pytest.param(dict(beta=0.1), "beta != 0 needs ref_logprobs", id="beta-no-ref"),
     pytest.param(dict(ref_logprobs=torch.zeros(6), kl_estimator="k4"), "unknown kl_estimator", id="kl-k4"),
     pytest.param(dict(dual_clip=1.0), "dual_clip must be > 1", id="dual-clip-1"),
+    pytest.param(dict(loss_type="ppo"), "unknown loss_type 'ppo'", id="loss-type"),
+    pytest.param(
+        dict(loss_type="no_baseline", dual_clip=3.0),
+        "dual_clip applies only to loss_type='grpo_clip'",
+        id="dual-clip-no-baseline",
+    ),
     pytest.param(dict(clip_low=1.0), "clip_low must be in", id="clip-low-1"),
     pytest.param(dict(clip_high=-0.1), "clip_high must be", id="clip-high-neg"),
     pytest.param(dict(temperature=0.0), "temperature must be", id="temperature-0"),

@@ -1,14 +1,17 @@
 """Sweep planning (the exact commands), the CLI's dry run and errors, sequential running with
-stand-in commands, and the combined plots on synthetic metrics. Never runs grpo_fast.train."""
+stand-in commands, and the combined plots on synthetic metrics; one test trains the baseline
+sweep's runs (in-process, two steps on the tiny preset) to check that they differ."""
 
 import json
 import shlex
 import sys
 
 import pytest
+import torch
 
 from grpo_fast.core import LENGTH_NORMS
 from grpo_fast.errors import ConfigError
+from grpo_fast.rewards import register_reward
 from grpo_fast.sweep import LRGrid, SweepRun, main, plan_sweep, run_sweep, summarize_sweep
 
 PY = sys.executable
@@ -173,3 +176,41 @@ def test_cli_plot_only(tmp_path, capsys):
     assert capsys.readouterr().out.strip() == str(tmp_path / "sweep.md")
     assert (tmp_path / "sweep_entropy.png").stat().st_size > 0
     assert not (tmp_path / "sweep_lr.png").exists()  # only for lr sweeps
+
+
+@register_reward("test_sweep_odd_first_digit")
+def _odd_first_digit(response: str, ground_truth: str) -> dict[str, float]:
+    """A reward an untrained tiny model earns about half the time: varied rewards at step 1."""
+    return {"reward": float(response[:1] in ("1", "3", "5", "7", "9"))}
+
+
+def test_baseline_sweep_runs_differ(tmp_path):
+    """The baseline sweep's commands, run in-process for two steps: the same first rollout, then
+    different losses and different weights. Sequence-mean weights sum to 1/B per sequence and the
+    ratio is 1 (on-policy), so the step-1 loss is −mean(A): −mean(reward) for ``no_baseline``
+    (A = the raw reward), and 0 for ``reinforce_with_baseline`` (A sums to 0 within each group)."""
+    from safetensors.torch import load_file
+
+    from grpo_fast.config import load_config
+    from grpo_fast.report import read_metrics
+    from grpo_fast.train import parse_args, run
+
+    quick = ["steps=2", "sft.steps=0", "eval_every=0", "checkpoint_every=0", "rollout.batch_size=32",
+             "data.reward=test_sweep_odd_first_digit", "logging.progress=false", "logging.sample_every=0"]  # fmt: skip
+    runs = plan_sweep("tiny", "baseline", overrides=quick, out=tmp_path)
+    assert [r.value for r in runs] == ["no_baseline", "reinforce_with_baseline"]
+    first, weights = {}, {}
+    for r in runs:
+        args = parse_args(list(r.command[3:]))  # what `python -m grpo_fast.train` would parse
+        run(load_config(args.preset, args.config, args.overrides))
+        first[r.value] = read_metrics(r.out_dir / "metrics.jsonl")[0]
+        weights[r.value] = load_file(r.out_dir / "final" / "model.safetensors")
+    none, base = first["no_baseline"], first["reinforce_with_baseline"]
+    assert none["step"] == base["step"] == 1
+    assert none["train/reward_mean"] == base["train/reward_mean"] > 0  # the same first rollout
+    assert none["train/loss"] == pytest.approx(-none["train/reward_mean"], rel=1e-5)
+    assert base["train/loss"] == pytest.approx(0.0, abs=1e-6)
+    same = [
+        k for k, w in weights["no_baseline"].items() if torch.equal(w, weights["reinforce_with_baseline"][k])
+    ]
+    assert not same, f"tensors equal after two steps: {same}"

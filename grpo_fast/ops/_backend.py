@@ -23,7 +23,7 @@ from types import ModuleType
 
 import torch
 
-from grpo_fast.core import KL_ESTIMATORS
+from grpo_fast.core import KL_ESTIMATORS, LOSS_TYPES
 
 __all__ = [
     "BACKENDS",
@@ -129,6 +129,7 @@ def check_loss_options(
     entropy_coef: float,
     kl_estimator: str,
     dual_clip: float | None,
+    loss_type: str,
 ) -> None:
     """``ValueError`` for a GRPO option out of its domain, naming it."""
     check_temperature(temperature)
@@ -143,3 +144,7 @@ def check_loss_options(
         raise ValueError(f"unknown kl_estimator {kl_estimator!r}; expected one of {', '.join(KL_ESTIMATORS)}")
     if dual_clip is not None and not dual_clip > 1:
         raise ValueError(f"dual_clip must be > 1 (or None), got {dual_clip}")
+    if loss_type not in LOSS_TYPES:
+        raise ValueError(f"unknown loss_type {loss_type!r}; expected one of {', '.join(LOSS_TYPES)}")
+    if dual_clip is not None and loss_type != "grpo_clip":
+        raise ValueError(f"dual_clip applies only to loss_type='grpo_clip', not {loss_type!r}")

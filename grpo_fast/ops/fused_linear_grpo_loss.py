@@ -181,6 +181,7 @@ def fused_linear_grpo_loss(
     entropy_coef: float = 0.0,
     kl_estimator: str = "k3",
     dual_clip: float | None = None,
+    loss_type: str = "grpo_clip",
     chunk_size: int | None = None,
     backend: str = "auto",
 ) -> GRPOLossOutput:
@@ -190,7 +191,8 @@ def fused_linear_grpo_loss(
         hidden: ``[N, D]`` fp32/bf16/fp16, the last hidden states at the ``N`` response tokens.
         weight: ``[V, D]``, same dtype and device (the lm_head weight; no bias).
         labels, advantages, loss_weights, old_logprobs, ref_logprobs, temperature, clip_low,
-            clip_high, beta, entropy_coef, kl_estimator, dual_clip: as ``grpo_loss_from_logits``.
+            clip_high, beta, entropy_coef, kl_estimator, dual_clip, loss_type: as
+            ``grpo_loss_from_logits``.
         chunk_size: rows per chunk; default ``default_chunk_size(N, V, dtype)`` (128 MiB of
             logits per chunk, see the module docstring).
         backend: ``"auto"``, ``"triton"``, ``"torch_chunked"``, or ``"eager"`` (materializes
@@ -209,7 +211,9 @@ def fused_linear_grpo_loss(
         ...                              torch.ones(6), torch.full((6,), 1 / 6), chunk_size=4)
         >>> out.loss.backward()  # hidden.grad [6, 8], weight.grad [50, 8]
     """
-    check_loss_options(temperature, clip_low, clip_high, beta, entropy_coef, kl_estimator, dual_clip)
+    check_loss_options(
+        temperature, clip_low, clip_high, beta, entropy_coef, kl_estimator, dual_clip, loss_type
+    )
     check_per_token(
         "hidden",
         hidden,
@@ -241,6 +245,7 @@ def fused_linear_grpo_loss(
         entropy_coef=entropy_coef,
         kl_estimator=kl_estimator,
         dual_clip=dual_clip,
+        loss_type=loss_type,
     )
     if resolved == "eager":
         return eager_grpo_loss_from_logits(

@@ -33,6 +33,7 @@ def grpo_loss_from_logprobs(
     entropy_coef: float,
     kl_estimator: str,
     dual_clip: float | None,
+    loss_type: str,
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
     """The per-row GRPO math on ``[N]`` fp32 vectors: ``(loss scalar, kl [N] or None, clipped [N] bool)``.
 
@@ -52,6 +53,7 @@ def grpo_loss_from_logprobs(
         beta=beta,
         kl_estimator=kl_estimator,
         entropy_coef=entropy_coef,
+        loss_type=loss_type,
     )
     return (loss_weights.float() * per_token).sum(), meta["kl"], meta["clipped"]
 
@@ -71,6 +73,7 @@ def grpo_loss_from_logits(
     entropy_coef: float = 0.0,
     kl_estimator: str = "k3",
     dual_clip: float | None = None,
+    loss_type: str = "grpo_clip",
     backend: str = "auto",
     inplace_grad: bool = False,
 ) -> GRPOLossOutput:
@@ -90,6 +93,9 @@ def grpo_loss_from_logits(
         clip_low, clip_high: PPO clip range ``[1 − clip_low, 1 + clip_high]``; ``dual_clip``: c > 1.
         beta, kl_estimator: KL penalty weight and estimator (``"k1"``, ``"k2"``, ``"k3"``).
         entropy_coef: weight ``c`` of the entropy bonus.
+        loss_type: ``"grpo_clip"`` (the formula above), or ``"reinforce_with_baseline"`` /
+            ``"no_baseline"``: ``−r_t·A_t`` in place of the min, never clipped (see
+            ``grpo_fast.core.grpo_token_loss``).
         backend: ``"auto"`` (``triton`` on CUDA, else ``torch_chunked``), ``"triton"``,
             ``"torch_chunked"``, ``"eager"``.
         inplace_grad: write ``∂loss/∂logits`` into the logits buffer (no ``[N, V]`` allocation in the
@@ -105,7 +111,9 @@ def grpo_loss_from_logits(
         >>> out.loss  # on-policy: ratio 1, loss = −w·A = −0.5
         tensor(-0.5000, grad_fn=<SumBackward0>)
     """
-    check_loss_options(temperature, clip_low, clip_high, beta, entropy_coef, kl_estimator, dual_clip)
+    check_loss_options(
+        temperature, clip_low, clip_high, beta, entropy_coef, kl_estimator, dual_clip, loss_type
+    )
     if beta != 0.0 and ref_logprobs is None:
         raise ValueError("beta != 0 needs ref_logprobs")
     resolved = prepare_logits(
@@ -127,6 +135,7 @@ def grpo_loss_from_logits(
         entropy_coef=entropy_coef,
         kl_estimator=kl_estimator,
         dual_clip=dual_clip,
+        loss_type=loss_type,
     )
     if resolved == "eager":
         return eager_grpo_loss_from_logits(
