@@ -10,6 +10,7 @@ checkpoint or the new one, never half of one; ``latest_checkpoint`` ignores ``*.
 
 from __future__ import annotations
 
+import json
 import os
 import random
 import re
@@ -42,16 +43,27 @@ def set_rng_state(state: dict[str, Any]) -> None:
 
 
 def save_pretrained_atomic(
-    model: torch.nn.Module, tokenizer, target: Path, extra: dict[str, Any] | None = None
+    model: torch.nn.Module,
+    tokenizer,
+    target: Path,
+    extra: dict[str, Any] | None = None,
+    dtype: torch.dtype | None = None,
 ) -> Path:
-    """Write model + tokenizer (+ ``trainer_state.pt`` when ``extra``) to ``target`` atomically."""
+    """Write model + tokenizer (+ ``trainer_state.pt`` when ``extra``) to ``target`` atomically.
+
+    ``dtype``: write the floating-point weights in this dtype (e.g. ``torch.bfloat16`` for
+    serving) instead of the model's own; the model itself is left as it is.
+    """
     target = Path(target)
     tmp = target.with_name(target.name + ".tmp")
     if tmp.exists():
         shutil.rmtree(tmp)  # a leftover from a run killed mid-write
     tmp.mkdir(parents=True)
     model = getattr(model, "module", model)  # DDP
-    model.save_pretrained(tmp, safe_serialization=True)
+    if dtype is None:
+        model.save_pretrained(tmp, safe_serialization=True)
+    else:
+        _save_pretrained_as(model, tmp, dtype)
     tokenizer.save_pretrained(tmp)
     if extra is not None:
         torch.save(extra, tmp / STATE_FILE)
@@ -69,6 +81,35 @@ def save_pretrained_atomic(
     return target
 
 
+def _save_pretrained_as(model: torch.nn.Module, folder: Path, dtype: torch.dtype) -> None:
+    """``save_pretrained`` with the floating-point weights cast to ``dtype`` one tensor at a time,
+    on the CPU (no second copy of the model on the GPU); tied weights stay one tensor, and
+    ``config.json`` records ``dtype``."""
+    cast: dict[int, torch.Tensor] = {}  # by storage address: tied weights are cast once, stay tied
+    state = {}
+    for name, t in model.state_dict().items():
+        if t.is_floating_point():
+            key = t.untyped_storage().data_ptr()
+            if key not in cast:
+                cast[key] = t.detach().to("cpu", dtype)
+            t = cast[key]
+        state[name] = t
+    saved_dtype = getattr(model.config, "dtype", None)
+    try:
+        model.save_pretrained(folder, state_dict=state, safe_serialization=True)
+    finally:
+        model.config.dtype = saved_dtype  # save_pretrained sets it to the model's own dtype
+    # transformers 5.24 writes the model's dtype into config.json whatever the state dict holds;
+    # record the saved one, which from_pretrained(dtype="auto") and vLLM read.
+    config_file = folder / "config.json"
+    config = json.loads(config_file.read_text())
+    name = str(dtype).removeprefix("torch.")
+    config["dtype"] = name
+    if "torch_dtype" in config:
+        config["torch_dtype"] = name
+    config_file.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+
+
 def _fsync_dir(path: Path) -> None:
     for f in path.iterdir() if path.is_dir() else []:
         if f.is_file():
@@ -81,9 +122,14 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
+def step_dir_name(step: int) -> str:
+    """The folder name of step ``step``'s checkpoint: ``step_000100``."""
+    return f"step_{step:06d}"
+
+
 def save_checkpoint(root: Path, step: int, model, tokenizer, state: dict[str, Any], keep: int) -> Path:
     """Save ``root/step_{step:06d}`` atomically, then delete all but the newest ``keep``."""
-    path = save_pretrained_atomic(model, tokenizer, Path(root) / f"step_{step:06d}", extra=state)
+    path = save_pretrained_atomic(model, tokenizer, Path(root) / step_dir_name(step), extra=state)
     for old in list_checkpoints(root)[:-keep]:
         shutil.rmtree(old)
     return path

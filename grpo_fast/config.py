@@ -88,6 +88,9 @@ class TrainConfig:
     epochs_per_rollout_batch: int = 1  # > 1 computes old log-probs and clips off-policy
     packing: bool = False  # padding-free packing of microbatches (flash-attn varlen / sdpa mask)
     mixed_precision: str = AUTO  # bf16 | fp16 | no | auto (bf16 on CUDA, no on CPU)
+    # dtype of the final model in output_dir/final: auto (the trained weights' dtype) | float32
+    # | bfloat16 | float16 (e.g. bfloat16 for serving: half the size of fp32 master weights)
+    save_dtype: str = AUTO
 
 
 @dataclass(frozen=True)
@@ -243,6 +246,7 @@ _CHOICES: dict[str, tuple[str, ...]] = {
     "train.optimizer": ("adamw", "adamw8bit"),
     "train.schedule": ("constant", "linear", "cosine"),
     "train.mixed_precision": ("auto", "bf16", "fp16", "no"),
+    "train.save_dtype": ("auto", "float32", "bfloat16", "float16"),
     "loss.type": LOSS_TYPES,
     "loss.length_norm": LENGTH_NORMS,
     "loss.kl_estimator": KL_ESTIMATORS,
@@ -376,6 +380,49 @@ def load_config(
     cfg = _freeze(cfg)
     validate(cfg, preset, check_device=check_device)
     return cfg
+
+
+def config_sources(
+    preset: str | None = None,
+    config_files: list[str] | None = None,
+    overrides: list[str] | None = None,
+    *,
+    check_device: bool = True,
+) -> dict[str, tuple[Any, str]]:
+    """Every leaf key of the resolved config → ``(value, where it came from)``: ``"default"``,
+    ``"preset NAME"``, ``"file PATH"`` or ``"override"`` (the last layer that set it wins, as in
+    ``load_config``, which this calls first: a bad layer raises the same ``ConfigError``).
+
+    Example:
+        >>> src = config_sources("tiny", overrides=["steps=10"])
+        >>> src["steps"], src["seed"], src["train.lr"]
+        ((10, 'override'), (0, 'default'), (0.0002, 'preset tiny'))
+    """
+    cfg = load_config(preset, config_files, overrides, check_device=check_device)
+    sources: dict[str, str] = {}
+    if preset is not None:
+        sources.update(dict.fromkeys(_flatten(PRESETS[preset]), f"preset {preset}"))
+    for path in config_files or []:
+        sources.update(dict.fromkeys(_flatten(_load_yaml(path)), f"file {path}"))
+    for _, tree in _dotlist_to_tree(overrides or []):
+        sources.update(dict.fromkeys(_flatten(tree), "override"))
+    return {k: (v, sources.get(k, "default")) for k, v in _flatten(dataclasses.asdict(cfg)).items()}
+
+
+def _flatten(tree: dict, cls: type = Config, prefix: str = "") -> dict[str, Any]:
+    """A (partial) config tree → ``{dotted leaf key: value}``; a dict-valued field such as
+    ``health.thresholds`` contributes one key per entry."""
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    flat: dict[str, Any] = {}
+    for key, value in tree.items():
+        f = fields.get(key)
+        if f is not None and _is_section(f) and isinstance(value, dict):
+            flat.update(_flatten(value, type(f.default_factory()), f"{prefix}{key}."))
+        elif isinstance(value, dict):
+            flat.update({f"{prefix}{key}.{k}": v for k, v in value.items()})
+        else:
+            flat[f"{prefix}{key}"] = value
+    return flat
 
 
 def _freeze(cfg: Config) -> Config:

@@ -69,20 +69,34 @@ class TrainState:
     beta: float = 0.0
 
 
-def parse_args(argv: list[str] | None) -> argparse.Namespace:
+def parse_args(argv: list[str] | None, prog: str = "python -m grpo_fast.train") -> argparse.Namespace:
+    """Options and ``key=value`` overrides in any order (``--config`` may follow overrides)."""
+    from grpo_fast.cli import presets_and_keys_help
+
     p = argparse.ArgumentParser(
-        prog="python -m grpo_fast.train",
+        prog=prog,
         description="GRPO training. Overrides are OmegaConf dot-list pairs, e.g. train.lr=3e-6 steps=50.",
+        epilog=presets_and_keys_help(),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     p.add_argument("--preset", default="tiny", help="tiny (CPU, default) | smoke | rtx4090 | h100")
     p.add_argument("--config", action="append", default=[], metavar="FILE.yaml", help="layered in order")
+    p.add_argument(
+        "--dry-run",
+        action="store_true",
+        help="print the resolved config (with each value's source), the memory plan and the data; load no model",
+    )
     p.add_argument("overrides", nargs="*", metavar="key=value")
-    return p.parse_args(argv)
+    return p.parse_intermixed_args(argv)
 
 
 @cli_errors
-def main(argv: list[str] | None = None) -> int:
-    args = parse_args(argv)
+def main(argv: list[str] | None = None, prog: str = "python -m grpo_fast.train") -> int:
+    args = parse_args(argv, prog)
+    if args.dry_run:
+        from grpo_fast.cli import dry_run
+
+        return dry_run(args.preset, args.config, args.overrides)
     cfg = load_config(args.preset, args.config, args.overrides)
     run(cfg)
     return 0
@@ -357,8 +371,28 @@ def _train(cfg: Config, device: torch.device, world: dist.DistInfo, out: Path, e
                 )
 
     # ---------------------------------------------------------------- the final model
+    # With checkpoints on, the last step leaves one too (the loop skips it), so that
+    # `resume=true steps=N` extends a finished run from its final step.
+    last = ckpt.latest_checkpoint(ckpt_root)
+    if cfg.checkpoint_every and (last is None or last.name != ckpt.step_dir_name(state.step)):
+        _save_checkpoint(
+            cfg,
+            ckpt_root,
+            state.step,
+            model,
+            ref_model,
+            tokenizer,
+            optimizer,
+            scheduler,
+            sampler,
+            health,
+            kl_ctl,
+            state,
+            world,
+        )
     if world.is_main:
-        ckpt.save_pretrained_atomic(model, tokenizer, out / "final")
+        save_dtype = None if cfg.train.save_dtype == "auto" else getattr(torch, cfg.train.save_dtype)
+        ckpt.save_pretrained_atomic(model, tokenizer, out / "final", dtype=save_dtype)
         logger.event(
             f"done: {cfg.steps} steps in {time.perf_counter() - t_start:.1f}s; model in {out / 'final'}"
         )

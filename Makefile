@@ -1,0 +1,40 @@
+# Set-up and the two everyday commands, on a fresh machine (README "Quickstart"):
+#   make run    a virtual environment in .venv (if missing), torch, the project; then the tiny preset
+#   make test   the same set-up; then the test command (ruff + pytest), which .ci/run calls too
+# Variables: VENV (default .venv), EXTRAS (pip extras, default dev), ARGS (more train arguments
+# for `make run`, e.g. ARGS="steps=100"), PYTEST_ARGS (e.g. PYTEST_ARGS='-m "not slow"').
+
+VENV ?= .venv
+PYTHON ?= python3
+EXTRAS ?= dev
+TORCH_VERSION ?= 2.13.0
+ARGS ?=
+PYTEST_ARGS ?=
+
+PY := $(VENV)/bin/python
+# A machine whose nvidia-smi lists a GPU gets PyPI's torch wheel (the CUDA build); any other the
+# CPU build (an unpinned torch would pull a multi-GB CUDA build that a CPU cannot use).
+ifeq ($(shell nvidia-smi -L >/dev/null 2>&1 && echo gpu),gpu)
+TORCH_INSTALL ?= "torch==$(TORCH_VERSION)"
+else
+TORCH_INSTALL ?= "torch==$(TORCH_VERSION)+cpu" --extra-index-url https://download.pytorch.org/whl/cpu
+endif
+
+.PHONY: setup run test
+setup: $(VENV)/.installed-$(EXTRAS)
+
+# Re-run when pyproject.toml changes; the stamp names the extras it installed.
+$(VENV)/.installed-$(EXTRAS): pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q $(TORCH_INSTALL)
+	$(PY) -m pip install -q -e ".[$(EXTRAS)]"
+	touch $@
+
+run: setup
+	$(VENV)/bin/grpo-fast train --preset tiny $(ARGS)
+
+test: setup
+	$(PY) -m ruff check .
+	$(PY) -m ruff format --check .
+	$(PY) -m pytest $(PYTEST_ARGS)

@@ -1,0 +1,301 @@
+"""The ``grpo-fast`` entry point: every subcommand's help and one real invocation, the dry run,
+options after overrides, extending a finished run, the bf16 final model, and the Makefile."""
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from grpo_fast import cli
+from grpo_fast import model as model_mod
+from grpo_fast.config import PRESETS
+from grpo_fast.train import parse_args
+
+ROOT = Path(__file__).resolve().parents[1]
+QUICK = [
+    "steps=4",
+    "sft.steps=30",
+    "eval_every=2",
+    "checkpoint_every=3",  # 4 is not a multiple: the final step's checkpoint comes from the end of the run
+    "rollout.batch_size=32",
+    "data.eval_subset_size=32",
+    "logging.progress=false",
+]
+
+
+def _rows(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def _grpo_fast(*args: str, timeout: int = 120) -> subprocess.CompletedProcess:
+    """The installed console script (next to this interpreter), output captured."""
+    script = Path(sys.executable).with_name("grpo-fast")
+    cmd = [str(script)] if script.exists() else [sys.executable, "-m", "grpo_fast.cli"]
+    return subprocess.run([*cmd, *args], capture_output=True, text=True, timeout=timeout, cwd=ROOT)
+
+
+@pytest.fixture(scope="module")
+def finished_run(tmp_path_factory):
+    """A finished 4-step tiny run through ``grpo-fast train`` (in-process), with its metrics."""
+    out = tmp_path_factory.mktemp("run")
+    assert cli.main(["train", "--preset", "tiny", f"output_dir={out}", *QUICK]) == 0
+    return out, _rows(out / "metrics.jsonl")
+
+
+# ----------------------------------------------------------------------------------------------
+# help and dispatch
+# ----------------------------------------------------------------------------------------------
+
+
+def test_top_level_help_lists_commands_presets_and_keys():
+    res = _grpo_fast("--help")
+    assert res.returncode == 0, res.stderr
+    for name in (*cli.COMMANDS, *PRESETS):
+        assert name in res.stdout
+    assert any(line.split()[:2] == ["train", "lr"] for line in res.stdout.splitlines())
+    assert "save_dtype" in res.stdout
+
+
+@pytest.mark.parametrize("command", list(cli.COMMANDS))
+def test_each_subcommand_has_help(command, capsys):
+    with pytest.raises(SystemExit) as exc:
+        cli.main([command, "--help"])
+    assert exc.value.code == 0
+    text = capsys.readouterr().out
+    assert text.startswith("usage:")
+    if command == "train":
+        assert "grpo-fast train" in text and "--dry-run" in text
+        assert all(name in text for name in PRESETS) and "micro_batch_size" in text
+
+
+def test_unknown_command_is_one_line_exit_2():
+    res = _grpo_fast("trian")
+    assert res.returncode == 2
+    assert res.stderr.strip().splitlines() == [
+        "error: unknown command 'trian'; commands: train, evaluate, plan, report, sweep, doctor"
+    ]
+
+
+def test_subcommand_equals_its_module_form():
+    args = ["plan", "--preset", "rtx4090", "--gpu-mem-gb", "24", "train.micro_batch_size=auto"]
+    via_cli = _grpo_fast(*args)
+    via_module = subprocess.run(
+        [sys.executable, "-m", "grpo_fast.plan", *args[1:]],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=120,
+    )
+    assert via_cli.returncode == via_module.returncode == 0, via_cli.stderr
+    assert via_cli.stdout == via_module.stdout
+    assert "train.micro_batch_size" in via_cli.stdout
+    bad = _grpo_fast("plan", "--preset", "tiny", "train.lrr=1")
+    assert bad.returncode == 2 and "did you mean 'train.lr'" in bad.stderr and "Traceback" not in bad.stderr
+
+
+def test_evaluate_sweep_and_report_run(finished_run, tmp_path, capsys):
+    out, _ = finished_run
+    assert cli.main(["evaluate", "--model", str(out / "final"), "--preset", "tiny", "--limit", "16"]) == 0
+    metrics = json.loads(capsys.readouterr().out)
+    assert metrics["eval/num_examples"] == 16 and 0 <= metrics["eval/accuracy"] <= 1
+
+    assert cli.main(["sweep", "--preset", "tiny", "--sweep", "baseline", "--dry-run", "steps=2"]) == 0
+    commands = capsys.readouterr().out.splitlines()
+    assert commands and all(
+        "-m grpo_fast.train" in c and "loss.type=" in c and "steps=2" in c for c in commands
+    )
+
+    assert cli.main(["report", str(out), "--out", str(tmp_path / "report")]) == 0
+    assert (tmp_path / "report" / "summary.md").is_file()
+
+
+# ----------------------------------------------------------------------------------------------
+# options and overrides in any order
+# ----------------------------------------------------------------------------------------------
+
+
+def test_config_file_after_overrides_is_accepted():
+    args = parse_args(["steps=3", "--config", "configs/dapo.yaml", "train.lr=1e-5", "--preset", "tiny"])
+    assert args.config == ["configs/dapo.yaml"]
+    assert args.overrides == ["steps=3", "train.lr=1e-5"]
+    assert args.preset == "tiny"
+
+
+# ----------------------------------------------------------------------------------------------
+# dry run
+# ----------------------------------------------------------------------------------------------
+
+
+def test_dry_run_prints_sources_plan_and_data_and_loads_no_model(monkeypatch, capsys):
+    def no_model(*a, **k):
+        raise AssertionError("the dry run loaded a model")
+
+    monkeypatch.setattr(model_mod, "load_policy", no_model)
+    monkeypatch.setattr(model_mod, "load_tokenizer", no_model)
+    code = cli.main(
+        [
+            "train",
+            "steps=3",
+            "model.name_or_path=/nonexistent/model",
+            "--config",
+            "configs/dapo.yaml",
+            "--dry-run",
+        ]
+    )
+    assert code == 0
+    out = capsys.readouterr().out
+    lines = {line.split("=")[0].strip(): line for line in out.splitlines() if " = " in line}
+    assert lines["steps"].endswith("# override") and "= 3 " in lines["steps"]
+    assert lines["seed"].endswith("# default")
+    assert lines["train.lr"].endswith("# preset tiny")
+    assert (
+        lines["loss.length_norm"].endswith("# file configs/dapo.yaml")
+        and "'token_mean'" in lines["loss.length_norm"]
+    )
+    assert lines["model.name_or_path"].endswith("# override")
+    assert "train.micro_batch_size=256" in out  # the CPU branch of the planner's resolution
+    assert "task tiny: 9500 train / 500 eval examples" in out
+    assert "per step: 32 prompts × 8 responses" in out
+    # the tokenizer of a missing folder cannot load: said, and the text prompt printed
+    assert "tokenizer not loaded" in out and "no such folder" in out
+    assert "'75+60='" in out
+    assert "no model was loaded" in out
+
+
+def test_dry_run_shows_the_prompt_as_tokens_with_the_builtin_tokenizer(capsys):
+    assert cli.main(["train", "--dry-run", "--preset", "tiny"]) == 0
+    out = capsys.readouterr().out
+    assert "as the model sees it: 6 tokens" in out  # "75+60=" is one token per character
+    assert "'7' '5' '+' '6' '0' '='" in out
+
+
+def test_dry_run_of_a_gpu_preset_on_a_cpu_plans_24_gb_and_says_it_cannot_run(capsys, tmp_path):
+    if torch.cuda.is_available():
+        pytest.skip("checks the CPU-machine message")
+    train = tmp_path / "train.jsonl"
+    train.write_text('{"problem": "What is 1+1?", "solution": "\\\\boxed{2}"}\n')
+    code = cli.main(
+        ["train", "--preset", "rtx4090", "--dry-run", f"data.train_path={train}", f"data.eval_path={train}"]
+    )
+    captured = capsys.readouterr()
+    assert code == 2
+    assert "no GPU here: planned for a 24 GB card" in captured.out
+    assert "rollout.gpu_memory_utilization" in captured.out and "training peak" in captured.out
+    assert "error: preset 'rtx4090' needs a CUDA GPU" in captured.err
+
+
+def test_dry_run_finishes_in_seconds_in_a_fresh_process():
+    t0 = time.perf_counter()
+    res = subprocess.run(
+        [sys.executable, "-m", "grpo_fast.train", "--dry-run", "model.name_or_path=/no/such/model"],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=120,
+    )
+    wall = time.perf_counter() - t0
+    assert res.returncode == 0, res.stderr
+    assert "no model was loaded" in res.stdout
+    print(f"dry run wall time: {wall:.1f} s")
+
+
+def test_bad_override_in_dry_run_is_one_line_exit_2(capsys):
+    assert cli.main(["train", "--dry-run", "train.save_dtype=int8"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "train.save_dtype='int8' is not one of" in err[0]
+
+
+# ----------------------------------------------------------------------------------------------
+# extending a finished run; the final model's dtype
+# ----------------------------------------------------------------------------------------------
+
+
+def test_finished_run_leaves_a_checkpoint_of_its_final_step(finished_run):
+    out, rows = finished_run
+    assert [r["step"] for r in rows] == [0, 1, 2, 3, 4]
+    names = sorted(p.name for p in (out / "checkpoints").iterdir())
+    assert names == ["step_000003", "step_000004"]  # 3 from the loop, 4 = the final step
+    from safetensors.torch import load_file
+
+    final = load_file(out / "final" / "model.safetensors")
+    assert {t.dtype for t in final.values()} == {torch.float32}  # train.save_dtype=auto: as trained
+
+
+def test_resume_extends_a_finished_run_from_its_final_step_and_saves_bf16(finished_run, tmp_path, capsys):
+    out, rows = finished_run
+    run = tmp_path / "extended"
+    shutil.copytree(out, run)
+    code = cli.main(
+        ["train", f"output_dir={run}", *QUICK, "resume=true", "steps=6", "train.save_dtype=bfloat16"]
+    )
+    assert code == 0
+    assert f"resumed from {run / 'checkpoints' / 'step_000004'} at step 4" in capsys.readouterr().err
+    extended = _rows(run / "metrics.jsonl")
+    assert [r["step"] for r in extended] == [0, 1, 2, 3, 4, 5, 6]
+    assert extended[:5] == rows  # steps 1-4 are kept as logged, not trained again
+    from safetensors.torch import load_file
+
+    final = load_file(run / "final" / "model.safetensors")
+    assert {t.dtype for t in final.values()} == {torch.bfloat16}
+    assert json.loads((run / "final" / "config.json").read_text())["dtype"] == "bfloat16"
+    # the checkpoint keeps the fp32 master weights: an exact resume point
+    ckpt = load_file(run / "checkpoints" / "step_000006" / "model.safetensors")
+    assert {t.dtype for t in ckpt.values()} == {torch.float32}
+    from transformers import AutoModelForCausalLM
+
+    served = AutoModelForCausalLM.from_pretrained(run / "final", dtype="auto")
+    assert served.dtype == torch.bfloat16
+    master = {k: v for k, v in ckpt.items()}
+    for name, t in final.items():
+        torch.testing.assert_close(t, master[name].to(torch.bfloat16), rtol=0, atol=0)
+
+
+# ----------------------------------------------------------------------------------------------
+# the Makefile in a clean directory
+# ----------------------------------------------------------------------------------------------
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(shutil.which("make") is None or shutil.which("git") is None, reason="needs make and git")
+def test_make_run_and_make_test_in_a_clean_directory(tmp_path):
+    """The README's two commands in a copy of the tracked files: ``make run`` builds a fresh
+    ``.venv`` (pip's cache may serve the wheels) and trains; ``make test`` reuses it and runs
+    ruff and pytest (here on one test module: the whole suite is what ``.ci/run`` runs through
+    ``make test``, and would include this test)."""
+    files = subprocess.run(["git", "ls-files", "-z"], cwd=ROOT, capture_output=True, check=True).stdout
+    clean = tmp_path / "grpo_fast"
+    for rel in filter(None, files.decode().split("\0")):
+        src = ROOT / rel
+        if src.is_file():
+            (clean / rel).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(src, clean / rel)
+    env = {k: v for k, v in os.environ.items() if k not in ("VIRTUAL_ENV", "PYTHONPATH")}
+    env["PATH"] = os.pathsep.join(p for p in env["PATH"].split(os.pathsep) if not p.startswith(str(ROOT)))
+    short = "ARGS=steps=2 sft.steps=20 eval_every=0 checkpoint_every=0 rollout.batch_size=16 logging.progress=false"
+    t0 = time.perf_counter()
+    res = subprocess.run(
+        ["make", "run", short], cwd=clean, env=env, capture_output=True, text=True, timeout=1500
+    )
+    t_run = time.perf_counter() - t0
+    assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-3000:]
+    assert (clean / ".venv" / "bin" / "grpo-fast").is_file()
+    assert (clean / "runs" / "tiny" / "final" / "model.safetensors").is_file()
+    t0 = time.perf_counter()
+    res = subprocess.run(
+        ["make", "test", "PYTEST_ARGS=-q tests/test_config.py"],
+        cwd=clean,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
+    t_test = time.perf_counter() - t0
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-2000:]
+    assert "All checks passed" in res.stdout + res.stderr and " passed" in res.stdout
+    print(f"make run: {t_run:.0f} s (fresh .venv); make test (one module): {t_test:.0f} s")

@@ -1,0 +1,74 @@
+"""``grpo-fast doctor`` on this machine: versions, CUDA, presets that fit, the Triton check, and
+each problem with its fix."""
+
+import importlib.metadata as metadata
+
+import pytest
+import torch
+
+from grpo_fast import doctor
+from grpo_fast.config import PRESETS
+
+
+def _rows(text: str) -> dict[str, str]:
+    """The report's ``key  value`` lines, keyed by their first 14 columns."""
+    return {line[:14].strip(): line[15:] for line in text.splitlines() if len(line) > 15 and line[14] == " "}
+
+
+def test_doctor_reports_this_machine(capsys):
+    assert doctor.main([]) == 0  # this machine runs the tiny preset
+    out = capsys.readouterr().out
+    rows = _rows(out)
+    assert rows["torch"] == torch.__version__
+    assert rows["transformers"] == metadata.version("transformers")
+    for lib in doctor.LIBRARIES:
+        try:
+            assert rows[lib] == metadata.version(lib)
+        except metadata.PackageNotFoundError:
+            assert rows[lib] == "not installed"
+    assert set(PRESETS) <= {k.removeprefix("preset ") for k in rows if k.startswith("preset ")}
+    assert rows["preset tiny"].startswith("yes: planned peak")
+    if not torch.cuda.is_available():
+        assert rows["cuda"].startswith("not available")
+        assert rows["preset rtx4090"] == rows["preset h100"] == "no: needs a CUDA GPU"
+        # the interpreter ran csrc_triton's kernel against the float64 reference
+        assert rows["triton kernels"].startswith("yes, under the interpreter (TRITON_INTERPRET=1, CPU)")
+        assert "against the float64 reference" in rows["triton kernels"]
+
+
+def test_a_missing_required_package_breaks_tiny_and_names_the_fix(monkeypatch, capsys):
+    real = doctor._version
+    monkeypatch.setattr(doctor, "_version", lambda dist: None if dist == "omegaconf" else real(dist))
+    assert doctor.main(["--no-triton"]) == 1
+    captured = capsys.readouterr()
+    assert "required omegaconf>=2.3 (not installed)" in captured.out
+    assert 'fix: pip install "omegaconf>=2.3"' in captured.out
+    assert "the tiny preset cannot run here" in captured.err
+
+
+def test_a_too_old_package_is_a_problem(monkeypatch, capsys):
+    real = doctor._version
+    monkeypatch.setattr(doctor, "_version", lambda dist: "4.40.0" if dist == "transformers" else real(dist))
+    assert doctor.main(["--no-triton"]) == 1
+    out = capsys.readouterr().out
+    assert "required transformers>=4.56 (4.40.0 installed)" in out
+
+
+def test_a_failing_triton_kernel_is_reported_with_a_fix_but_tiny_still_runs(monkeypatch, capsys):
+    monkeypatch.setattr(doctor, "_TRITON_CHECK", "raise RuntimeError('no compiler for this target')")
+    assert doctor.main([]) == 0  # the tiny preset does not need Triton (torch_chunked on a CPU)
+    out = capsys.readouterr().out
+    assert "triton kernels" in out and "no (" in out and "RuntimeError: no compiler for this target" in out
+    assert 'fix: pip install --force-reinstall "triton==' in out
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks a CPU machine's report")
+def test_a_cpu_torch_on_a_gpu_machine_names_the_cuda_build(monkeypatch, tmp_path, capsys):
+    smi = tmp_path / "nvidia-smi"
+    smi.write_text("#!/bin/sh\necho 'GPU 0: NVIDIA H100 (UUID: GPU-0)'\n")
+    smi.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{tmp_path}:{__import__('os').environ['PATH']}")
+    assert doctor.main(["--no-triton"]) == 0
+    out = capsys.readouterr().out
+    assert "this machine has an NVIDIA GPU but torch cannot use it" in out
+    assert "fix: pip install --force-reinstall torch==" in out
