@@ -25,7 +25,9 @@ severity rises; a critical event is always reported. Every event carries a sugge
 Optionally (``auto_temperature_boost``) a repetition event arms an additive rollout-temperature
 boost: ``temperature_boost(step) = temperature_boost_amount · (1 − (step − s₀) / temperature_boost_steps)``
 for ``s₀ ≤ step < s₀ + temperature_boost_steps``, 0 otherwise, where ``s₀`` is the step of the
-latest repetition detection.
+latest repetition detection. Under data parallelism the loop uses
+``shared_temperature_boost``: rank 0's boost, broadcast, so that every rank samples at the same
+temperature.
 
 ``state_dict()`` / ``load_state_dict()`` carry the running windows across a resume.
 """
@@ -39,6 +41,7 @@ from collections.abc import Mapping
 from dataclasses import asdict, dataclass
 from typing import Any
 
+from grpo_fast import dist
 from grpo_fast.errors import ConfigError
 
 __all__ = ["SEVERITIES", "HealthEvent", "HealthMonitor", "HealthThresholds", "repeated_ngram_ratio"]
@@ -183,6 +186,12 @@ class HealthMonitor:
         if not 0 <= elapsed < t.temperature_boost_steps:
             return 0.0
         return t.temperature_boost_amount * (1.0 - elapsed / t.temperature_boost_steps)
+
+    def shared_temperature_boost(self, step: int) -> float:
+        """``temperature_boost(step)`` as rank 0 decides it, on every rank (one broadcast when
+        data parallel; the plain value on one rank). Each rank checks only its own responses for
+        repetition, so ranks can disagree on the boost; rank 0's checks are also the ones logged."""
+        return dist.broadcast_object(self.temperature_boost(step), src=0)
 
     def state_dict(self) -> dict[str, Any]:
         """JSON-ready state: running windows, last report per kind, boost start."""

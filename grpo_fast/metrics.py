@@ -66,6 +66,20 @@ def gpu_stats(device: torch.device) -> dict[str, float]:
         return {}
 
 
+WANDB_ID_FILE = "wandb_run_id"
+
+
+def wandb_run_id(output_dir: Path, resume: bool) -> str:
+    """The wandb run id of ``output_dir``: on ``resume`` the one stored there (the same wandb run
+    continues), else a new one, stored in ``output_dir/wandb_run_id`` for the next resume."""
+    path = Path(output_dir) / WANDB_ID_FILE
+    if resume and path.is_file() and path.read_text().strip():
+        return path.read_text().strip()
+    run_id = os.urandom(8).hex()  # wandb ids: up to 64 characters of [a-z0-9]
+    path.write_text(run_id + "\n")
+    return run_id
+
+
 class MetricsLogger:
     """Appends rows to ``metrics.jsonl`` (flushed per row) and mirrors them to wandb."""
 
@@ -89,6 +103,7 @@ class MetricsLogger:
                 config=to_dict(cfg),
                 mode=mode,
                 name=Path(output_dir).name,
+                id=wandb_run_id(Path(output_dir), cfg.resume),
                 resume="allow",
             )
 

@@ -233,7 +233,7 @@ def _train(cfg: Config, device: torch.device, world: dist.DistInfo, out: Path, e
             idx = sampler.next(n_prompts)[world.rank * local_prompts : (world.rank + 1) * local_prompts]
             examples = [task.train[i] for i in idx]
             prompt_ids = [task.prompt_ids(e) for e in examples]
-            temperature = r.temperature + health.temperature_boost(step)
+            temperature = r.temperature + health.shared_temperature_boost(step)  # rank 0's, on every rank
             params_s = SamplingParams(
                 n=r.group_size,
                 temperature=temperature,

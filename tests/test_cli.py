@@ -7,6 +7,7 @@ import shutil
 import subprocess
 import sys
 import time
+import types
 from pathlib import Path
 
 import pytest
@@ -254,6 +255,35 @@ def test_resume_extends_a_finished_run_from_its_final_step_and_saves_bf16(finish
     master = {k: v for k, v in ckpt.items()}
     for name, t in final.items():
         torch.testing.assert_close(t, master[name].to(torch.bfloat16), rtol=0, atol=0)
+
+
+class _FakeWandb:
+    """Stands in for the wandb module (not installed here): records ``init`` and ``log`` calls."""
+
+    def __init__(self):
+        self.inits: list[dict] = []
+        self.logged: list[list[int]] = []
+
+    def init(self, **kwargs):
+        self.inits.append(kwargs)
+        steps: list[int] = []
+        self.logged.append(steps)
+        return types.SimpleNamespace(log=lambda row, step: steps.append(step), finish=lambda: None)
+
+
+def test_wandb_resume_continues_the_same_run(tmp_path, monkeypatch):
+    fake = _FakeWandb()
+    monkeypatch.setitem(sys.modules, "wandb", fake)
+    out = tmp_path / "run"
+    common = [f"output_dir={out}", *QUICK, "logging.wandb=true", "eval_every=0", "checkpoint_every=2"]
+    assert cli.main(["train", *common, "steps=2"]) == 0
+    assert cli.main(["train", *common, "steps=4", "resume=true"]) == 0
+    first, second = fake.inits
+    assert first["id"] == second["id"] == (out / "wandb_run_id").read_text().strip()
+    assert second["resume"] == "allow" and first["mode"] == "offline"  # no WANDB_API_KEY here
+    assert fake.logged == [[1, 2], [3, 4]]  # the resumed run logs on from step 3 into the same run
+    assert cli.main(["train", *common, "steps=2"]) == 0  # a new run in the same folder: a new id
+    assert fake.inits[2]["id"] != first["id"]
 
 
 # ----------------------------------------------------------------------------------------------
