@@ -213,13 +213,13 @@ class PolicyLoss(nn.Module):
     def forward(self, mb: Microbatch, beta: float, temperature: float) -> GRPOLossOutput:
         with self._autocast(mb.input_ids.device):
             hidden = response_hidden_states(self.model, mb)
-        head = self.model.get_output_embeddings().weight  # [V, D]
-        # Under autocast the lm_head matmul runs in the autocast dtype, as nn.Linear would;
-        # the fp32 master weight gets its gradient through the cast.
-        dtype = self.autocast or head.dtype
+        head = self.model.get_output_embeddings().weight  # [V, D], the (fp32 master) weight itself
+        # Under autocast the lm_head GEMMs run in the autocast dtype, as nn.Linear's would; the op
+        # casts the weight once and hands back its gradient as accumulated, in fp32 (no [V, D]
+        # casts in the backward; a tied embedding's gradient adds to it as usual).
         return fused_linear_grpo_loss(
-            hidden.to(dtype),
-            head.to(dtype),
+            hidden,
+            head,
             mb.labels,
             mb.advantages,
             mb.loss_weights,
@@ -227,6 +227,7 @@ class PolicyLoss(nn.Module):
             ref_logprobs=mb.ref_logprobs,
             temperature=temperature,
             beta=beta,
+            compute_dtype=self.autocast or head.dtype,
             **self.loss_options,
         )
 

@@ -63,7 +63,9 @@ def test_kl_to_old_is_k3_of_kl_old_to_new():
         clipped=torch.zeros(3, dtype=torch.bool),
         kl=None,
     )
-    stats.add(out, SimpleNamespace(labels=torch.zeros(3, dtype=torch.long), old_logprobs=old))
+    stats.add(
+        out, SimpleNamespace(labels=torch.zeros(3, dtype=torch.long), old_logprobs=old, sampler_logprobs=None)
+    )
     # d = log π_old − log π; k3 = e^(−d) − 1 + d:
     #   d = ln 2: 1/2 − 1 + .693147 = .193147;  d = 0: 0;  d = .5: e^(−.5) − 1 + .5 = .106531
     # mean over 3 tokens = (.193147 + .106531) / 3 = .099893 (e^d − d − 1, the other direction, gives .151858)

@@ -28,6 +28,7 @@ from grpo_fast.core import KL_ESTIMATORS, LOSS_TYPES
 __all__ = [
     "BACKENDS",
     "check_backend",
+    "check_dtype",
     "check_label_range",
     "check_loss_options",
     "check_per_token",
@@ -64,6 +65,16 @@ def kernels_for(backend: str) -> ModuleType:
     return _torch_chunked
 
 
+def check_dtype(name: str, dtype: torch.dtype, backend: str) -> None:
+    """``ValueError`` unless ``backend`` computes in ``dtype`` (fp32/bf16/fp16, and fp64 for eager)."""
+    allowed = (*KERNEL_DTYPES, torch.float64) if backend == "eager" else KERNEL_DTYPES
+    if dtype not in allowed:
+        raise ValueError(
+            f"{name} dtype {dtype} is not supported by backend={backend!r}; "
+            f"expected one of {', '.join(str(d) for d in allowed)}"
+        )
+
+
 def check_per_token(
     matrix_name: str,
     matrix: torch.Tensor,
@@ -78,12 +89,7 @@ def check_per_token(
     """
     if matrix.dim() != 2:
         raise ValueError(f"{matrix_name} must be 2-D [N, *], got shape {tuple(matrix.shape)}")
-    allowed = (*KERNEL_DTYPES, torch.float64) if backend == "eager" else KERNEL_DTYPES
-    if matrix.dtype not in allowed:
-        raise ValueError(
-            f"{matrix_name} dtype {matrix.dtype} is not supported by backend={backend!r}; "
-            f"expected one of {', '.join(str(d) for d in allowed)}"
-        )
+    check_dtype(matrix_name, matrix.dtype, backend)
     n = matrix.shape[0]
     if labels.dim() != 1 or labels.shape[0] != n:
         raise ValueError(f"labels must be [N] = [{n}] to match {matrix_name}, got {tuple(labels.shape)}")
