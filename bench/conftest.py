@@ -18,11 +18,11 @@ import pytest
 import torch
 
 from grpo_fast.memory import copy_bandwidth_gbps, peak_cuda_memory, peak_rss_growth
-from grpo_fast.testing import skip_gpu_items_without_cuda
+from grpo_fast.testing import skip_unrunnable_items
 
 
 def pytest_collection_modifyitems(config, items):
-    skip_gpu_items_without_cuda(items)
+    skip_unrunnable_items(items)
 
 
 @pytest.fixture(scope="session")

@@ -118,7 +118,7 @@ def _collate(rows: list[list[Sequence]], pad_id: int, packing: bool) -> Microbat
     attn = torch.zeros((b, width), dtype=torch.long)
     pos = torch.zeros((b, width), dtype=torch.long)
     select = torch.zeros((b, width), dtype=torch.bool)
-    labels, adv, w, slp = [], [], [], []
+    labels, adv, w, slp, seq_ids = [], [], [], [], []
     for r, row in enumerate(rows):
         at = 0
         for s in row:
@@ -131,6 +131,7 @@ def _collate(rows: list[list[Sequence]], pad_id: int, packing: bool) -> Microbat
             labels.extend(s.tokens[s.n_prompt :])
             adv.extend([s.advantage] * s.n_response)
             w.extend([s.weight] * s.n_response)
+            seq_ids.extend([len(slp)] * s.n_response)
             slp.append(s.sampler_logprobs)
             at += n
         if packing and at < width:  # the tail is its own "sequence" so nothing attends across
@@ -147,4 +148,5 @@ def _collate(rows: list[list[Sequence]], pad_id: int, packing: bool) -> Microbat
         advantages=torch.tensor(adv, dtype=torch.float32),
         loss_weights=torch.tensor(w, dtype=torch.float32),
         sampler_logprobs=sampler,
+        sequence_ids=torch.tensor(seq_ids, dtype=torch.long),
     )

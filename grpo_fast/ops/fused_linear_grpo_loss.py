@@ -286,6 +286,10 @@ def fused_linear_grpo_loss(
         )
     if chunk_size is None:
         chunk_size = default_chunk_size(hidden.shape[0], weight.shape[0], compute)
+    if not torch.is_grad_enabled():
+        # Under no_grad a Function still sees needs_input_grad=True for inputs that require grad:
+        # detach them so a no-grad pass (π_old, π_ref, probes) skips the two gradient GEMMs.
+        hidden, weight = hidden.detach(), weight.detach()
     loss, logprobs, entropy, kl, clipped = FusedLinearGRPOLoss.apply(
         hidden,
         weight,

