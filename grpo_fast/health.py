@@ -191,7 +191,9 @@ class HealthMonitor:
         """``temperature_boost(step)`` as rank 0 decides it, on every rank (one broadcast when
         data parallel; the plain value on one rank). Each rank checks only its own responses for
         repetition, so ranks can disagree on the boost; rank 0's checks are also the ones logged."""
-        return dist.broadcast_object(self.temperature_boost(step), src=0)
+        if not self.thresholds.auto_temperature_boost:
+            return 0.0  # the same config on every rank: nothing to agree on
+        return dist.broadcast_object(self.temperature_boost(step), src=0)  # host-device sync (nccl)
 
     def state_dict(self) -> dict[str, Any]:
         """JSON-ready state: running windows, last report per kind, boost start."""
