@@ -16,7 +16,7 @@ import torch
 
 from grpo_fast.core import eager_grpo_loss_from_logits, grpo_token_loss
 from grpo_fast.memory import peak_rss_growth
-from grpo_fast.model import Microbatch, PolicyLoss
+from grpo_fast.model import Microbatch, PolicyLoss, response_hidden_states
 from grpo_fast.ops import default_chunk_size, fused_linear_grpo_loss, grpo_loss_from_logits
 from grpo_fast.testing import (
     assert_close_to_reference,
@@ -318,23 +318,45 @@ def _vd_buffers(step, v: int, d: int) -> tuple[list[str], list[str]]:
 
 
 def test_master_weight_under_autocast_allocates_no_cast_gradient():
-    """Tied fp32 embeddings, bf16 autocast, V = 4,099, D = 80 (sizes no other buffer shares):
-    per microbatch, the ``[V, D]`` buffers are the bf16 weight for the GEMMs, the fp32 accumulator
-    (handed back as the gradient) and the embedding's fp32 gradient; at most two fp32 ones alive
-    at once beside the weight and an existing ``.grad``.
+    """Tied fp32 embeddings, bf16 autocast, V = 4,099, D = 80 (sizes no other buffer shares), per
+    microbatch: ``PolicyLoss`` (the op takes the master weight) allocates 3 ``[V, D]`` buffers, the
+    bf16 weight for the GEMMs, the fp32 accumulator (handed back as the gradient) and the
+    embedding's fp32 gradient. Casting the weight to bf16 before the op (what PolicyLoss did)
+    allocates 5: also the gradient's bf16 cast and autograd's fp32 cast back. Both have at most
+    two fp32 ones alive at once beside the weight and an existing ``.grad`` (the accumulator, or
+    its cast back, and the embedding's gradient, which the tie makes autograd add).
 
-    Measured 2026-12 before the op took the master weight (PolicyLoss cast it to bf16): 5 buffers
-    (bf16 weight, fp32 accumulator, its bf16 cast, autograd's fp32 cast back, the embedding's
-    gradient), the same 2 fp32 alive at once. At Qwen2.5-1.5B (V = 151,936, D = 1,536) each fp32
-    one is 0.93 GB: 1.9 GB fewer bytes written per microbatch, the same peak.
+    Measured 2026-12 (CPU, torch 2.13): 5 -> 3 buffers allocated, 2 fp32 alive at once in both.
+    At Qwen2.5-1.5B (V = 151,936, D = 1,536) an fp32 one is 0.93 GB: 1.4 GB fewer bytes
+    allocated and written per microbatch, the same peak.
     """
     model, mb = _tied_policy(4099, 80)
     policy = PolicyLoss(model, autocast=torch.bfloat16, loss_options=dict(backend="torch_chunked"))
+
+    def cast_outside() -> None:
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            hidden = response_hidden_states(model, mb)
+        head = model.get_output_embeddings().weight
+        args = (mb.labels, mb.advantages, mb.loss_weights)
+        out = fused_linear_grpo_loss(
+            hidden.to(torch.bfloat16),
+            head.to(torch.bfloat16),  # a temporary, as in PolicyLoss: freed after the forward
+            *args,
+            old_logprobs=mb.old_logprobs,
+            backend="torch_chunked",
+        )
+        out.loss.backward()
+
     for microbatch in (1, 2):  # the second one accumulates into an existing .grad
+        before, before_peak = _vd_buffers(cast_outside, 4099, 80)
         allocated, at_peak = _vd_buffers(lambda: policy(mb, 0.0, 1.0).loss.backward(), 4099, 80)
-        print(f"microbatch {microbatch}: [V, D] buffers allocated {allocated}, alive at once {at_peak}")
+        print(
+            f"microbatch {microbatch}: [V, D] buffers allocated {before} -> {allocated}, "
+            f"alive at once {before_peak} -> {at_peak}"
+        )
+        assert sorted(before) == ["bf16", "bf16", "fp32", "fp32", "fp32"], before
         assert sorted(allocated) == ["bf16", "fp32", "fp32"], allocated
-        assert at_peak == ["fp32", "fp32"], at_peak
+        assert at_peak == before_peak == ["fp32", "fp32"], (before_peak, at_peak)
     assert model.get_input_embeddings().weight.grad.dtype == torch.float32
 
 
