@@ -7,8 +7,12 @@ import socket
 import torch
 import torch.multiprocessing as mp
 
-from grpo_fast import dist
+from grpo_fast import dist, tiny
 from grpo_fast.health import HealthMonitor, HealthThresholds
+from grpo_fast.rollout.base import SamplingParams
+from grpo_fast.rollout.hf import HFBackend
+from grpo_fast.rollout.vllm import step_seed
+from grpo_fast.train import sampling_rng, seed_everything
 
 LOOP = "the answer is 5 " * 20  # a repetition loop: arms the boost
 PROSE = "First add the two numbers, then divide the sum by three to get the mean of the values."
@@ -65,3 +69,55 @@ def test_temperature_boost_agrees_across_ranks(tmp_path):
     shared = [[sb for _, sb in rows] for rows in by_rank]
     assert shared[0] == shared[1]
     assert [round(b, 6) for b in shared[0]] == [0.2, 0.18, 0.1, 0.0]
+
+
+def _sample(seed: int | None):
+    """Responses of the tiny model to 4 fixed prompts × 8 samples, right after the loop's
+    ``seed_everything(0)``, inside ``sampling_rng(seed)``; and whether the RNG was restored."""
+    tok = tiny.build_tokenizer()
+    model = tiny.build_model(tok, seed=0)
+    backend = HFBackend(model, tok, generation_batch_size=64)
+    prompts = [tok(q)["input_ids"] for q in ("12+34=", "56+7=", "8+91=", "23+45=")]
+    params = SamplingParams(n=8, temperature=1.0, top_p=1.0, max_tokens=4, min_tokens=0)
+    seed_everything(0)
+    before = torch.get_rng_state()
+    with sampling_rng(seed, torch.device("cpu")):
+        ids = backend.generate(prompts, params).response_ids
+    restored = torch.equal(torch.get_rng_state(), before)
+    return ids, restored
+
+
+def _sampling_worker(rank, world_size, port, out_path):
+    _join(rank, world_size, port)
+    plain, _ = _sample(None)  # every rank seeded alike, as seed_everything(cfg.seed) leaves them
+    own, restored = _sample(step_seed(0, 1, rank))  # what the loop passes on step 1
+    gathered = dist.all_gather_objects((plain, own, restored))
+    if rank == 0:
+        torch.save(gathered, out_path)
+    dist.shutdown()
+
+
+def test_each_rank_samples_its_own_stream(tmp_path):
+    out = tmp_path / "samples.pt"
+    mp.spawn(_sampling_worker, args=(2, _free_port(), str(out)), nprocs=2, join=True)
+    (plain0, own0, restored0), (plain1, own1, restored1) = torch.load(out)
+    assert plain0 == plain1  # the bug: the same prompts would get the same samples on both ranks
+    assert own0 != own1
+    assert restored0 and restored1  # the global RNG is left as it was: ranks stay in lockstep
+
+
+def test_one_rank_sampling_is_unchanged():
+    """One rank gets ``sampling_rng(None)``: the same samples, and the same RNG state after them,
+    as a plain ``generate`` (1-rank runs reproduce what they gave before)."""
+    tok = tiny.build_tokenizer()
+    backend = HFBackend(tiny.build_model(tok, seed=0), tok, generation_batch_size=64)
+    prompts = [tok("12+34=")["input_ids"], tok("5+6=")["input_ids"]]
+    params = SamplingParams(n=8, temperature=1.0, top_p=1.0, max_tokens=4, min_tokens=0)
+    seed_everything(0)
+    plain = backend.generate(prompts, params).response_ids
+    state_plain = torch.get_rng_state()
+    seed_everything(0)
+    with sampling_rng(None, torch.device("cpu")):
+        wrapped = backend.generate(prompts, params).response_ids
+    assert wrapped == plain
+    assert torch.equal(torch.get_rng_state(), state_plain)
