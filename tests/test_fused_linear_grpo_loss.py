@@ -262,13 +262,14 @@ def test_master_weight_under_bf16_autocast_tied_matches_float64(backend):
     autocast's error of a float64 run, and the gradients stay fp32."""
     model, mb = _tied_policy(1003, 80)
     kw = dict(clip_low=0.2, clip_high=0.28, entropy_coef=0.01)
+    device = backend_device(backend)
+    on_device = copy.deepcopy(model).to(device)
     policy = PolicyLoss(
-        model, autocast=torch.bfloat16, loss_options=dict(backend=backend, chunk_size=12, **kw)
+        on_device, autocast=torch.bfloat16, loss_options=dict(backend=backend, chunk_size=12, **kw)
     )
-    out = policy(mb, 0.0, 0.7)
+    out = policy(mb.to(device), 0.0, 0.7)
     (0.7 * out.loss).backward()
-    ours = {k: p.grad for k, p in model.named_parameters()}
-    model.zero_grad(set_to_none=True)
+    ours = {k: p.grad.cpu() for k, p in on_device.named_parameters()}
     eager = _eager_policy_loss(model, mb, torch.bfloat16, temperature=0.7, **kw)
     (0.7 * eager.loss).backward()
     eager_grads = {k: p.grad for k, p in model.named_parameters()}
