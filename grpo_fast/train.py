@@ -15,6 +15,9 @@ default, with the choices our users reach for as config keys:
 Where it deviates from the paper: the KL term is off by default (β = 0, as in DAPO and
 Dr. GRPO); with one epoch per rollout batch (the default) the importance ratio is 1, so π_old
 is never computed — the loss is the on-policy policy gradient and its clipping never triggers.
+With ``rollout.backend=vllm`` the samples come from vLLM's copy of the weights; their small
+log-prob gap to the trainer is logged (``rollout/logprob_abs_diff``) and corrected only with
+``rollout.is_correction=true`` (truncated importance sampling, ``grpo_fast.sampler_correction``).
 
 Each step reads top to bottom: rollout phase (sample prompts → generate → rewards →
 advantages), then optimization phase (microbatches → fused lm_head + loss → backward →

@@ -155,12 +155,19 @@ def _comparable(rows):
     return [{k: v for k, v in r.items() if not k.startswith(NONDETERMINISTIC_PREFIXES)} for r in rows]
 
 
+BACKENDS = ["hf", pytest.param("vllm", marks=pytest.mark.vllm)]
+
+
 @pytest.mark.slow
-def test_sigkill_then_resume_gives_the_same_metrics(tmp_path):
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_sigkill_then_resume_gives_the_same_metrics(tmp_path, backend):
+    """With vllm too: its sampling is seeded per (run seed, step, rank), so a resumed run samples
+    what the straight run sampled."""
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    subprocess.run(_train_cmd(tmp_path / "straight"), check=True, env=env, capture_output=True, timeout=600)
+    cmd = lambda out, *extra: _train_cmd(out, f"rollout.backend={backend}", *extra)
+    subprocess.run(cmd(tmp_path / "straight"), check=True, env=env, capture_output=True, timeout=600)
     killed = tmp_path / "killed"
-    proc = subprocess.Popen(_train_cmd(killed), env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    proc = subprocess.Popen(cmd(killed), env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     target = killed / "checkpoints" / "step_000006" / "trainer_state.pt"
     deadline = time.time() + 600
     while not target.exists() and proc.poll() is None and time.time() < deadline:
@@ -168,9 +175,7 @@ def test_sigkill_then_resume_gives_the_same_metrics(tmp_path):
     os.kill(proc.pid, signal.SIGKILL)  # mid-run, after the step-6 checkpoint, before the end
     proc.wait()
     assert target.exists() and not (killed / "final").exists()
-    res = subprocess.run(
-        _train_cmd(killed, "resume=true"), env=env, capture_output=True, text=True, timeout=600
-    )
+    res = subprocess.run(cmd(killed, "resume=true"), env=env, capture_output=True, text=True, timeout=600)
     assert res.returncode == 0, res.stderr
     assert "resumed from" in res.stderr
     straight, resumed = _rows(tmp_path / "straight" / "metrics.jsonl"), _rows(killed / "metrics.jsonl")
@@ -195,11 +200,14 @@ def test_bad_data_file_is_one_line_exit_2(tmp_path):
 
 
 @pytest.mark.slow
-def test_tiny_preset_learns(tmp_path):
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_tiny_preset_learns(tmp_path, backend):
     """The README's main job: eval accuracy rises by ≥ 0.30 between the first evaluation (after
-    the SFT warm start, before any GRPO step) and the last. (Its wall time is measured in
-    bench/test_bench_train_step.py, not asserted here.)"""
-    res = _cli("tiny", f"output_dir={tmp_path}", "logging.progress=false", timeout=900)
+    the SFT warm start, before any GRPO step) and the last; with the real vLLM engine as well.
+    (Its wall time is measured in bench/test_bench_train_step.py, not asserted here.)"""
+    res = _cli(
+        "tiny", f"output_dir={tmp_path}", "logging.progress=false", f"rollout.backend={backend}", timeout=1800
+    )
     assert res.returncode == 0, res.stderr[-2000:]
     evals = [
         (r["step"], r["eval/accuracy"]) for r in _rows(tmp_path / "metrics.jsonl") if "eval/accuracy" in r
