@@ -445,7 +445,9 @@ def optimize_on_rollout(
     each one optimizer step over all microbatches (gradients accumulated; under DDP synced once,
     on the last microbatch), stopping early once KL(π_old ‖ π) exceeds ``loss.kl_early_stop``.
 
-    Returns the first epoch's token-level statistics (what the step's metrics report).
+    The gradients are freed (set to None) after every optimizer step, so none are allocated
+    while the next rollout runs. Returns the first epoch's token-level statistics (what the
+    step's metrics report).
     """
     epochs = cfg.train.epochs_per_rollout_batch
     stats = _Stats()
