@@ -222,7 +222,6 @@ def test_asymmetric_and_dual_clip_hand_values():
     assert loss.item() == pytest.approx(3.0) and meta["clipped"].item()
 
 
-
 @pytest.mark.parametrize("loss_type", ["reinforce_with_baseline", "no_baseline"])
 def test_grpo_token_loss_unclipped_types_hand_values(loss_type):
     lp = torch.tensor([0.5, -0.5, 0.0], requires_grad=True)
@@ -243,6 +242,7 @@ def test_grpo_token_loss_unclipped_types_hand_values(loss_type):
         core.grpo_token_loss(lp, adv, dual_clip=3.0, loss_type=loss_type)
     with pytest.raises(ValueError, match="unknown loss_type 'ppo'"):
         core.grpo_token_loss(lp, adv, loss_type="ppo")
+
 
 @settings(max_examples=60, deadline=None)
 @given(

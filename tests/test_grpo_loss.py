@@ -145,7 +145,6 @@ def test_hand_worked_clipping(backend):
     torch.testing.assert_close(logits.grad.cpu(), expected)
 
 
-
 @pytest.mark.parametrize("loss_type", ["reinforce_with_baseline", "no_baseline"])
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_hand_worked_unclipped_loss_types(backend, loss_type):
@@ -173,6 +172,7 @@ def test_hand_worked_unclipped_loss_types(backend, loss_type):
     out.loss.backward()
     g = torch.tensor([-math.exp(0.5), 0.5, -2.0])
     torch.testing.assert_close(logits.grad.cpu(), g[:, None] * (torch.eye(4)[:3] - 0.25))
+
 
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("dtype", DTYPES)
