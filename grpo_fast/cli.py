@@ -33,6 +33,8 @@ COMMANDS = {
     "doctor": ("grpo_fast.doctor", "this machine: versions, CUDA, presets that fit, Triton"),
 }
 
+WITH_PRESETS = ("evaluate", "plan", "sweep")  # the other commands that take --preset and key=value
+
 PRESET_SUMMARIES = {
     "tiny": "any CPU, first run: built-in model, tokenizer and task, SFT warm start, 500 steps",
     "smoke": "a real model before a long run: group 2, 8 responses, 3 steps",
@@ -74,8 +76,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"error: unknown command {name!r}; commands: {', '.join(COMMANDS)}", file=sys.stderr)
         return 2
     module = importlib.import_module(COMMANDS[name][0])
-    if name == "train":
+    if name == "train":  # its own --help lists the presets and keys
         return module.main(rest, prog="grpo-fast train")
+    if name in WITH_PRESETS and any(a in ("-h", "--help") for a in rest):
+        try:
+            return module.main(rest)
+        finally:  # argparse exits after printing the help: add the presets and keys below it
+            print(f"\n{presets_and_keys_help()}")
     return module.main(rest)
 
 
