@@ -102,6 +102,9 @@ class TrainConfig:
     micro_batch_size: Any = AUTO  # sequences per microbatch, or auto (memory planner)
     epochs_per_rollout_batch: int = 1  # > 1 computes old log-probs and clips off-policy
     packing: bool = False  # padding-free packing of microbatches (flash-attn varlen / sdpa mask)
+    # With β = 0 and no entropy bonus, skip the forward/backward of responses whose advantage is
+    # exactly 0 (groups whose rewards are all equal): their gradient is exactly 0, the update the same.
+    skip_zero_advantage: bool = True
     mixed_precision: str = AUTO  # bf16 | fp16 | no | auto (bf16 on CUDA, no on CPU)
     # dtype of the final model in output_dir/final: auto (the trained weights' dtype) | float32
     # | bfloat16 | float16 (e.g. bfloat16 for serving: half the size of fp32 master weights)

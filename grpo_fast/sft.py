@@ -53,7 +53,6 @@ def sft_warm_start(cfg: Config, model, tokenizer, task, device, amp, out_dir: Pa
             seqs = build_sequences(
                 prompts, answers, torch.ones(len(batch)), length_norm="sequence_mean", max_length=1
             )
-            optimizer.zero_grad(set_to_none=True)
             nll = 0.0
             for mb in make_microbatches(seqs, len(seqs), tokenizer.pad_token_id, packing=False):
                 mb = mb.to(device)
@@ -61,6 +60,7 @@ def sft_warm_start(cfg: Config, model, tokenizer, task, device, amp, out_dir: Pa
                 out.loss.backward()
                 nll += -(mb.loss_weights * out.logprobs).sum().item()  # host-device sync
             optimizer.step()
+            optimizer.zero_grad(set_to_none=True)  # none left behind for GRPO's first rollout
             row = {"step": step, "sft/loss": nll, "sft/lr": s.lr}
             reached = False
             if s.target_accuracy is not None and step % s.check_every == 0:

@@ -298,10 +298,12 @@ def _train(cfg: Config, device: torch.device, world: dist.DistInfo, out: Path, e
                 num_tokens=g_tokens,
                 sampler_logprobs=rollout.sampler_logprobs,
             )
+            trained = _sequences_with_gradient(cfg, seqs, state.beta)
+            skipped_tokens = sum(s.n_response for s in seqs) - sum(s.n_response for s in trained)
             mbs = [
                 mb.to(device)
                 for mb in make_microbatches(
-                    seqs, int(cfg.train.micro_batch_size), tokenizer.pad_token_id, cfg.train.packing
+                    trained, int(cfg.train.micro_batch_size), tokenizer.pad_token_id, cfg.train.packing
                 )
             ]
             extra = _prepare_old_and_ref(cfg, mbs, policy_loss, ref_loss, temperature)
@@ -326,7 +328,7 @@ def _train(cfg: Config, device: torch.device, world: dist.DistInfo, out: Path, e
             t_train = time.perf_counter() - t1
 
             # ---- metrics (one all-reduce for the token-level sums across ranks)
-            totals = stats.global_totals(world, device, raw_rewards, rollout, reward_meta)
+            totals = stats.global_totals(world, device, raw_rewards, rollout, reward_meta, skipped_tokens)
             if kl_ctl is not None:
                 state.beta = kl_ctl.update(totals["kl"], int(g_seqs))
             state.step = step
@@ -341,6 +343,7 @@ def _train(cfg: Config, device: torch.device, world: dist.DistInfo, out: Path, e
                 "train/response_length_mean": g_tokens / max(g_seqs, 1),
                 "train/truncated_fraction": totals["truncated"],
                 "train/zero_variance_fraction": totals["zero_variance"],
+                "train/skipped_fraction": totals["skipped"],
                 "train/grad_norm": stats.grad_norm,
                 "train/clip_fraction": totals["clip_fraction"],
                 "train/kl": totals["kl"],
@@ -523,7 +526,9 @@ class _Stats:
         s = dist.all_reduce_sum(self.sums.tolist(), device)  # host-device sync
         return s[4] / max(s[5], 1.0)
 
-    def global_totals(self, world, device, raw_rewards, rollout, reward_meta) -> dict[str, float]:
+    def global_totals(
+        self, world, device, raw_rewards, rollout, reward_meta, skipped_tokens: int = 0
+    ) -> dict[str, float]:
         s = self.sums.tolist() if self.sums is not None else [0.0] * 7  # host-device sync
         r = raw_rewards.double()
         truncated = sum(f == "length" for f in rollout.finish_reason)
@@ -540,9 +545,28 @@ class _Stats:
             n,
             reward_meta["zero_variance_groups"],
             reward_meta["num_groups"],
+            skipped_tokens,
         ]
         g = dist.all_reduce_sum(local, device)
-        loss, ent, clipped, kl, kl_old, tokens, gap, rsum, rsq, accn, fmtn, trunc, nseq, zv, ngroups = g
+        (
+            loss,
+            ent,
+            clipped,
+            kl,
+            kl_old,
+            tokens,
+            gap,
+            rsum,
+            rsq,
+            accn,
+            fmtn,
+            trunc,
+            nseq,
+            zv,
+            ngroups,
+            skipped,
+        ) = g
+        skipped_fraction = skipped / max(tokens + skipped, 1.0)  # tokens: the trained ones
         tokens = max(tokens, 1.0)
         mean = rsum / nseq
         var = max(rsq / nseq - mean * mean, 0.0) * nseq / max(nseq - 1, 1)  # unbiased, as torch.std
@@ -559,7 +583,27 @@ class _Stats:
             "truncated": trunc / nseq,
             "zero_variance": zv / max(ngroups, 1),
             "sampler_gap": gap / tokens if rollout.sampler_logprobs is not None else None,
+            "skipped": skipped_fraction,
         }
+
+
+def _sequences_with_gradient(cfg: Config, seqs: list[Sequence], beta: float) -> list[Sequence]:
+    """The sequences the optimization phase must run (``train.skip_zero_advantage``).
+
+    With β = 0 and no entropy bonus, every term of a token's loss is a multiple of its advantage,
+    so a response whose advantage is exactly 0 (every response of a group whose rewards are all
+    equal, under every loss type) has a gradient of exactly 0: its forward and backward are
+    skipped. The loss weights were normalized over the whole batch before, so the update is the
+    same to fp32 summation order (tests/test_train_optimization.py). If nothing is left, the
+    shortest response is kept: every parameter still gets a (zero) gradient, so the optimizer
+    steps as it would have, and every rank joins the DDP all-reduce. Token metrics
+    (``train/entropy_mean``, ``clip_fraction``, ``rollout/logprob_abs_diff``) are then over the
+    trained tokens; ``train/skipped_fraction`` says how many were skipped.
+    """
+    if not (cfg.train.skip_zero_advantage and beta == 0 and cfg.loss.entropy_coef == 0):
+        return seqs
+    kept = [s for s in seqs if s.advantage != 0.0]
+    return kept or sorted(seqs, key=lambda s: s.n_response)[:1]
 
 
 def _prepare_old_and_ref(cfg, mbs, policy_loss, ref_loss, temperature) -> dict[str, float]:

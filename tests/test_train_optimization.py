@@ -46,8 +46,8 @@ def test_gradients_are_freed_before_every_rollout(tmp_path, monkeypatch):
         return backend
 
     monkeypatch.setattr(train_mod, "make_backend", checking_backend)
-    train_mod.run(_tiny(tmp_path, "train.epochs_per_rollout_batch=2"))
-    assert len(seen) == 3  # one rollout per step
+    train_mod.run(_tiny(tmp_path, "train.epochs_per_rollout_batch=2", "sft.steps=5"))
+    assert len(seen) == 3  # one rollout per step; the warm start left no gradients either
     assert all(all(step) for step in seen), [sum(not g for g in step) for step in seen]
 
 
@@ -73,3 +73,44 @@ def test_kl_to_old_is_k3_of_kl_old_to_new():
     approx_kl = stats.kl_to_old(dist.DistInfo(), torch.device("cpu"))
     assert approx_kl == pytest.approx(expected, rel=1e-6)
     assert approx_kl == pytest.approx(0.0998927, abs=1e-6)
+
+
+def test_skipping_zero_advantage_responses_gives_the_same_update(tmp_path):
+    """``train.skip_zero_advantage``: the responses of all-equal-reward groups are not run, the
+    loss normalizers stay those of the whole batch, so the parameters after the steps equal the
+    unskipped run's to fp32 summation order (other shapes, other padding)."""
+    import json
+
+    from safetensors.torch import load_file
+
+    finals, skipped = [], []
+    for skip in ("true", "false"):
+        out = tmp_path / skip
+        train_mod.run(
+            _tiny(
+                out, "sft.steps=150", "rollout.batch_size=64", "steps=2", f"train.skip_zero_advantage={skip}"
+            )
+        )
+        finals.append(load_file(out / "final" / "model.safetensors"))
+        rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+        skipped.append([r["train/skipped_fraction"] for r in rows if r["step"] > 0])
+    assert all(0 < f < 1 for f in skipped[0]), skipped  # some groups informative, some not
+    assert skipped[1] == [0.0, 0.0]
+    for name, a in finals[0].items():
+        torch.testing.assert_close(a, finals[1][name], rtol=1e-5, atol=1e-6, msg=name)
+
+
+def test_nothing_informative_still_steps_every_parameter():
+    """All advantages 0: one (zero-gradient) response is kept, so each parameter gets a zero
+    gradient and the optimizer steps as without the skip."""
+    from grpo_fast.batch import Sequence
+
+    cfg = load_config("tiny", check_device=False)
+    seqs = [Sequence([1, 2, 3, 4], 2, 0.0, 0.5), Sequence([1, 2, 3], 2, 0.0, 0.5)]
+    assert train_mod._sequences_with_gradient(cfg, seqs, beta=0.0) == [seqs[1]]
+    mixed = [Sequence([1, 2, 3], 2, 0.7, 0.5), *seqs]
+    assert train_mod._sequences_with_gradient(cfg, mixed, beta=0.0) == mixed[:1]
+    # a KL term or an entropy bonus gives zero-advantage tokens a gradient: nothing is skipped
+    assert train_mod._sequences_with_gradient(cfg, mixed, beta=0.1) == mixed
+    ent = load_config("tiny", overrides=["loss.entropy_coef=0.01"], check_device=False)
+    assert train_mod._sequences_with_gradient(ent, mixed, beta=0.0) == mixed

@@ -110,6 +110,8 @@ class VLLMEngine:
     ):
         # The V1 engine exposes its model to this process only without multiprocessing.
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+        # vLLM logs at INFO every prefix-cache reset (once per step here); our phases report.
+        os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
         from vllm.platforms import current_platform
 
         if current_platform.is_cpu():
