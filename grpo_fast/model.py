@@ -153,6 +153,10 @@ class Microbatch:
         sampler_logprobs: ``[n]`` fp32 log-probs from the rollout engine, or None.
         sequence_ids: ``[n]`` int64, which sequence of the microbatch each response token
             belongs to (0 … sequences − 1), or None.
+        select_index: ``[n]`` int64, the flat indices (into ``b·L``) of ``select``'s positions;
+            derived from ``select`` at construction (on the CPU, where the batch is built), so the
+            forward gathers with ``index_select`` instead of boolean-mask indexing, which is a
+            host-device sync on CUDA (it must count the mask to size its output).
     """
 
     input_ids: torch.Tensor
@@ -166,6 +170,7 @@ class Microbatch:
     ref_logprobs: torch.Tensor | None = None
     sampler_logprobs: torch.Tensor | None = None
     sequence_ids: torch.Tensor | None = None
+    select_index: torch.Tensor | None = None
 
     def __post_init__(self) -> None:
         n = int(self.labels.shape[0])
@@ -184,6 +189,10 @@ class Microbatch:
             raise ValueError(
                 f"Microbatch.select {tuple(self.select.shape)} != input_ids {tuple(self.input_ids.shape)}"
             )
+        if self.select_index is None:
+            self.select_index = self.select.flatten().nonzero().squeeze(1)
+        if tuple(self.select_index.shape) != (n,):
+            raise ValueError(f"Microbatch.select marks {self.select_index.shape[0]} positions for {n} labels")
 
     def to(self, device: torch.device) -> Microbatch:
         move = lambda t: None if t is None else t.to(device, non_blocking=True)
@@ -199,7 +208,7 @@ def response_hidden_states(model: nn.Module, mb: Microbatch) -> torch.Tensor:
     if mb.position_ids is not None:
         kwargs["position_ids"] = mb.position_ids
     hidden = backbone(**kwargs).last_hidden_state  # [b, L, D]
-    return hidden[mb.select]  # [n, D]
+    return hidden.flatten(0, 1).index_select(0, mb.select_index)  # [b·L, D] -> [n, D], no sync
 
 
 class PolicyLoss(nn.Module):
