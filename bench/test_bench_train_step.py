@@ -306,7 +306,7 @@ class TinyTrainStep:
             gts,
             r.group_size,
             cfg.loss.advantage_eps,
-            cfg.loss.normalize_by_std,
+            scale_rewards=cfg.loss.scale_rewards,
         )
         t1 = time.perf_counter()
         batch = RolloutBatch(rollout.prompt_ids, rollout.response_ids, advantages)

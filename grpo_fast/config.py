@@ -23,7 +23,7 @@ import yaml
 from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from grpo_fast.core import KL_ESTIMATORS, LENGTH_NORMS, LOSS_TYPES
+from grpo_fast.core import KL_ESTIMATORS, LENGTH_NORMS, LOSS_TYPES, SCALE_REWARDS
 from grpo_fast.errors import ConfigError
 from grpo_fast.sampler_correction import IS_LEVELS, IS_MODES
 
@@ -123,10 +123,16 @@ class LossConfig:
     target_kl: float | None = None  # adaptive β (proportional controller) when set; per-token KL
     kl_early_stop: float | None = None  # stop the inner epochs once KL(π_old‖π) exceeds this
     entropy_coef: float = 0.0
-    normalize_by_std: bool = True
+    scale_rewards: str = "group"  # the advantage's std: group | batch | none (Dr. GRPO)
     advantage_eps: float = 1e-6
     kernel_backend: str = AUTO  # auto | triton | torch_chunked | eager
     chunk_size: Any = AUTO  # rows of logits per lm_head chunk, or auto (memory budget)
+
+
+# Keys that no longer exist -> what to write instead (a ConfigError says so).
+_REPLACED_KEYS = {
+    "loss.normalize_by_std": "use loss.scale_rewards=group (was true) or none (was false); batch is new",
+}
 
 
 @dataclass(frozen=True)
@@ -271,6 +277,7 @@ _CHOICES: dict[str, tuple[str, ...]] = {
     "loss.type": LOSS_TYPES,
     "loss.length_norm": LENGTH_NORMS,
     "loss.kl_estimator": KL_ESTIMATORS,
+    "loss.scale_rewards": SCALE_REWARDS,
     "loss.kernel_backend": ("auto", "triton", "torch_chunked", "eager"),
     "logging.wandb_mode": ("auto", "online", "offline", "disabled"),
 }
@@ -312,6 +319,8 @@ def _check_keys(tree: Any, cls: type, where: str, prefix: str = "") -> None:
     fields = {f.name: f for f in dataclasses.fields(cls)}
     for key, value in tree.items():
         full = f"{prefix}{key}"
+        if full in _REPLACED_KEYS:
+            raise ConfigError(f"config key {full!r} in {where} was replaced: {_REPLACED_KEYS[full]}")
         if key not in fields:
             raise ConfigError(f"unknown config key {full!r} in {where}{_nearest(full)}")
         f = fields[key]

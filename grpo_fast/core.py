@@ -31,6 +31,7 @@ import torch.nn.functional as F
 __all__ = [
     "LENGTH_NORMS",
     "LOSS_TYPES",
+    "SCALE_REWARDS",
     "AdaptiveKLController",
     "GRPOLossOutput",
     "compute_entropy",
@@ -56,6 +57,7 @@ __all__ = [
 LOSS_TYPES = ("no_baseline", "reinforce_with_baseline", "grpo_clip")
 LENGTH_NORMS = ("sequence_mean", "constant", "token_mean")
 KL_ESTIMATORS = ("k1", "k2", "k3")
+SCALE_REWARDS = ("group", "batch", "none")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -190,20 +192,33 @@ def compute_group_normalized_rewards(
     repeated_ground_truths: list[str],
     group_size: int,
     advantage_eps: float,
-    normalize_by_std: bool,
+    normalize_by_std: bool = True,
+    *,
+    scale_rewards: str | None = None,
+    reduce_sums: Callable[[list[float]], list[float]] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, dict[str, float]]:
     """Score every response and normalize its reward within its group.
 
     Groups are consecutive runs of ``group_size`` responses to the same prompt.
-    ``A_i = r_i − mean(group)``, divided by ``(std(group) + advantage_eps)`` when
-    ``normalize_by_std`` (std unbiased, as ``torch.std``). A zero-variance group (all rewards
-    equal: nothing to learn from it) gets advantage exactly 0, never NaN, and is counted in
-    ``metadata["zero_variance_groups"]``.
+    ``A_i = r_i − mean(group)``, then divided by a std by ``scale_rewards`` (``loss.scale_rewards``;
+    every std unbiased, as ``torch.std``):
+
+    - ``group``: ``std(group) + advantage_eps`` (GRPO);
+    - ``batch``: ``std(all B rewards) + advantage_eps`` (one scale for the whole batch, as TRL's
+      ``scale_rewards="batch"``), across ranks with ``reduce_sums``;
+    - ``none``: no scaling (Dr. GRPO).
+
+    ``scale_rewards=None`` keeps the CS336 flag: ``group`` if ``normalize_by_std`` else ``none``.
+    A zero-variance group (all rewards equal: nothing to learn from it) gets advantage exactly 0,
+    never NaN, and is counted in ``metadata["zero_variance_groups"]``.
 
     Args:
         reward_fn: ``reward_fn(response, ground_truth) -> {"reward": float, ...}``; other
             float keys (``format_reward``, ``answer_reward``) are averaged into the metadata.
         rollout_responses, repeated_ground_truths: ``B = n_prompts · group_size`` strings each.
+        reduce_sums: for ``batch``, a function summing ``[count, Σr, Σr²]`` over the
+            data-parallel ranks (``lambda x: dist.all_reduce_sum(x, device)``); None = this call's
+            rewards are the whole batch.
 
     Returns:
         ``(advantages [B] fp32, raw_rewards [B] fp32, metadata)``.
@@ -212,6 +227,9 @@ def compute_group_normalized_rewards(
         Rewards ``[1, 0, 0, 0]`` in one group: mean 0.25, unbiased std 0.5, so without std
         the advantages are ``[0.75, -0.25, -0.25, -0.25]`` and with std ``[1.5, -0.5, -0.5, -0.5]``.
     """
+    scale = scale_rewards if scale_rewards is not None else ("group" if normalize_by_std else "none")
+    if scale not in SCALE_REWARDS:
+        raise ValueError(f"unknown scale_rewards {scale!r}; expected one of {', '.join(SCALE_REWARDS)}")
     if len(rollout_responses) != len(repeated_ground_truths):
         raise ValueError(
             f"rollout_responses has {len(rollout_responses)} items but repeated_ground_truths "
@@ -225,8 +243,15 @@ def compute_group_normalized_rewards(
     raw_rewards = torch.tensor([float(s["reward"]) for s in scores], dtype=torch.float32)
     grouped = raw_rewards.view(-1, group_size)
     advantages = grouped - grouped.mean(dim=1, keepdim=True)
-    if normalize_by_std and group_size > 1:  # a group of one has no std (and zero advantage below)
+    if scale == "group" and group_size > 1:  # a group of one has no std (and zero advantage below)
         advantages = advantages / (grouped.std(dim=1, keepdim=True) + advantage_eps)
+    elif scale == "batch":
+        r64 = raw_rewards.double()
+        sums = [float(r64.numel()), r64.sum().item(), (r64 * r64).sum().item()]
+        count, total, squares = reduce_sums(sums) if reduce_sums is not None else sums
+        mean = total / count
+        var = max(squares - count * mean * mean, 0.0) / max(count - 1.0, 1.0)
+        advantages = advantages / (math.sqrt(var) + advantage_eps)
     zero_var = grouped.max(dim=1).values == grouped.min(dim=1).values  # [n_groups]
     advantages = torch.where(zero_var[:, None], torch.zeros_like(advantages), advantages).reshape(-1)
 

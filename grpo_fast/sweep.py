@@ -2,7 +2,7 @@
 
 Usage::
 
-    python -m grpo_fast.sweep --preset NAME [--config FILE]... --sweep {lr,baseline,length_norm}
+    python -m grpo_fast.sweep --preset NAME [--config FILE]... --sweep {lr,baseline,length_norm,scale_rewards}
         [--values V ...] [--lr-range LOW HIGH] [--num N] [--out DIR] [--dry-run] [--plot-only]
         [key=value ...]
 
@@ -14,7 +14,7 @@ Each value becomes one run, executed one after another (each needs the whole GPU
 log grid (``LRGrid``: 5 values from 1e-6 to 1e-4); ``baseline`` → ``loss.type``
 (``no_baseline`` vs ``reinforce_with_baseline``; ``grpo_clip`` may be added with ``--values``);
 ``length_norm`` → ``loss.length_norm`` (all of ``sequence_mean``, ``constant``,
-``token_mean``). Extra ``key=value`` words are OmegaConf dot-list overrides passed to every
+``token_mean``); ``scale_rewards`` → ``loss.scale_rewards`` (``group``, ``batch``, ``none``). Extra ``key=value`` words are OmegaConf dot-list overrides passed to every
 run; they may appear anywhere on the command line (even after ``--values``).
 
 Afterwards (or alone, with ``--plot-only``) it writes into ``OUT``: ``sweep_reward.png``,
@@ -38,7 +38,7 @@ from typing import Any
 
 from matplotlib.figure import Figure
 
-from grpo_fast.core import LENGTH_NORMS, LOSS_TYPES
+from grpo_fast.core import LENGTH_NORMS, LOSS_TYPES, SCALE_REWARDS
 from grpo_fast.errors import ConfigError, UserError, cli_errors
 from grpo_fast.report import METRICS_FILE, read_metrics, series
 
@@ -90,6 +90,7 @@ SWEEPS: dict[str, SweepSpec] = {
         key="loss.type", defaults=("no_baseline", "reinforce_with_baseline"), choices=LOSS_TYPES
     ),
     "length_norm": SweepSpec(key="loss.length_norm", defaults=LENGTH_NORMS, choices=LENGTH_NORMS),
+    "scale_rewards": SweepSpec(key="loss.scale_rewards", defaults=SCALE_REWARDS, choices=SCALE_REWARDS),
 }
 
 

@@ -3,8 +3,9 @@
 The variant: GRPO (Shao et al. 2024) as used for R1-Zero-style reasoning RL, on-policy by
 default, with the choices our users reach for as config keys:
 
-- advantages: reward minus the group mean, divided by the group std unless
-  ``loss.normalize_by_std=false`` (Dr. GRPO); zero-variance groups get zero advantage;
+- advantages: reward minus the group mean, divided by the group std (``loss.scale_rewards=group``),
+  the whole batch's std (``batch``) or nothing (``none``, Dr. GRPO); zero-variance groups get
+  zero advantage;
 - loss: the clipped surrogate with ``clip_low``/``clip_high`` (DAPO's clip-higher) and an
   optional dual clip; or REINFORCE with/without baseline;
 - length normalization as per-token loss weights: ``sequence_mean`` (GRPO), ``constant``
@@ -277,7 +278,8 @@ def _train(cfg: Config, device: torch.device, world: dist.DistInfo, out: Path, e
                 gts,
                 r.group_size,
                 cfg.loss.advantage_eps,
-                cfg.loss.normalize_by_std,
+                scale_rewards=cfg.loss.scale_rewards,
+                reduce_sums=lambda sums: dist.all_reduce_sum(sums, device),  # batch: std over all ranks
             )
             if cfg.loss.type == "no_baseline":  # REINFORCE without a baseline: A = the raw reward
                 advantages = raw_rewards

@@ -15,6 +15,43 @@ def test_dual_clip_needs_the_clipped_loss():
         load_config("tiny", overrides=["loss.dual_clip=3.0", "loss.type=no_baseline"])
 
 
+def test_normalize_by_std_is_replaced_by_scale_rewards(tmp_path):
+    for where in ("override", "file"):
+        f = tmp_path / "old.yaml"
+        f.write_text("loss:\n  normalize_by_std: false\n")
+        args = (
+            dict(overrides=["loss.normalize_by_std=false"])
+            if where == "override"
+            else dict(config_files=[str(f)])
+        )
+        with pytest.raises(
+            ConfigError, match=r"'loss\.normalize_by_std' .* replaced: use loss\.scale_rewards=group"
+        ):
+            load_config("tiny", **args)
+    assert load_config("tiny").loss.scale_rewards == "group"
+    with pytest.raises(ConfigError, match=r"loss\.scale_rewards='std' is not one of: group, batch, none"):
+        load_config("tiny", overrides=["loss.scale_rewards=std"])
+
+
+def test_scale_rewards_reaches_the_advantages(tmp_path, monkeypatch):
+    """The training loop hands ``loss.scale_rewards`` to the advantage computation (what each value
+    does to the advantages: tests/test_core.py; to a run: tests/test_sweep.py)."""
+    from grpo_fast import core
+    from grpo_fast import train as train_mod
+
+    seen = []
+
+    def spy(*args, **kwargs):
+        seen.append(kwargs["scale_rewards"])
+        return core.compute_group_normalized_rewards(*args, **kwargs)
+
+    monkeypatch.setattr(train_mod, "compute_group_normalized_rewards", spy)
+    quick = ["steps=1", "sft.steps=0", "eval_every=0", "checkpoint_every=0", "rollout.batch_size=8",
+             "logging.progress=false", "logging.sample_every=0", f"output_dir={tmp_path}"]  # fmt: skip
+    train_mod.run(load_config("tiny", overrides=[*quick, "loss.scale_rewards=batch"]))
+    assert seen == ["batch"]
+
+
 def test_build_policy_loss_passes_every_loss_option():
     """Each ``loss.*`` key the fused op consumes reaches ``PolicyLoss`` (β and the temperature
     come per call: ``loss.beta`` through the KL controller's state, the temperature from the

@@ -153,6 +153,46 @@ def test_group_normalized_rewards_hand_values():
     assert meta["zero_variance_groups"] == 0.0
 
 
+def test_scale_rewards_group_batch_none_hand_values():
+    fn = _reward_table({"a": 1.0, "b": 0.0, "c": 0.0, "d": 0.0, "e": 1.0, "f": 1.0, "g": 0.0, "h": 0.0})
+    args = (fn, list("abcdefgh"), ["x"] * 8, 4, 0.0)
+    centred = torch.tensor([0.75, -0.25, -0.25, -0.25, 0.5, 0.5, -0.5, -0.5])
+    # none (Dr. GRPO): the centred rewards themselves
+    adv, _, _ = core.compute_group_normalized_rewards(*args, scale_rewards="none")
+    torch.testing.assert_close(adv, centred)
+    # group: as normalize_by_std=True (stds .5 and 1/√3, see above)
+    adv, _, _ = core.compute_group_normalized_rewards(*args, scale_rewards="group")
+    legacy, _, _ = core.compute_group_normalized_rewards(*args, True)
+    assert torch.equal(adv, legacy)
+    # batch: one std over all 8 rewards [1,0,0,0,1,1,0,0]: mean 3/8, Σr² = 3,
+    # var = (3 − 8·(3/8)²)/7 = (3 − 1.125)/7 = 0.267857…, std ≈ 0.517549 → 0.75 / 0.517549 ≈ 1.449138
+    adv, _, _ = core.compute_group_normalized_rewards(*args, scale_rewards="batch")
+    torch.testing.assert_close(adv, centred / 0.517549, atol=1e-6, rtol=1e-6)
+    assert adv[0].item() == pytest.approx(1.449138, abs=1e-6)
+    with pytest.raises(ValueError, match="unknown scale_rewards 'std'"):
+        core.compute_group_normalized_rewards(*args, scale_rewards="std")
+
+
+def test_scale_rewards_batch_std_spans_the_ranks():
+    """Rank 0 holds group 1 and rank 1 group 2: with ``reduce_sums`` summing both ranks'
+    ``[count, Σr, Σr²]``, each rank divides by the std of all 8 rewards, as one process would."""
+    fn = _reward_table({"a": 1.0, "b": 0.0, "c": 0.0, "d": 0.0, "e": 1.0, "f": 1.0, "g": 0.0, "h": 0.0})
+    whole, _, _ = core.compute_group_normalized_rewards(
+        fn, list("abcdefgh"), ["x"] * 8, 4, 1e-6, scale_rewards="batch"
+    )
+    rank_sums = [[4.0, 1.0, 1.0], [4.0, 2.0, 2.0]]  # [count, Σr, Σr²] of each rank's group
+    both = lambda sums: [a + b for a, b in zip(*rank_sums)]
+    for rank, letters in enumerate(("abcd", "efgh")):
+        local, _, _ = core.compute_group_normalized_rewards(
+            fn, list(letters), ["x"] * 4, 4, 1e-6, scale_rewards="batch", reduce_sums=both
+        )
+        torch.testing.assert_close(local, whole[4 * rank : 4 * rank + 4])
+    alone, _, _ = core.compute_group_normalized_rewards(
+        fn, list("abcd"), ["x"] * 4, 4, 1e-6, scale_rewards="batch"
+    )
+    assert not torch.allclose(alone, whole[:4])  # without the reduction: rank 0's std alone (.5)
+
+
 def test_zero_variance_group_gets_zero_advantage_never_nan():
     fn = lambda r, g: {"reward": 0.7}
     for eps in (0.0, 1e-6):

@@ -214,3 +214,43 @@ def test_baseline_sweep_runs_differ(tmp_path):
         k for k, w in weights["no_baseline"].items() if torch.equal(w, weights["reinforce_with_baseline"][k])
     ]
     assert not same, f"tensors equal after two steps: {same}"
+
+
+def _run_sweep_in_process(sweep, tmp_path, values=None, extra=()):
+    """Each run of ``sweep`` for two steps on the tiny preset, in-process: ``{value: (first metrics
+    row, final weights)}``."""
+    from safetensors.torch import load_file
+
+    from grpo_fast.config import load_config
+    from grpo_fast.report import read_metrics
+    from grpo_fast.train import parse_args, run
+
+    quick = ["steps=2", "sft.steps=0", "eval_every=0", "checkpoint_every=0", "rollout.batch_size=32",
+             "data.reward=test_sweep_odd_first_digit", "logging.progress=false", "logging.sample_every=0",
+             *extra]  # fmt: skip
+    out = {}
+    for r in plan_sweep("tiny", sweep, values, overrides=quick, out=tmp_path):
+        args = parse_args(list(r.command[3:]))
+        run(load_config(args.preset, args.config, args.overrides))
+        out[r.value] = (
+            read_metrics(r.out_dir / "metrics.jsonl")[0],
+            load_file(r.out_dir / "final" / "model.safetensors"),
+        )
+    return out
+
+
+def test_scale_rewards_sweep_runs_differ(tmp_path):
+    """``batch`` divides every advantage by one number, the batch's reward std (+1e-6), so its
+    step-1 gradient is ``none``'s divided by it: grad_norm(none) = grad_norm(batch)·(std + 1e-6),
+    with ``train/reward_std`` the same unbiased std of the same first rollout. ``group`` divides
+    each group by its own std: a different direction, different weights."""
+    runs = _run_sweep_in_process("scale_rewards", tmp_path)
+    assert list(runs) == ["group", "batch", "none"]
+    (group, w_group), (batch, w_batch), (none, w_none) = runs.values()
+    assert group["train/reward_mean"] == batch["train/reward_mean"] == none["train/reward_mean"] > 0
+    std = batch["train/reward_std"]
+    assert 0 < std < 1
+    assert none["train/grad_norm"] == pytest.approx(batch["train/grad_norm"] * (std + 1e-6), rel=1e-4)
+    assert group["train/grad_norm"] != pytest.approx(none["train/grad_norm"], rel=1e-3)
+    for a, b in ((w_group, w_none), (w_group, w_batch)):
+        assert any(not torch.equal(a[k], b[k]) for k in a)
