@@ -292,7 +292,7 @@ def test_wandb_resume_continues_the_same_run(tmp_path, monkeypatch):
 # ----------------------------------------------------------------------------------------------
 
 
-@pytest.mark.slow
+@pytest.mark.fresh_env
 @pytest.mark.skipif(shutil.which("make") is None or shutil.which("git") is None, reason="needs make and git")
 def test_make_run_and_make_test_in_a_clean_directory(tmp_path):
     """The README's two commands in a clean copy of the committed tree (as a fresh clone has

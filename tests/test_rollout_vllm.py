@@ -337,6 +337,15 @@ def test_sampler_options_need_the_vllm_backend():
             load_config("tiny", overrides=["rollout.backend=vllm", bad], check_device=False)
 
 
+def test_vllm_kwargs_pass_through_but_not_the_managed_ones():
+    cfg = load_config("tiny", overrides=["rollout.vllm_kwargs.max_num_seqs=64"], check_device=False)
+    assert cfg.rollout.vllm_kwargs == {"enforce_eager": True, "max_num_seqs": 64}
+    with pytest.raises(
+        ConfigError, match=r"rollout\.vllm_kwargs\.seed is set by grpo_fast itself \(from seed\)"
+    ):
+        load_config("tiny", overrides=["rollout.vllm_kwargs.seed=3"], check_device=False)
+
+
 def test_vllm_backend_without_vllm_installed_is_one_clear_error(monkeypatch):
     import importlib.util
 

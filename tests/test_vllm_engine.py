@@ -38,8 +38,21 @@ def served(tmp_path_factory):
     path = tmp_path_factory.mktemp("tiny_qwen2")
     model.save_pretrained(path)
     tok.save_pretrained(path)
-    engine = VLLMEngine(str(path), gpu_memory_utilization=0.3, max_model_len=32, seed=0, dtype="float32")
+    engine = VLLMEngine(
+        str(path),
+        gpu_memory_utilization=0.3,
+        max_model_len=32,
+        seed=0,
+        dtype="float32",
+        extra_args={"enforce_eager": True},  # rollout.vllm_kwargs, as the tiny preset sets it
+    )
     return engine, model, tok
+
+
+def test_extra_engine_arguments_reach_vllm(served):
+    engine, _, _ = served
+    assert engine.llm.llm_engine.model_config.enforce_eager is True
+    assert engine.llm.llm_engine.model_config.logprobs_mode == "processed_logprobs"
 
 
 def test_push_reaches_the_engine_and_restoring_gives_the_old_logprobs_back(served):

@@ -73,6 +73,7 @@ def make_backend(
             dtype=str(vllm_dtype(model, amp)).removeprefix("torch."),
             sleep_level=r.sleep_level,
             data_parallel=multi,
+            extra_args=dict(r.vllm_kwargs),
         )
     backend = VLLMBackend(engine, tokenizer, sleep_level=r.sleep_level, probe=probe)
     backend.update_weights(model, step=0)  # the (possibly warm-started or resumed) policy

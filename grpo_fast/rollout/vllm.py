@@ -107,6 +107,7 @@ class VLLMEngine:
         dtype: str = "bfloat16",
         sleep_level: int = 1,
         data_parallel: bool = False,
+        extra_args: dict[str, Any] | None = None,
     ):
         # The V1 engine exposes its model to this process only without multiprocessing.
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
@@ -143,6 +144,7 @@ class VLLMEngine:
             logprobs_mode="processed_logprobs",  # log-probs after temperature, as the trainer computes
             tensor_parallel_size=1,
             **extra,
+            **(extra_args or {}),  # rollout.vllm_kwargs
         )
         # Each push logs "RotaryEmbedding: Failed to load weights" (its cos/sin cache is a buffer
         # that no checkpoint holds; the reload keeps it). Not a failure: the probe checks the push.
