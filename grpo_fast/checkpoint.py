@@ -4,7 +4,8 @@ A checkpoint ``output_dir/checkpoints/step_000100/`` holds the model in Hugging 
 (``save_pretrained``: loadable by transformers and vLLM), the tokenizer, and
 ``trainer_state.pt`` with what an exact resume needs: optimizer, LR scheduler, RNG states
 (python, numpy, torch CPU and CUDA), the prompt sampler's position, the step, and the state of
-the KL controller and health monitor. A run killed at any instant leaves either the previous
+the KL controller and health monitor — tensors and plain Python types only, read back with
+``torch.load(weights_only=True)`` (a checkpoint is untrusted input: nothing in it is executed). A run killed at any instant leaves either the previous
 checkpoint or the new one, never half of one; ``latest_checkpoint`` ignores ``*.tmp`` folders.
 """
 
@@ -12,6 +13,7 @@ from __future__ import annotations
 
 import json
 import os
+import pickle
 import random
 import re
 import shutil
@@ -20,23 +22,41 @@ from typing import Any
 
 import numpy as np
 import torch
+from safetensors import SafetensorError
 
-from grpo_fast.errors import UserError
+from grpo_fast.errors import CheckpointError, UserError
 
 STATE_FILE = "trainer_state.pt"
 _STEP_DIR = re.compile(r"^step_(\d+)$")
 
 
 def rng_state() -> dict[str, Any]:
-    state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
+    """Every RNG's state as tensors and plain types (``torch.load(weights_only=True)`` reads it):
+    python's ``(version, tuple of ints, gauss_next)`` as is, numpy's MT19937 key as an int64
+    tensor, torch's CPU and CUDA states as the ByteTensors torch returns."""
+    kind, key, pos, has_gauss, cached_gaussian = np.random.get_state()
+    state = {
+        "python": random.getstate(),
+        "numpy": {
+            "kind": str(kind),
+            "key": torch.from_numpy(key.astype(np.int64)),
+            "pos": int(pos),
+            "has_gauss": int(has_gauss),
+            "cached_gaussian": float(cached_gaussian),
+        },
+        "torch": torch.get_rng_state(),
+    }
     if torch.cuda.is_available():
         state["cuda"] = torch.cuda.get_rng_state_all()
     return state
 
 
 def set_rng_state(state: dict[str, Any]) -> None:
-    random.setstate(state["python"])
-    np.random.set_state(state["numpy"])
+    version, internal, gauss_next = state["python"]
+    random.setstate((version, tuple(internal), gauss_next))
+    n = state["numpy"]
+    key = n["key"].numpy().astype(np.uint32)
+    np.random.set_state((n["kind"], key, n["pos"], n["has_gauss"], n["cached_gaussian"]))
     torch.set_rng_state(state["torch"])
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(state["cuda"])
@@ -56,18 +76,22 @@ def save_pretrained_atomic(
     """
     target = Path(target)
     tmp = target.with_name(target.name + ".tmp")
-    if tmp.exists():
-        shutil.rmtree(tmp)  # a leftover from a run killed mid-write
-    tmp.mkdir(parents=True)
-    model = getattr(model, "module", model)  # DDP
-    if dtype is None:
-        model.save_pretrained(tmp, safe_serialization=True)
-    else:
-        _save_pretrained_as(model, tmp, dtype)
-    tokenizer.save_pretrained(tmp)
-    if extra is not None:
-        torch.save(extra, tmp / STATE_FILE)
-    _fsync_dir(tmp)
+    try:
+        if tmp.exists():
+            shutil.rmtree(tmp)  # a leftover from a run killed mid-write
+        tmp.mkdir(parents=True)
+        model = getattr(model, "module", model)  # DDP
+        if dtype is None:
+            model.save_pretrained(tmp, safe_serialization=True)
+        else:
+            _save_pretrained_as(model, tmp, dtype)
+        tokenizer.save_pretrained(tmp)
+        if extra is not None:
+            torch.save(extra, tmp / STATE_FILE)
+        _fsync_dir(tmp)
+    except _WRITE_ERRORS as exc:
+        shutil.rmtree(tmp, ignore_errors=True)  # free what was written; target is untouched
+        raise CheckpointError(f"cannot write {target}: {_why(exc, target)}") from None
     if target.exists():  # replacing (e.g. the final model of a resumed run): swap, then delete
         old = target.with_name(target.name + ".old")
         if old.exists():
@@ -79,6 +103,21 @@ def save_pretrained_atomic(
         os.replace(tmp, target)
     _fsync_dir(target.parent)
     return target
+
+
+# What a failed write raises: OSError from open/write/fsync (ENOSPC, EACCES, EROFS, ...),
+# RuntimeError from torch.save's zip writer, SafetensorError from safetensors (its own type).
+_WRITE_ERRORS: tuple[type[BaseException], ...] = (OSError, RuntimeError, SafetensorError)
+
+
+def _why(exc: BaseException, target: Path) -> str:
+    """One line on a failed write, with the free space left on ``target``'s file system."""
+    reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc).splitlines()[0]
+    try:
+        free = shutil.disk_usage(target.parent).free
+    except OSError:
+        return reason
+    return f"{reason} ({free / 2**20:.1f} MiB free there)"
 
 
 def _save_pretrained_as(model: torch.nn.Module, folder: Path, dtype: torch.dtype) -> None:
@@ -128,8 +167,19 @@ def step_dir_name(step: int) -> str:
 
 
 def save_checkpoint(root: Path, step: int, model, tokenizer, state: dict[str, Any], keep: int) -> Path:
-    """Save ``root/step_{step:06d}`` atomically, then delete all but the newest ``keep``."""
-    path = save_pretrained_atomic(model, tokenizer, Path(root) / step_dir_name(step), extra=state)
+    """Save ``root/step_{step:06d}`` atomically, then delete all but the newest ``keep``.
+
+    A write that fails (disk full, no permission) deletes its temporary folder and raises
+    ``CheckpointError`` naming the checkpoint before it, which is left intact and loadable.
+    """
+    try:
+        path = save_pretrained_atomic(model, tokenizer, Path(root) / step_dir_name(step), extra=state)
+    except CheckpointError as exc:
+        previous = latest_checkpoint(root)
+        kept = (
+            f"{previous} is intact (resume=true continues from it)" if previous else "no earlier checkpoint"
+        )
+        raise CheckpointError(f"step {step}: {exc}; {kept}") from None
     for old in list_checkpoints(root)[:-keep]:
         shutil.rmtree(old)
     return path
@@ -154,11 +204,24 @@ def latest_checkpoint(root: Path) -> Path | None:
 
 
 def load_state(path: Path) -> dict[str, Any]:
+    """``path/trainer_state.pt``, read with ``torch.load(weights_only=True)``: tensors and plain
+    Python types only, so a tampered or foreign file cannot run code; anything else is refused
+    (``CheckpointError``, naming the file) before a single object of it is built."""
+    file = Path(path) / STATE_FILE
     try:
-        return torch.load(Path(path) / STATE_FILE, map_location="cpu", weights_only=False)
+        return torch.load(file, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as exc:
+        lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
+        reason = next((line for line in lines if "GLOBAL" in line or "nsupported" in line), lines[0])
+        raise CheckpointError(
+            f"checkpoint file {file} is refused: it holds more than tensors and plain types "
+            f"({reason}); trainer state is loaded with torch.load(weights_only=True), so a file "
+            "tampered with or written by another program is never run — delete the folder to "
+            "resume from the one before"
+        ) from None
     except (OSError, RuntimeError, EOFError) as exc:
-        raise UserError(
-            f"checkpoint {path} cannot be read ({exc}); delete it to resume from the one before"
+        raise CheckpointError(
+            f"checkpoint file {file} cannot be read ({exc}); delete the folder to resume from the one before"
         ) from None
 
 

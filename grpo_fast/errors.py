@@ -24,6 +24,10 @@ class DataError(UserError):
     """A bad data file (the message names the file, and the line when there is one)."""
 
 
+class CheckpointError(UserError):
+    """A checkpoint that cannot be read, is refused as unsafe, or cannot be written (names the file)."""
+
+
 def cli_errors(main: Callable[..., int | None]) -> Callable[..., int]:
     """Decorate a CLI ``main``: a ``UserError`` becomes ``error: <message>`` on stderr and exit 2."""
 
