@@ -272,3 +272,104 @@ def test_benchmarks_md_is_generated_from_bench_results(monkeypatch):
     assert Path("BENCHMARKS.md").read_text() == expected, (
         f"BENCHMARKS.md is stale: regenerate it with `{command}`"
     )
+
+
+def peer_entry(kind: str, impls: list[dict], group: str, **extra) -> dict:
+    """A bench/peers/ case: one benchmark whose extra_info holds both tools' figures."""
+    entry = bench(
+        f"bench/peers/test_bench_{group}.py::test_{group}_cpu",
+        None,
+        1.0,
+        group=f"peers-{group}",
+        load_average_1m=5.0,
+        cpu_count=2,
+        device="Test CPU (2 cores)",
+        versions={"torch": "2.13.0", "trl": "1.16.0"},
+        command="python -m pytest bench/peers",
+        peer_comparison={"kind": kind, "case": f"{group} case", "rounds": 3, "impls": impls, **extra},
+    )
+    return entry
+
+
+def peer_table(section: str, heading: str) -> list[list[str]]:
+    """The cells of the first markdown table after ``### heading`` (a peer case lists its run first)."""
+    after = section.split(f"### {heading}\n", 1)[1]
+    return table_rows("### T\n\n" + after[after.index("\n|") + 1 :], "T")
+
+
+def test_peer_comparison_section_says_where_grpo_fast_is_not_ahead(tmp_path):
+    # TRL: step 2.0 s vs ours 1.0 s → grpo_fast 2.00× faster; rollout 0.51 s vs 0.5 s → 1.02× < 1.05:
+    # not ahead; train 1.49 s vs 0.5 s → 2.98×; memory 4 GB vs 1 GB → grpo_fast 0.25× of it.
+    step = peer_entry(
+        "train_step",
+        [
+            {
+                "impl": "grpo_fast",
+                "ours": True,
+                "step_s": 1.0,
+                "rollout_s": 0.5,
+                "train_s": 0.5,
+                "peak_memory_bytes": 1e9,
+                "reward_last5": 0.4,
+                "reward_after_steps": 45,
+                "eval_accuracy_before": 0.25,
+                "eval_accuracy_after": 0.3,
+                "top_ops": {"rollout": [["aten::addmm", 0.2]], "train": [["aten::mm", 0.3]]},
+            },
+            {
+                "impl": "trl",
+                "version": "1.16.0",
+                "step_s": 2.0,
+                "rollout_s": 0.51,
+                "train_s": 1.49,
+                "peak_memory_bytes": 4e9,
+                "reward_last5": 0.41,
+                "reward_after_steps": 45,
+                "eval_accuracy_before": 0.25,
+                "eval_accuracy_after": 0.31,
+                "top_ops": {"rollout": [], "train": [["aten::_log_softmax", 0.9]]},
+            },
+        ],
+        "train_step",
+        warmup_steps=2,
+        memory="RSS growth of one step",
+    )
+    # Liger: 3.0 s vs ours 2.5 s → 1.20× faster; 230 MB vs 220 MB → ours/theirs 1.05: not ahead.
+    loss = peer_entry(
+        "loss_op",
+        [
+            {"impl": "grpo_fast", "ours": True, "entropy": True, "time_s": 2.5, "peak_memory_bytes": 2.3e8},
+            {
+                "impl": "liger",
+                "entropy": False,
+                "time_s": 3.0,
+                "peak_memory_bytes": 2.2e8,
+                "what": "GRPO loss",
+            },
+        ],
+        "loss",
+        logits_bytes=5.5e8,
+    )
+    text = render(
+        report_file(tmp_path, [step, loss, bench("bench/test_bench_op.py::test_cpu", "eager", 1e-3)])
+    )
+    section = text.split("## Compared with other tools", 1)[1].split("\n## ", 1)[0]
+    rows = peer_table(section, "Whole GRPO step: train_step case")
+    assert column(rows, "tool") == ["**grpo_fast**", "trl"]
+    assert column(rows, "step (median)") == ["1 s", "2 s (grpo_fast 2.00× faster)"]
+    assert column(rows, "rollout")[1] == "510 ms (**not ahead**: grpo_fast 1.02× faster)"
+    assert column(rows, "train")[1] == "1.49 s (grpo_fast 2.98× faster)"
+    assert column(rows, "peak memory") == ["1 GB", "4 GB (grpo_fast 0.25× of it)"]
+    assert column(rows, "eval accuracy before → after") == ["0.250 → 0.300", "0.250 → 0.310"]
+    assert column(rows, "reward, last 5 steps")[0] == "0.400 (after 45 steps)"
+    assert "- trl, train: `aten::_log_softmax` 900 ms" in section
+    assert "1-minute load average up to 5.0 on 2 cores (shared with other work)" in section
+    assert "3 rounds, after 2 warm-up steps of each; peak memory: RSS growth of one step" in section
+
+    rows = peer_table(section, "Fused lm_head + GRPO loss: loss case")
+    assert column(rows, "entropy") == ["yes", "no"]
+    assert column(rows, "time (median)")[1] == "3 s (grpo_fast 1.20× faster)"
+    assert column(rows, "peak memory")[1] == "220 MB (**not ahead**: grpo_fast 1.05× of it)"
+    assert column(rows, "peak / logits") == ["0.42×", "0.40×"]
+    # the peer cases stay out of the run's own tables; the other case is still there
+    assert "### peers-" not in text and "### op · test_cpu" in text

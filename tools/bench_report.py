@@ -20,6 +20,19 @@ A case is a CUDA case when its test function's name ends in ``gpu`` (the convent
 Run metadata comes from the JSON's ``grpo_fast_env`` (written by ``tools/gpu_check.sh``), else
 from the cases' ``extra_info`` (``device``, ``versions``, ``command``, ``load_average_1m``), else
 pytest-benchmark's ``machine_info``; what no file holds is printed as "not recorded".
+
+A case whose ``extra_info`` holds ``peer_comparison`` (``bench/peers/``: grpo_fast against TRL,
+Liger-Kernel, torch, timed alternately in one test) goes to the "Compared with other tools"
+section instead, one table per case, one row per tool, from ``peer_comparison["impls"]``:
+
+- ``kind: train_step``: median step, rollout and train phase times, peak memory, the reward of the
+  last five steps and greedy eval accuracy before → after; ``kind: loss_op``: median time, peak
+  memory (and over the ``[N, V]`` logits), whether the entropy is computed;
+- on every other tool's row, each figure says how grpo_fast compares: "grpo_fast 1.6× faster" /
+  "grpo_fast 0.45×" (of its memory), or **not ahead** when grpo_fast is not at least ``AHEAD``
+  better (within noise or behind);
+- "where the time goes": each tool's top ops by self time per phase (``top_ops``), from the
+  ``torch.profiler`` step the benchmark ran.
 """
 
 from __future__ import annotations
@@ -40,6 +53,9 @@ NOISY_SPREAD = 0.25  # IQR / median above which a run's note calls its timings n
 # torch threads (one per core) already make ≈ 1.0 per core: an idle 2-core machine read 1.7 during
 # `pytest bench/`, one shared with another test run 3.3.
 BUSY_LOAD_PER_CORE = 1.25
+# grpo_fast is "ahead" of another tool on a figure only when its ratio is at least this (5%):
+# a shared 2-core machine's step-to-step noise is of that order.
+AHEAD = 1.05
 
 
 class ReportError(Exception):
@@ -69,6 +85,11 @@ class Row:
     @property
     def failed(self) -> bool:
         return self.info.get("status", "ok") != "ok"
+
+    @property
+    def peer(self) -> dict | None:
+        """``extra_info["peer_comparison"]``: a side-by-side with other tools (``bench/peers/``)."""
+        return self.info.get("peer_comparison")
 
     def logits_bytes(self) -> float | None:
         if self.info.get("logits_bytes"):
@@ -306,7 +327,8 @@ def render_run(run: Run) -> list[str]:
         lines += ["", "Notes:", "", *(f"- {n}" for n in notes)]
     tables: dict[str, list[Row]] = {}
     for r in run.rows:
-        tables.setdefault(r.table, []).append(r)
+        if r.peer is None:  # peer comparisons have their own section (render_peers)
+            tables.setdefault(r.table, []).append(r)
     for name, rows in tables.items():
         first_seen = {case: i for i, case in reversed(list(enumerate(r.case for r in rows)))}
         rows.sort(key=lambda r: first_seen[r.case])  # a case's implementations together, stable order
@@ -330,9 +352,168 @@ def render(runs: list[Run], command: str) -> str:
         "times faster than eager PyTorch / `torch.compile` on the same case. `GB/s`: the op's traffic floor "
         "over its time; `of copy BW`: that over a plain device copy measured in the same session.",
     ]
+    lines += render_peers(runs)
     for run in runs:
-        lines += ["", *render_run(run)]
+        if any(r.peer is None for r in run.rows):
+            lines += ["", *render_run(run)]
     return "\n".join(lines) + "\n"
+
+
+# ----------------------------------------------------------------------------------------------
+# Compared with other tools (bench/peers/)
+# ----------------------------------------------------------------------------------------------
+
+
+def versus(ours: float | None, theirs: float | None, what: str = "faster") -> str:
+    """How grpo_fast compares on a figure where lower is better: ``what="faster"`` (a time):
+    "grpo_fast 1.60× faster"; ``"memory"``: "grpo_fast 0.45× of it"; either prefixed with
+    **not ahead** when ``theirs / ours`` is below ``AHEAD``."""
+    if not ours or not theirs:
+        return ""
+    ratio = theirs / ours
+    speed = "faster" if ratio >= 1 else "as fast"
+    said = f"grpo_fast {ratio:.2f}× {speed}" if what == "faster" else f"grpo_fast {1 / ratio:.2f}× of it"
+    return said if ratio >= AHEAD else f"**not ahead**: {said}"
+
+
+def _with_versus(value: str, ours: float | None, theirs: float | None, is_ours: bool, what: str) -> str:
+    if is_ours or not value:
+        return value
+    v = versus(ours, theirs, what)
+    return f"{value} ({v})" if v else value
+
+
+def _fmt_opt(x, fmt) -> str:
+    return "" if x is None else fmt(x)
+
+
+def _train_step_table(p: dict) -> list[str]:
+    impls = p["impls"]
+    ours = next((i for i in impls if i.get("ours")), {})
+    lines = [
+        "| tool | version | step (median) | rollout | train | peak memory | reward, last 5 steps "
+        "| eval accuracy before → after |",
+        "|---|---|---:|---:|---:|---:|---:|---:|",
+    ]
+    for i in impls:
+        is_ours = bool(i.get("ours"))
+
+        def cell(key, fmt, what="faster", i=i, is_ours=is_ours):
+            return _with_versus(_fmt_opt(i.get(key), fmt), ours.get(key), i.get(key), is_ours, what)
+
+        acc = ""
+        if i.get("eval_accuracy_before") is not None and i.get("eval_accuracy_after") is not None:
+            acc = f"{i['eval_accuracy_before']:.3f} → {i['eval_accuracy_after']:.3f}"
+        reward = _fmt_opt(i.get("reward_last5"), lambda x: f"{x:.3f}")
+        if reward and i.get("reward_after_steps"):
+            reward += f" (after {i['reward_after_steps']} steps)"
+        lines.append(
+            "| "
+            + " | ".join(
+                [
+                    f"**{i['impl']}**" if is_ours else i["impl"],
+                    str(i.get("version") or ""),
+                    cell("step_s", fmt_time),
+                    cell("rollout_s", fmt_time),
+                    cell("train_s", fmt_time),
+                    cell("peak_memory_bytes", fmt_bytes, "memory"),
+                    reward,
+                    acc,
+                ]
+            )
+            + " |"
+        )
+    return lines
+
+
+def _loss_op_table(p: dict) -> list[str]:
+    impls = p["impls"]
+    ours = next((i for i in impls if i.get("ours")), {})
+    logits = p.get("logits_bytes")
+    lines = [
+        "| implementation | version | computes | entropy | time (median) | peak memory | peak / logits |",
+        "|---|---|---|---|---:|---:|---:|",
+    ]
+    for i in impls:
+        is_ours = bool(i.get("ours"))
+        peak = i.get("peak_memory_bytes")
+        lines.append(
+            "| "
+            + " | ".join(
+                [
+                    f"**{i['impl']}**" if is_ours else i["impl"],
+                    str(i.get("version") or ""),
+                    i.get("what", ""),
+                    "yes" if i.get("entropy") else "no",
+                    _with_versus(
+                        _fmt_opt(i.get("time_s"), fmt_time),
+                        ours.get("time_s"),
+                        i.get("time_s"),
+                        is_ours,
+                        "faster",
+                    ),
+                    _with_versus(
+                        _fmt_opt(peak, fmt_bytes), ours.get("peak_memory_bytes"), peak, is_ours, "memory"
+                    ),
+                    fmt_ratio(peak / logits) if peak is not None and logits else "",
+                ]
+            )
+            + " |"
+        )
+    return lines
+
+
+def _where_the_time_goes(p: dict) -> list[str]:
+    lines = []
+    for i in p["impls"]:
+        for phase, ops in (i.get("top_ops") or {}).items():
+            if ops:
+                tops = ", ".join(f"`{name}` {fmt_time(sec)}" for name, sec in ops)
+                lines.append(f"- {i['impl']}, {phase}: {tops}")
+    if lines:
+        lines = ["", "Where the time goes (one profiled step of each, self time of the top ops):", "", *lines]
+    return lines
+
+
+def render_peers(runs: list[Run]) -> list[str]:
+    """The "Compared with other tools" section: one table per peer-comparison case, newest run first."""
+    cases = [(run, r) for run in runs for r in run.rows if r.peer is not None]
+    if not cases:
+        return []
+    lines = [
+        "",
+        "## Compared with other tools",
+        "",
+        "grpo_fast and another tool on the same work, alternating in one process (`bench/peers/`). On "
+        "each other tool's row, every figure says how grpo_fast compares (lower is better for time and "
+        f"memory); **not ahead** marks a figure where grpo_fast is not at least {AHEAD - 1:.0%} better.",
+    ]
+    for run, r in cases:
+        p, m = r.peer, run.meta
+        title = "Whole GRPO step" if p.get("kind") == "train_step" else "Fused lm_head + GRPO loss"
+        when = run.date.strftime("%Y-%m-%d %H:%M %Z").strip() if run.date else "not recorded"
+        load = r.info.get("load_average_1m")
+        cores = r.info.get("cpu_count") or m["cpu_count"]
+        v = r.info.get("versions") or m["versions"]
+        lines += [
+            "",
+            f"### {title}: {p.get('case', r.case)}",
+            "",
+            f"- {r.info.get('device') or m['device'] or 'device not recorded'}, {when}; source "
+            f"`{run.path.as_posix()}`",
+            "- versions: " + ", ".join(f"{k} {v[k]}" for k in sorted(v) if v[k]),
+        ]
+        if load is not None:
+            busy = " (shared with other work)" if cores and load > BUSY_LOAD_PER_CORE * cores else ""
+            lines.append(f"- 1-minute load average up to {load:.1f} on {cores or '?'} cores{busy}")
+        rounds = f"{p['rounds']} rounds" if p.get("rounds") else ""
+        warm = f", after {p['warmup_steps']} warm-up steps of each" if p.get("warmup_steps") else ""
+        lines.append(f"- {rounds}{warm}; peak memory: {p.get('memory', 'not recorded')}")
+        if r.info.get("command"):
+            lines.append(f"- command: `{r.info['command']}`")
+        lines += ["", *(_train_step_table(p) if p.get("kind") == "train_step" else _loss_op_table(p))]
+        lines += _where_the_time_goes(p)
+    return lines
 
 
 def main(argv: list[str] | None = None) -> int:
