@@ -116,11 +116,13 @@ class TrainConfig:
 
 @dataclass(frozen=True)
 class LossConfig:
-    type: str = "grpo_clip"  # grpo_clip | reinforce_with_baseline | no_baseline
+    type: str = "grpo_clip"  # grpo_clip | reinforce_with_baseline | no_baseline | cispo
     length_norm: str = "sequence_mean"  # sequence_mean | constant (Dr. GRPO) | token_mean (DAPO)
     clip_low: float = 0.2
     clip_high: float = 0.2  # > clip_low is DAPO's clip-higher
     dual_clip: float | None = None  # c > 1 bounds the loss of negative-advantage tokens at −c·A
+    # δ > 1 caps the unclipped ratio at δ, every loss.type (INTELLECT-2's two-sided clipping)
+    delta: float | None = None
     beta: float = 0.0  # KL penalty coefficient (initial value when target_kl is set)
     kl_estimator: str = "k3"  # k1 | k2 | k3
     target_kl: float | None = None  # adaptive β (proportional controller) when set; per-token KL
@@ -559,6 +561,8 @@ def validate(cfg: Config, preset: str | None = None, check_device: bool = True) 
         raise ConfigError(f"loss.dual_clip must be > 1 (or null), got {lo.dual_clip}")
     if lo.dual_clip is not None and lo.type != "grpo_clip":
         raise ConfigError(f"loss.dual_clip applies only to loss.type=grpo_clip, not {lo.type}")
+    if lo.delta is not None and lo.delta <= 1:
+        raise ConfigError(f"loss.delta must be > 1 (or null), got {lo.delta}")
     positive("loss.beta", lo.beta, allow_zero=True)
     if lo.target_kl is not None:
         positive("loss.target_kl", lo.target_kl)

@@ -54,7 +54,7 @@ __all__ = [
     "tokenize_prompt_and_output",
 ]
 
-LOSS_TYPES = ("no_baseline", "reinforce_with_baseline", "grpo_clip")
+LOSS_TYPES = ("no_baseline", "reinforce_with_baseline", "grpo_clip", "cispo")
 LENGTH_NORMS = ("sequence_mean", "constant", "token_mean")
 KL_ESTIMATORS = ("k1", "k2", "k3")
 SCALE_REWARDS = ("group", "batch", "none")
@@ -291,15 +291,19 @@ def grpo_clip_loss(
     clip_low: float,
     clip_high: float,
     dual_clip: float | None = None,
+    delta: float | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Clipped surrogate with asymmetric ("clip-higher", DAPO) and optional dual clipping.
 
     ``r = exp(log π − log π_old)``,
     ``ℓ = −min(r·A, clip(r, 1 − clip_low, 1 + clip_high)·A)``; with ``dual_clip = c > 1``
-    (Ye et al. 2020), tokens with ``A < 0`` are further bounded: ``ℓ = min(ℓ, −c·A)``.
+    (Ye et al. 2020), tokens with ``A < 0`` are further bounded: ``ℓ = min(ℓ, −c·A)``. With
+    ``delta = δ > 1`` (INTELLECT-2's two-sided clipping, TRL's ``delta``) the unclipped term's
+    ratio is capped first: ``ℓ = −min(min(r, δ)·A, clip(r, …)·A)``; for ``δ > 1 + clip_high``
+    that bounds the ``A < 0`` tokens at ``−δ·A`` exactly as ``dual_clip = δ`` does.
 
     No gradient flows through a clipped branch: for ``A ≥ 0`` once ``r > 1 + clip_high`` and
-    for ``A < 0`` once ``r < 1 − clip_low`` (and, with dual clip, once ``r > c``).
+    for ``A < 0`` once ``r < 1 − clip_low`` (and, with dual clip or delta, once ``r > c``/``δ``).
 
     Args:
         advantages: ``[B, 1]`` (or broadcastable to ``[B, T]``).
@@ -310,10 +314,13 @@ def grpo_clip_loss(
         the tokens whose loss came from a clipped branch.
     """
     ratio = torch.exp(policy_log_probs - old_log_probs)
-    unclipped = ratio * advantages
+    capped = ratio if delta is None else torch.clamp(ratio, max=delta)
+    unclipped = capped * advantages
     clipped = torch.clamp(ratio, 1 - clip_low, 1 + clip_high) * advantages
     loss = -torch.minimum(unclipped, clipped)
     is_clipped = clipped < unclipped
+    if delta is not None:
+        is_clipped = is_clipped | ((unclipped <= clipped) & (ratio > delta))
     if dual_clip is not None:
         if dual_clip <= 1.0:
             raise ValueError(f"dual_clip must be > 1, got {dual_clip}")
@@ -376,7 +383,7 @@ def compute_policy_gradient_loss(
         if missing:
             raise ValueError(f"loss_type='grpo_clip' needs {', '.join(missing)}")
         return compute_grpo_clip_loss(advantages, policy_log_probs, old_log_probs, cliprange)
-    raise ValueError(f"unknown loss_type {loss_type!r}; expected one of {', '.join(LOSS_TYPES)}")
+    raise ValueError(f"unknown loss_type {loss_type!r}; expected one of {', '.join(LOSS_TYPES[:3])}")
 
 
 def kl_penalty(log_probs: torch.Tensor, ref_log_probs: torch.Tensor, estimator: str = "k3") -> torch.Tensor:
@@ -425,22 +432,34 @@ def grpo_token_loss(
     kl_estimator: str = "k3",
     entropy_coef: float = 0.0,
     loss_type: str = "grpo_clip",
+    delta: float | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor | None]]:
     """The full per-token GRPO loss, before length normalization.
 
     ``ℓ_t = pg_t + β·KL_t − c·H_t`` with ``r_t = exp(log π_t − log π_old,t)`` and, by ``loss_type``:
 
     - ``grpo_clip``: ``pg = −min(r·A, clip(r, 1 − clip_low, 1 + clip_high)·A)`` (and the dual clip);
-    - ``reinforce_with_baseline``, ``no_baseline``: ``pg = −r·A``, never clipped (``clip_*`` and
-      ``clipped`` unused; ``dual_clip`` must be None). The two differ in what the caller passes as
-      ``A``: reward minus the group baseline, or the raw reward.
+    - ``reinforce_with_baseline``, ``no_baseline``: ``pg = −r·A``, never clipped (``clip_*``
+      unused; ``dual_clip`` must be None). The two differ in what the caller passes as ``A``:
+      reward minus the group baseline, or the raw reward.
+    - ``cispo`` (MiniMax-M1): ``pg = −sg(clip(r, 1 − clip_low, 1 + clip_high))·A·log π``: the
+      importance weight is clipped and detached (``sg``), so every token keeps a gradient,
+      ``−ŵ·A·∇log π``, bounded by the clip range instead of cut off (``dual_clip`` must be None).
+
+    ``delta = δ > 1`` caps the ratio of the unclipped term at δ for every ``loss_type``
+    (``min(r, δ)``; for ``cispo`` the weight's upper bound is ``min(1 + clip_high, δ)``): a token
+    with ``r > δ`` gets no gradient (``cispo``: weight δ).
+
+    ``clipped`` marks the tokens whose ratio was clipped or capped: no gradient through ``r``
+    (``grpo_clip``, ``delta``), or a clipped weight (``cispo``; the gradient still flows).
 
     ``old_log_probs=None`` means on-policy: π_old is π detached, so ``r = 1`` and the gradient is
     ``−A·∇log π`` (no extra forward pass needed) for every ``loss_type``.
 
     Example:
         ``A = 1``, ``log π − log π_old = 0.5``: ``r = e^0.5 ≈ 1.6487``; ``grpo_clip`` gives
-        ``ℓ = −1.2`` (clipped, no gradient), ``reinforce_with_baseline`` ``ℓ ≈ −1.6487``.
+        ``ℓ = −1.2`` (clipped, no gradient), ``reinforce_with_baseline`` ``ℓ ≈ −1.6487``, and
+        with ``log π = −1`` ``cispo`` gives ``ℓ = −1.2·1·(−1) = 1.2`` with gradient ``−1.2``.
 
     Args:
         log_probs: ``[...]`` per-token log π (differentiable).
@@ -451,16 +470,25 @@ def grpo_token_loss(
         ``(loss [...], {"clipped": bool [...], "kl": [...] or None})``.
     """
     old = log_probs.detach() if old_log_probs is None else old_log_probs
-    if loss_type == "grpo_clip":
-        loss, meta = grpo_clip_loss(advantages, log_probs, old, clip_low, clip_high, dual_clip)
-    elif loss_type in LOSS_TYPES:
-        if dual_clip is not None:
-            raise ValueError(f"dual_clip applies only to loss_type='grpo_clip', not {loss_type!r}")
-        ratio = torch.exp(log_probs - old)
-        loss = -ratio * advantages
-        meta = {"clipped": torch.zeros(loss.shape, dtype=torch.bool, device=loss.device)}
-    else:
+    if loss_type not in LOSS_TYPES:
         raise ValueError(f"unknown loss_type {loss_type!r}; expected one of {', '.join(LOSS_TYPES)}")
+    if dual_clip is not None and loss_type != "grpo_clip":
+        raise ValueError(f"dual_clip applies only to loss_type='grpo_clip', not {loss_type!r}")
+    if delta is not None and not delta > 1:
+        raise ValueError(f"delta must be > 1 (or None), got {delta}")
+    if loss_type == "grpo_clip":
+        loss, meta = grpo_clip_loss(advantages, log_probs, old, clip_low, clip_high, dual_clip, delta)
+    else:
+        ratio = torch.exp(log_probs - old)
+        if loss_type == "cispo":
+            low, high = 1 - clip_low, (1 + clip_high if delta is None else min(1 + clip_high, delta))
+            weight = ratio.detach().clamp(low, high)
+            loss = -weight * advantages * log_probs
+            is_clipped = (ratio < low) | (ratio > high)
+        else:
+            loss = -(ratio if delta is None else torch.clamp(ratio, max=delta)) * advantages
+            is_clipped = ratio > (math.inf if delta is None else delta)
+        meta = {"clipped": is_clipped.detach().expand(loss.shape)}
     kl = None
     if ref_log_probs is not None:
         kl = kl_penalty(log_probs, ref_log_probs, kl_estimator)
@@ -683,6 +711,7 @@ def eager_grpo_loss_from_logits(
     kl_estimator: str = "k3",
     dual_clip: float | None = None,
     loss_type: str = "grpo_clip",
+    delta: float | None = None,
 ) -> GRPOLossOutput:
     """Reference for ``grpo_fast.ops.grpo_loss_from_logits`` (same arguments, same output).
 
@@ -705,6 +734,7 @@ def eager_grpo_loss_from_logits(
         kl_estimator=kl_estimator,
         entropy_coef=entropy_coef,
         loss_type=loss_type,
+        delta=delta,
     )
     loss = (cast(loss_weights) * per_token).sum()
     return GRPOLossOutput(loss, logp, entropy, meta["kl"], meta["clipped"])

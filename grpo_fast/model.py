@@ -126,6 +126,7 @@ def build_policy_loss(cfg: Config, model: nn.Module, amp: torch.dtype | None) ->
             clip_low=lo.clip_low,
             clip_high=lo.clip_high,
             dual_clip=lo.dual_clip,
+            delta=lo.delta,
             kl_estimator=lo.kl_estimator,
             entropy_coef=lo.entropy_coef,
             loss_type=lo.type,

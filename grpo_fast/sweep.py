@@ -2,7 +2,7 @@
 
 Usage::
 
-    python -m grpo_fast.sweep --preset NAME [--config FILE]... --sweep {lr,baseline,length_norm,scale_rewards}
+    python -m grpo_fast.sweep --preset NAME [--config FILE]... --sweep {lr,baseline,length_norm,scale_rewards,loss_type,delta}
         [--values V ...] [--lr-range LOW HIGH] [--num N] [--out DIR] [--dry-run] [--plot-only]
         [key=value ...]
 
@@ -14,7 +14,9 @@ Each value becomes one run, executed one after another (each needs the whole GPU
 log grid (``LRGrid``: 5 values from 1e-6 to 1e-4); ``baseline`` → ``loss.type``
 (``no_baseline`` vs ``reinforce_with_baseline``; ``grpo_clip`` may be added with ``--values``);
 ``length_norm`` → ``loss.length_norm`` (all of ``sequence_mean``, ``constant``,
-``token_mean``); ``scale_rewards`` → ``loss.scale_rewards`` (``group``, ``batch``, ``none``). Extra ``key=value`` words are OmegaConf dot-list overrides passed to every
+``token_mean``); ``scale_rewards`` → ``loss.scale_rewards`` (``group``, ``batch``, ``none``); ``loss_type`` →
+``loss.type`` (``grpo_clip`` vs ``cispo``; any loss type with ``--values``); ``delta`` →
+``loss.delta`` (``null``, 1.5, 3: off-policy only, with ``train.epochs_per_rollout_batch`` > 1). Extra ``key=value`` words are OmegaConf dot-list overrides passed to every
 run; they may appear anywhere on the command line (even after ``--values``).
 
 Afterwards (or alone, with ``--plot-only``) it writes into ``OUT``: ``sweep_reward.png``,
@@ -76,12 +78,14 @@ class LRGrid:
 class SweepSpec:
     """A sweepable setting: its train-config key and the values it may take.
 
-    ``choices`` empty means a positive float (a learning rate).
+    ``choices`` empty means a positive float (a learning rate; ``defaults`` empty: ``LRGrid``),
+    or ``null`` too where ``nullable`` (an option that is off by default).
     """
 
     key: str
     defaults: tuple[str, ...]
     choices: tuple[str, ...] = ()
+    nullable: bool = False
 
 
 SWEEPS: dict[str, SweepSpec] = {
@@ -91,6 +95,8 @@ SWEEPS: dict[str, SweepSpec] = {
     ),
     "length_norm": SweepSpec(key="loss.length_norm", defaults=LENGTH_NORMS, choices=LENGTH_NORMS),
     "scale_rewards": SweepSpec(key="loss.scale_rewards", defaults=SCALE_REWARDS, choices=SCALE_REWARDS),
+    "loss_type": SweepSpec(key="loss.type", defaults=("grpo_clip", "cispo"), choices=LOSS_TYPES),
+    "delta": SweepSpec(key="loss.delta", defaults=("null", "1.5", "3"), nullable=True),
 }
 
 
@@ -144,7 +150,7 @@ def plan_sweep(
             raise ConfigError(f"override {item!r} sets {spec.key}, the key this sweep varies")
         if key == "output_dir":
             raise ConfigError(f"override {item!r}: the sweep sets output_dir per run; use --out")
-    if values is None and spec.choices:
+    if values is None and (spec.choices or spec.defaults):
         values = spec.defaults
     elif values is None:
         values = [f"{v:.3g}" for v in (lr_grid or LRGrid()).values()]
@@ -286,12 +292,15 @@ def _check_value(sweep: str, spec: SweepSpec, value: str) -> str:
                 f"--values: {value!r} is not a {spec.key} (choose from {', '.join(spec.choices)})"
             )
         return value
+    if spec.nullable and value == "null":
+        return value
     try:
         lr = float(value)
     except ValueError:
         lr = math.nan
     if not (lr > 0 and math.isfinite(lr)):
-        raise ConfigError(f"--values: {value!r} is not a positive learning rate ({sweep} sweep)")
+        what = "learning rate" if spec.key == "train.lr" else f"number for {spec.key} (or null)"
+        raise ConfigError(f"--values: {value!r} is not a positive {what} ({sweep} sweep)")
     return f"{lr:.3g}"
 
 

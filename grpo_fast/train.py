@@ -7,7 +7,8 @@ default, with the choices our users reach for as config keys:
   the whole batch's std (``batch``) or nothing (``none``, Dr. GRPO); zero-variance groups get
   zero advantage;
 - loss: the clipped surrogate with ``clip_low``/``clip_high`` (DAPO's clip-higher) and an
-  optional dual clip; or REINFORCE with/without baseline;
+  optional dual clip or ratio cap ``loss.delta``; CISPO (``loss.type=cispo``: the clipped,
+  detached importance weight × advantage × log π); or REINFORCE with/without baseline;
 - length normalization as per-token loss weights: ``sequence_mean`` (GRPO), ``constant``
   (Dr. GRPO), ``token_mean`` (DAPO);
 - optional KL penalty to the initial policy (k1/k2/k3, fixed or adaptive β), entropy bonus,

@@ -15,6 +15,12 @@ def test_dual_clip_needs_the_clipped_loss():
         load_config("tiny", overrides=["loss.dual_clip=3.0", "loss.type=no_baseline"])
 
 
+def test_delta_must_exceed_one():
+    assert load_config("tiny", overrides=["loss.delta=3.0", "loss.type=cispo"]).loss.delta == 3.0
+    with pytest.raises(ConfigError, match=r"loss\.delta must be > 1 \(or null\), got 1\.0"):
+        load_config("tiny", overrides=["loss.delta=1.0"])
+
+
 def test_normalize_by_std_is_replaced_by_scale_rewards(tmp_path):
     for where in ("override", "file"):
         f = tmp_path / "old.yaml"
@@ -66,6 +72,7 @@ def test_build_policy_loss_passes_every_loss_option():
             "loss.type=reinforce_with_baseline",
             "loss.clip_low=0.1",
             "loss.clip_high=0.3",
+            "loss.delta=1.5",
             "loss.kl_estimator=k2",
             "loss.entropy_coef=0.01",
             "loss.kernel_backend=eager",
@@ -77,6 +84,7 @@ def test_build_policy_loss_passes_every_loss_option():
         clip_low=0.1,
         clip_high=0.3,
         dual_clip=None,
+        delta=1.5,
         kl_estimator="k2",
         entropy_coef=0.01,
         loss_type="reinforce_with_baseline",

@@ -284,6 +284,76 @@ def test_grpo_token_loss_unclipped_types_hand_values(loss_type):
         core.grpo_token_loss(lp, adv, loss_type="ppo")
 
 
+def test_cispo_hand_values():
+    """CISPO: ℓ = −sg(clip(r, 0.8, 1.2))·A·log π, the weight detached: clipped tokens keep a gradient."""
+    lp = torch.tensor([-1.0, -2.0, -0.5], requires_grad=True)
+    old = torch.tensor([-1.5, -1.5, -0.4])
+    adv = torch.tensor([1.0, -1.0, 2.0])
+    loss, meta = core.grpo_token_loss(lp, adv, old_log_probs=old, loss_type="cispo")
+    # r = e^.5 ≈ 1.6487 > 1.2 → ŵ = 1.2: ℓ = −1.2·1·(−1) = 1.2, ∂ℓ/∂log π = −1.2 (grpo_clip: 0)
+    # r = e^−.5 ≈ .6065 < .8 → ŵ = .8:   ℓ = −.8·(−1)·(−2) = −1.6, ∂ℓ/∂log π = .8
+    # r = e^−.1 ≈ .9048 inside → ŵ = r:  ℓ = −.9048·2·(−.5) = .9048, ∂ℓ/∂log π = −1.8097 (no ∂r term)
+    w3 = math.exp(-0.1)
+    torch.testing.assert_close(loss.detach(), torch.tensor([1.2, -1.6, w3]))
+    assert meta["clipped"].tolist() == [True, True, False]
+    loss.sum().backward()
+    torch.testing.assert_close(lp.grad, torch.tensor([-1.2, 0.8, -2 * w3]))
+    # on-policy: ŵ = 1, the gradient −A·∇log π of every other loss type
+    lp.grad = None
+    loss, _ = core.grpo_token_loss(lp, adv, loss_type="cispo")
+    loss.sum().backward()
+    torch.testing.assert_close(lp.grad, -adv)
+    with pytest.raises(ValueError, match="dual_clip applies only to loss_type='grpo_clip', not 'cispo'"):
+        core.grpo_token_loss(lp, adv, dual_clip=3.0, loss_type="cispo")
+
+
+def test_delta_caps_the_unclipped_ratio_hand_values():
+    lp = torch.tensor([1.0, 0.5, 1.5], requires_grad=True)
+    adv = torch.tensor([1.0, 1.0, -1.0])
+    zeros = torch.zeros(3)
+    # reinforce, δ = 2: r = e ≈ 2.7183 > 2 → ℓ = −2·1 = −2, no gradient; r = e^.5 ≈ 1.6487 < 2 →
+    # ℓ = −1.6487, gradient −1.6487; r = e^1.5 ≈ 4.4817, A = −1 → ℓ = 2, no gradient
+    loss, meta = core.grpo_token_loss(
+        lp, adv, old_log_probs=zeros, loss_type="reinforce_with_baseline", delta=2.0
+    )
+    torch.testing.assert_close(loss.detach(), torch.tensor([-2.0, -math.exp(0.5), 2.0]))
+    assert meta["clipped"].tolist() == [True, False, True]
+    loss.sum().backward()
+    torch.testing.assert_close(lp.grad, torch.tensor([0.0, -math.exp(0.5), 0.0]))
+    # grpo_clip, δ = 3: A = −1, r = 4.4817: −min(min(r, 3)·(−1), 1.2·(−1)) = −min(−3, −1.2) = 3, the dual clip's bound
+    loss, meta = core.grpo_token_loss(lp.detach(), adv, old_log_probs=zeros, delta=3.0)
+    torch.testing.assert_close(loss, torch.tensor([-1.2, -1.2, 3.0]))
+    assert meta["clipped"].tolist() == [True, True, True]
+    # cispo, δ = 1.1 < 1 + clip_high: the weight's upper bound is 1.1: ℓ = −1.1·1·1 = −1.1, ...
+    loss, _ = core.grpo_token_loss(lp.detach(), adv, old_log_probs=zeros, loss_type="cispo", delta=1.1)
+    torch.testing.assert_close(loss, torch.tensor([-1.1, -0.55, 1.65]))
+    with pytest.raises(ValueError, match="delta must be > 1"):
+        core.grpo_token_loss(lp, adv, delta=1.0)
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    log_ratio=st.floats(-2, 2, allow_nan=False),
+    advantage=st.floats(-3, 3, allow_nan=False).filter(lambda a: abs(a) > 1e-3),
+    delta=st.floats(1.3, 4.0),
+)
+def test_property_delta_equals_dual_clip_beyond_the_clip_range(log_ratio, advantage, delta):
+    """For grpo_clip and δ > 1 + clip_high, ``delta = δ`` and ``dual_clip = δ`` are one loss,
+    one gradient and one clipped mask."""
+    outs = []
+    for kw in (dict(delta=delta), dict(dual_clip=delta)):
+        lp = torch.tensor([log_ratio], dtype=torch.float64, requires_grad=True)
+        loss, meta = core.grpo_token_loss(
+            lp,
+            torch.tensor([advantage], dtype=torch.float64),
+            old_log_probs=torch.zeros(1, dtype=torch.float64),
+            **kw,
+        )
+        loss.sum().backward()
+        outs.append((loss.item(), lp.grad.item(), meta["clipped"].item()))
+    assert outs[0] == pytest.approx(outs[1], rel=1e-12, abs=1e-12)
+
+
 @settings(max_examples=60, deadline=None)
 @given(
     delta=st.floats(-2, 2, allow_nan=False),

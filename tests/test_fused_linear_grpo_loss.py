@@ -108,6 +108,57 @@ def test_matches_float64_reference(chunk_size, dtype, backend):
     assert_close_to_reference(gw, gw64, gw_e, name="grad_weight")
 
 
+def _check_variant(backend, options, seed=3, chunk_size=12, hidden_weight_inputs=None):
+    """``fused_linear_grpo_loss`` with ``options`` against the float64 reference: loss, log-probs,
+    entropy, kl, ``clipped`` exactly, and both gradients. Returns ``(ours, ref)``."""
+    hidden, weight, inputs = hidden_weight_inputs or _problem(torch.float32, seed=seed)
+    device, cpu = backend_device(backend), torch.device("cpu")
+    ours, gh, gw = _run(
+        fused_linear_grpo_loss, hidden, weight, inputs, torch.float32, device, chunk_size=chunk_size,
+        backend=backend, **options,
+    )  # fmt: skip
+    ref, gh64, gw64 = _run(_materialized, hidden, weight, inputs, torch.float64, cpu, **options)
+    eager, gh_e, gw_e = _run(_materialized, hidden, weight, inputs, torch.float32, cpu, **options)
+    terms = {k: v for k, v in options.items() if k not in ("temperature", "sequence_ids")}
+    per_token, _ = grpo_token_loss(
+        ref.logprobs.detach(),
+        inputs.advantages.double(),
+        old_log_probs=inputs.old_logprobs.double(),
+        ref_log_probs=inputs.ref_logprobs.double(),
+        entropy=ref.entropy.detach(),
+        **terms,
+    )
+    loss_scale = (inputs.loss_weights.double() * per_token).abs().sum().item()
+    assert_close_to_reference(ours.loss, ref.loss, eager.loss, name="loss", scale=loss_scale)
+    for name in ("logprobs", "entropy", "kl"):
+        assert_close_to_reference(getattr(ours, name), getattr(ref, name), getattr(eager, name), name=name)
+    assert torch.equal(ours.clipped.cpu(), ref.clipped)
+    assert_close_to_reference(gh, gh64, gh_e, name="grad_hidden")
+    assert_close_to_reference(gw, gw64, gw_e, name="grad_weight")
+    return ours, ref
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize(
+    "variant",
+    [
+        pytest.param(dict(loss_type="cispo"), id="cispo"),
+        pytest.param(dict(loss_type="cispo", delta=1.25), id="cispo-delta"),
+        pytest.param(dict(delta=2.0), id="grpo_clip-delta"),
+        pytest.param(dict(loss_type="no_baseline", delta=1.3), id="no_baseline-delta"),
+    ],
+)
+def test_loss_variants_match_float64_reference(variant, backend):
+    """CISPO and the ratio cap δ reach the per-row math of both kernel backends; each changes the
+    loss against plain grpo_clip on the same off-policy inputs."""
+    options = dict(OPTIONS, **variant)
+    ours, ref = _check_variant(backend, options)
+    assert ours.clipped.any()
+    hidden, weight, inputs = _problem(torch.float32, seed=3)
+    plain, _, _ = _run(_materialized, hidden, weight, inputs, torch.float64, torch.device("cpu"), **OPTIONS)
+    assert abs(ref.loss.item() - plain.loss.item()) > 1e-4
+
+
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("loss_type", ["reinforce_with_baseline", "no_baseline"])
 def test_unclipped_loss_types_match_float64_reference(loss_type, backend):

@@ -31,6 +31,13 @@ CASES = {
     "k3-beta-entropy": (dict(off_policy=True, with_ref=True), dict(beta=0.04, entropy_coef=0.01)),
     "entropy-bonus": (dict(), dict(temperature=1.3, entropy_coef=0.05)),
     "reinforce-off-policy": (dict(off_policy=True), dict(loss_type="reinforce_with_baseline")),
+    "cispo-off-policy": (
+        dict(off_policy=True, with_ref=True),
+        dict(loss_type="cispo", beta=0.04, clip_high=0.28),
+    ),
+    # δ = 3 caps the r = 4 tokens (A < 0), as the dual clip does; δ = 1.3 also caps r = 1.5
+    "delta-clip": (dict(off_policy=True), dict(delta=3.0)),
+    "delta-reinforce": (dict(off_policy=True), dict(loss_type="reinforce_with_baseline", delta=1.3)),
 }
 
 
@@ -94,11 +101,18 @@ def test_matches_float64_reference(case, n, v, dtype, backend):
     flags, options = CASES[case]
     inputs = make_grpo_inputs(n, v, dtype=dtype, seed=v, temperature=options.get("temperature", 1.0), **flags)
     ours = _check_against_reference(inputs, dtype, backend, **options)
+    ref = eager_grpo_loss_from_logits(
+        inputs.logits.double(), inputs.labels, inputs.advantages, inputs.loss_weights,
+        old_logprobs=inputs.old_logprobs, ref_logprobs=inputs.ref_logprobs, **options,
+    )  # fmt: skip
     if flags.get("off_policy"):
         clipped = ours.clipped.cpu()
         a = inputs.advantages
-        if options.get("loss_type", "grpo_clip") == "grpo_clip":
+        ratio = torch.exp(ref.logprobs.detach().float() - inputs.old_logprobs)
+        if options.get("loss_type", "grpo_clip") in ("grpo_clip", "cispo"):
             assert (clipped & (a > 0)).any() and (clipped & (a < 0)).any(), "both clip sides must be active"
+        elif "delta" in options:  # capped exactly where r > δ
+            assert clipped.any() and torch.equal(clipped, ratio > options["delta"])
         else:  # the same ratios, never clipped
             assert not clipped.any()
 

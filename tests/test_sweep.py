@@ -254,3 +254,33 @@ def test_scale_rewards_sweep_runs_differ(tmp_path):
     assert group["train/grad_norm"] != pytest.approx(none["train/grad_norm"], rel=1e-3)
     for a, b in ((w_group, w_none), (w_group, w_batch)):
         assert any(not torch.equal(a[k], b[k]) for k in a)
+
+
+def test_loss_type_sweep_cispo_on_and_off_policy(tmp_path):
+    """On-policy CISPO's gradient is grpo_clip's (ŵ = r = 1: −A·∇log π) but its loss is
+    −Σ w·A·log π, not −Σ w·A = 0; with a second epoch and a tiny clip range (ε = 0.001) the
+    second epoch clips nearly every token: grpo_clip cuts their gradient, CISPO keeps it."""
+    on = _run_sweep_in_process("loss_type", tmp_path / "on")
+    assert list(on) == ["grpo_clip", "cispo"]
+    (clip, w_clip), (cispo, w_cispo) = on.values()
+    assert clip["train/loss"] == pytest.approx(0.0, abs=1e-6) and abs(cispo["train/loss"]) > 1e-3
+    assert clip["train/grad_norm"] == pytest.approx(cispo["train/grad_norm"], rel=1e-6)
+    off = _run_sweep_in_process(
+        "loss_type", tmp_path / "off",
+        extra=["train.epochs_per_rollout_batch=2", "loss.clip_low=0.001", "loss.clip_high=0.001"],
+    )  # fmt: skip
+    (_, w_clip), (_, w_cispo) = off.values()
+    assert any(not torch.equal(w_clip[k], w_cispo[k]) for k in w_clip)
+
+
+def test_delta_sweep_caps_the_second_epoch(tmp_path):
+    """With two epochs the second sees ratios ≠ 1; δ = 1.01 caps every r > 1.01 (no gradient
+    there), so its weights differ from the uncapped run's, and the sweep's values parse."""
+    runs = _run_sweep_in_process(
+        "delta", tmp_path, values=["null", "1.01"], extra=["train.epochs_per_rollout_batch=2"]
+    )
+    (_, w_none), (_, w_capped) = runs.values()
+    assert any(not torch.equal(w_none[k], w_capped[k]) for k in w_none)
+    assert [r.value for r in plan_sweep("tiny", "delta", out=tmp_path)] == ["null", "1.5", "3"]
+    with pytest.raises(ConfigError, match=r"'big' is not a positive number for loss\.delta"):
+        plan_sweep("tiny", "delta", ["big"], out=tmp_path)

@@ -136,6 +136,7 @@ def check_loss_options(
     kl_estimator: str,
     dual_clip: float | None,
     loss_type: str,
+    delta: float | None = None,
 ) -> None:
     """``ValueError`` for a GRPO option out of its domain, naming it."""
     check_temperature(temperature)
@@ -154,3 +155,5 @@ def check_loss_options(
         raise ValueError(f"unknown loss_type {loss_type!r}; expected one of {', '.join(LOSS_TYPES)}")
     if dual_clip is not None and loss_type != "grpo_clip":
         raise ValueError(f"dual_clip applies only to loss_type='grpo_clip', not {loss_type!r}")
+    if delta is not None and not (math.isfinite(delta) and delta > 1):
+        raise ValueError(f"delta must be > 1 (or None), got {delta}")

@@ -197,6 +197,7 @@ def fused_linear_grpo_loss(
     kl_estimator: str = "k3",
     dual_clip: float | None = None,
     loss_type: str = "grpo_clip",
+    delta: float | None = None,
     compute_dtype: torch.dtype | None = None,
     chunk_size: int | None = None,
     backend: str = "auto",
@@ -208,7 +209,7 @@ def fused_linear_grpo_loss(
         weight: ``[V, D]`` on the same device (the lm_head weight; no bias); the same dtype as
             ``hidden`` unless ``compute_dtype`` is given.
         labels, advantages, loss_weights, old_logprobs, ref_logprobs, temperature, clip_low,
-            clip_high, beta, entropy_coef, kl_estimator, dual_clip, loss_type: as
+            clip_high, beta, entropy_coef, kl_estimator, dual_clip, loss_type, delta: as
             ``grpo_loss_from_logits``.
         compute_dtype: the dtype of the logits and their GEMMs (what autocast would pick), e.g.
             ``torch.bfloat16`` for an fp32 master ``weight``: the weight is cast once per call,
@@ -234,7 +235,7 @@ def fused_linear_grpo_loss(
         >>> out.loss.backward()  # hidden.grad [6, 8], weight.grad [50, 8]
     """
     check_loss_options(
-        temperature, clip_low, clip_high, beta, entropy_coef, kl_estimator, dual_clip, loss_type
+        temperature, clip_low, clip_high, beta, entropy_coef, kl_estimator, dual_clip, loss_type, delta
     )
     check_per_token(
         "hidden",
@@ -272,6 +273,7 @@ def fused_linear_grpo_loss(
         kl_estimator=kl_estimator,
         dual_clip=dual_clip,
         loss_type=loss_type,
+        delta=delta,
     )
     if resolved == "eager":
         return eager_grpo_loss_from_logits(

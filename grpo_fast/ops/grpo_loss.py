@@ -34,6 +34,7 @@ def grpo_loss_from_logprobs(
     kl_estimator: str,
     dual_clip: float | None,
     loss_type: str,
+    delta: float | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
     """The per-row GRPO math on ``[N]`` fp32 vectors: ``(loss scalar, kl [N] or None, clipped [N] bool)``.
 
@@ -54,6 +55,7 @@ def grpo_loss_from_logprobs(
         kl_estimator=kl_estimator,
         entropy_coef=entropy_coef,
         loss_type=loss_type,
+        delta=delta,
     )
     return (loss_weights.float() * per_token).sum(), meta["kl"], meta["clipped"]
 
@@ -74,6 +76,7 @@ def grpo_loss_from_logits(
     kl_estimator: str = "k3",
     dual_clip: float | None = None,
     loss_type: str = "grpo_clip",
+    delta: float | None = None,
     backend: str = "auto",
     inplace_grad: bool = False,
 ) -> GRPOLossOutput:
@@ -93,9 +96,13 @@ def grpo_loss_from_logits(
         clip_low, clip_high: PPO clip range ``[1 − clip_low, 1 + clip_high]``; ``dual_clip``: c > 1.
         beta, kl_estimator: KL penalty weight and estimator (``"k1"``, ``"k2"``, ``"k3"``).
         entropy_coef: weight ``c`` of the entropy bonus.
-        loss_type: ``"grpo_clip"`` (the formula above), or ``"reinforce_with_baseline"`` /
-            ``"no_baseline"``: ``−r_t·A_t`` in place of the min, never clipped (see
+        loss_type: ``"grpo_clip"`` (the formula above), ``"reinforce_with_baseline"`` /
+            ``"no_baseline"``: ``−r_t·A_t`` in place of the min, never clipped, or ``"cispo"``:
+            ``−sg(clip(r_t, 1−clip_low, 1+clip_high))·A_t·logp_t`` (see
             ``grpo_fast.core.grpo_token_loss``).
+        delta: ``δ > 1`` or None: the unclipped term's ratio capped at δ, ``min(r_t, δ)`` (no
+            gradient above it; for ``grpo_clip`` with ``δ > 1 + clip_high`` the same as
+            ``dual_clip = δ``); ``clipped`` marks the capped tokens.
         backend: ``"auto"`` (``triton`` on CUDA, else ``torch_chunked``), ``"triton"``,
             ``"torch_chunked"``, ``"eager"``.
         inplace_grad: write ``∂loss/∂logits`` into the logits buffer (no ``[N, V]`` allocation in the
@@ -112,7 +119,7 @@ def grpo_loss_from_logits(
         tensor(-0.5000, grad_fn=<SumBackward0>)
     """
     check_loss_options(
-        temperature, clip_low, clip_high, beta, entropy_coef, kl_estimator, dual_clip, loss_type
+        temperature, clip_low, clip_high, beta, entropy_coef, kl_estimator, dual_clip, loss_type, delta
     )
     if beta != 0.0 and ref_logprobs is None:
         raise ValueError("beta != 0 needs ref_logprobs")
@@ -136,6 +143,7 @@ def grpo_loss_from_logits(
         kl_estimator=kl_estimator,
         dual_clip=dual_clip,
         loss_type=loss_type,
+        delta=delta,
     )
     if resolved == "eager":
         return eager_grpo_loss_from_logits(
