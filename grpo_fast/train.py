@@ -35,6 +35,7 @@ import json
 import math
 import random
 import sys
+import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -132,14 +133,29 @@ def sampling_rng(seed: int | None, device: torch.device):
 def run(cfg: Config, engine=None) -> Path:
     """Train with ``cfg``; returns the output directory. ``engine``: a rollout engine to use
     instead of building one (tests pass a fake vLLM engine here)."""
+    out = Path(cfg.output_dir)
+    check_output_dir(out)  # on every rank, before anything loads: a bad path fails in a second
     quiet_transformers()
     device = resolve_device(cfg)
     world = dist.init(device.type)
-    out = Path(cfg.output_dir)
     try:
         return _train(cfg, device, world, out, engine)
     finally:
         dist.shutdown()
+
+
+def check_output_dir(out: Path) -> None:
+    """Create ``out`` (and its parents) and write a probe file in it; ``ConfigError`` naming
+    ``output_dir`` when either fails (a path under a file, no permission, a read-only mount)."""
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise ConfigError(f"output_dir={str(out)!r} cannot be created: {exc.strerror or exc}") from None
+    try:
+        with tempfile.NamedTemporaryFile(dir=out, prefix=".write_probe_"):
+            pass
+    except OSError as exc:
+        raise ConfigError(f"output_dir={str(out)!r} is not writable: {exc.strerror or exc}") from None
 
 
 def _train(cfg: Config, device: torch.device, world: dist.DistInfo, out: Path, engine) -> Path:

@@ -126,3 +126,116 @@ def test_cli_bad_config_is_one_line_exit_2_no_traceback(args, needle):
 def test_shipped_experiment_files_layer_on_every_preset(path, preset):
     cfg = load_config(preset, [str(Path(__file__).parent.parent / "configs" / path)], check_device=False)
     assert cfg.steps > 0
+
+
+# ----------------------------------------------------------------------------------------------
+# The domain of every numeric key
+# ----------------------------------------------------------------------------------------------
+
+# Every numeric key of Config → (values it accepts, values it refuses), at the domain's edges.
+# NaN and ±inf are refused for every key on top of these (meaningless for all of them).
+# A key added to Config without a row here fails test_every_numeric_key_has_a_domain_row.
+DOMAINS: dict[str, tuple[list[str], list[str]]] = {
+    "seed": (["0", "12345"], ["-1"]),
+    "steps": (["1"], ["0", "-1"]),
+    "eval_every": (["0", "5"], ["-1"]),
+    "full_eval_every": (["0", "5"], ["-1"]),
+    "checkpoint_every": (["0", "5"], ["-1"]),
+    "keep_checkpoints": (["1"], ["0", "-1"]),
+    "data.eval_subset_size": (["0", "8"], ["-1"]),
+    "rollout.group_size": (["2", "4"], ["1", "0", "-2"]),
+    "rollout.batch_size": (["8"], ["0", "-8", "12"]),  # 12: not a multiple of group_size=8
+    "rollout.temperature": (["0.1", "2.0"], ["0", "-1"]),
+    "rollout.top_p": (["1.0", "0.5"], ["0", "-0.5", "1.5"]),
+    "rollout.max_tokens": (["4"], ["0", "-1", "3"]),  # 3: below min_tokens=4
+    "rollout.min_tokens": (["0", "4"], ["-1", "2000"]),  # 2000: above max_tokens=1024
+    "rollout.max_prompt_tokens": (["1"], ["0", "-1"]),
+    "rollout.generation_batch_size": (["1"], ["0", "-1"]),
+    "rollout.eval_temperature": (["0", "0.7"], ["-0.1"]),
+    "rollout.gpu_memory_utilization": (["auto", "0.5"], ["0", "-0.5", "1.5"]),
+    "rollout.sleep_level": (["0", "2"], ["-1", "3"]),
+    "rollout.weight_sync_tolerance": (["auto", "0", "0.05"], ["-0.1"]),
+    "rollout.is_cap": (["1.5"], ["1", "0", "-2"]),
+    "train.lr": (["0", "1e-5"], ["-1e-5"]),
+    "train.betas": (["[0.0,0.5]"], ["[-0.1,0.9]", "[0.9,1.0]", "[0.9]"]),
+    "train.weight_decay": (["0", "0.1"], ["-0.1"]),
+    "train.warmup_steps": (["0", "10"], ["-1"]),
+    "train.min_lr_ratio": (["0", "1"], ["-0.1", "1.5"]),
+    "train.grad_clip": (["0", "1.0"], ["-1"]),
+    "train.micro_batch_size": (["auto", "1"], ["0", "-2", "1.5"]),
+    "train.epochs_per_rollout_batch": (["1", "2"], ["0", "-1"]),
+    "train.max_nonfinite_steps": (["1", "10"], ["0", "-1"]),
+    "loss.clip_low": (["0", "0.2"], ["-0.1", "1", "2"]),
+    "loss.clip_high": (["0", "0.3"], ["-0.1"]),
+    "loss.dual_clip": (["null", "3"], ["1", "0", "-3"]),
+    "loss.delta": (["null", "4"], ["1", "0", "-4"]),
+    "loss.beta": (["0", "0.1"], ["-0.1"]),
+    "loss.target_kl": (["null"], ["0", "-0.1"]),  # a value needs loss.beta > 0: see CONTEXT
+    "loss.kl_early_stop": (["null", "0.3"], ["0", "-0.3"]),
+    "loss.entropy_coef": (["0", "0.01", "-0.01"], []),  # negative: an entropy penalty, allowed
+    "loss.advantage_eps": (["0", "1e-6"], ["-1e-6"]),
+    "loss.chunk_size": (["auto", "1"], ["0", "-1", "2.5"]),
+    "sft.steps": (["0", "10"], ["-1"]),
+    "sft.lr": (["0", "1e-3"], ["-1e-3"]),
+    "sft.batch_size": (["1"], ["0", "-1"]),
+    "sft.target_accuracy": (["null", "1", "0.5"], ["0", "-0.5", "1.5"]),
+    "sft.check_every": (["1"], ["0", "-1"]),
+    "sft.check_size": (["1"], ["0", "-1"]),
+    "logging.sample_every": (["0", "10"], ["-1"]),
+    "logging.samples_per_dump": (["0", "16"], ["-1"]),
+}
+# Other keys a value needs to be valid in combination.
+CONTEXT = {"loss.target_kl": ["loss.beta=0.1"]}
+NUMERIC_TYPES = {"int", "float", "float | None", "int | None", "Any", "tuple[float, float]"}
+
+
+def _numeric_keys(cls: type = Config, prefix: str = "") -> set[str]:
+    """Every numeric leaf of Config, by its annotation (so None-defaulted keys count too)."""
+    import dataclasses
+
+    from grpo_fast.config import _is_section
+
+    keys = set()
+    for f in dataclasses.fields(cls):
+        if _is_section(f):
+            keys |= _numeric_keys(type(f.default_factory()), f"{prefix}{f.name}.")
+        elif f.type in NUMERIC_TYPES:
+            keys.add(f"{prefix}{f.name}")
+    return keys
+
+
+def test_every_numeric_key_has_a_domain_row():
+    assert _numeric_keys() == set(DOMAINS), (
+        f"missing rows: {sorted(_numeric_keys() - set(DOMAINS))}; stale rows: {sorted(set(DOMAINS) - _numeric_keys())}"
+    )
+
+
+def _cases(kind: str) -> list:
+    out = []
+    for key, (good, bad) in DOMAINS.items():
+        values = good if kind == "good" else bad
+        if kind == "bad":
+            if key == "train.betas":
+                values = [*values, "[0.9,nan]", "[inf,0.9]"]
+            else:
+                values = [*values, "nan", "inf", "-inf"]
+        out.extend(pytest.param(key, v, id=f"{key}={v}") for v in values)
+    return out
+
+
+@pytest.mark.parametrize(("key", "value"), _cases("good"))
+def test_numeric_key_accepts_its_domain(key, value):
+    load_config(overrides=[*CONTEXT.get(key, []), f"{key}={value}"], check_device=False)
+
+
+@pytest.mark.parametrize(("key", "value"), _cases("bad"))
+def test_numeric_key_refuses_outside_its_domain_naming_it(key, value):
+    with pytest.raises(ConfigError) as err:
+        load_config(overrides=[*CONTEXT.get(key, []), f"{key}={value}"], check_device=False)
+    msg = str(err.value)
+    assert key in msg and "\n" not in msg, msg
+
+
+def test_group_size_one_is_refused_with_the_reason():
+    with pytest.raises(ConfigError, match=r"rollout.group_size must be >= 2, got 1: GRPO's advantage"):
+        load_config("tiny", overrides=["rollout.group_size=1"])
