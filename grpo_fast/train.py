@@ -365,6 +365,11 @@ def _train(cfg: Config, device: torch.device, world: dist.DistInfo, out: Path, e
                 "train/skipped_fraction": totals["skipped"],
                 "train/grad_norm": stats.grad_norm,
                 "train/clip_fraction": totals["clip_fraction"],
+                "train/clip_fraction_low": totals["clip_fraction_low"],  # clipped with r < 1
+                "train/clip_fraction_high": totals["clip_fraction_high"],  # clipped with r > 1
+                "train/loss_pg": totals["loss_pg"],  # train/loss = loss_pg + loss_kl + loss_entropy
+                "train/loss_kl": totals["loss_kl"],
+                "train/loss_entropy": totals["loss_entropy"],
                 "train/kl": totals["kl"],
                 "train/beta": state.beta,
                 "train/lr": lr,
@@ -484,7 +489,7 @@ def optimize_on_rollout(
                 # DDP averages gradients over ranks; the weights already hold global
                 # normalizers, so scale by the world size to recover the sum.
                 (out_mb.loss * world.world_size).backward()
-            epoch_stats.add(out_mb, mb)
+            epoch_stats.add(out_mb, mb, beta, cfg.loss.entropy_coef)
             if on_microbatch is not None:
                 on_microbatch(1)
         grad_norm = torch.nn.utils.clip_grad_norm_(params, cfg.train.grad_clip or float("inf"))
@@ -510,14 +515,18 @@ def optimize_on_rollout(
 class _Stats:
     """Token-level sums over the microbatches of one epoch (kept on the device until the end)."""
 
+    # [loss, entropy, clipped, kl_ref, kl_old, tokens, Σ |log p_trainer − log p_sampler|,
+    #  clipped with r < 1, clipped with r > 1, Σ w·pg, Σ w·β·KL, −Σ w·c·H]
+    WIDTH = 12
+
     def __init__(self):
-        # [loss, entropy, clipped, kl_ref, kl_old, tokens, Σ |log p_trainer − log p_sampler|]
         self.sums: torch.Tensor | None = None
         self.grad_norm = float("nan")
         self.has_ref = False
 
-    def add(self, out, mb) -> None:
+    def add(self, out, mb, beta: float = 0.0, entropy_coef: float = 0.0) -> None:
         n = torch.tensor(float(mb.labels.numel()), device=out.entropy.device)
+        zero = torch.zeros((), device=n.device)
         self.has_ref = out.kl is not None
         kl = out.kl.sum() if out.kl is not None else torch.zeros((), device=n.device)
         kl_old = torch.zeros((), device=n.device)
@@ -528,15 +537,30 @@ class _Stats:
         sampler_gap = torch.zeros((), device=n.device)
         if mb.sampler_logprobs is not None:
             sampler_gap = (out.logprobs - mb.sampler_logprobs).abs().sum()
+        # the side of the range a clipped ratio left it on (on-policy nothing is clipped)
+        clip_low = clip_high = zero
+        if mb.old_logprobs is not None:
+            log_ratio = out.logprobs.detach() - mb.old_logprobs
+            clip_low = (out.clipped & (log_ratio < 0)).float().sum()
+            clip_high = (out.clipped & (log_ratio > 0)).float().sum()
+        # the loss split: Σ w·(pg + β·KL − c·H), each term from the op's per-token values
+        kl_term = beta * (mb.loss_weights * out.kl).sum() if beta != 0 and out.kl is not None else zero
+        entropy_term = -entropy_coef * (mb.loss_weights * out.entropy).sum() if entropy_coef != 0 else zero
+        loss = out.loss.detach().float()
         row = torch.stack(
             [
-                out.loss.detach().float(),
+                loss,
                 out.entropy.sum(),
                 out.clipped.float().sum(),
                 kl,
                 kl_old,
                 n,
                 sampler_gap,
+                clip_low,
+                clip_high,
+                loss - kl_term - entropy_term,
+                kl_term,
+                entropy_term,
             ]
         )
         self.sums = row if self.sums is None else self.sums + row
@@ -548,7 +572,7 @@ class _Stats:
     def global_totals(
         self, world, device, raw_rewards, rollout, reward_meta, skipped_tokens: int = 0
     ) -> dict[str, float]:
-        s = self.sums.tolist() if self.sums is not None else [0.0] * 7  # host-device sync
+        s = self.sums.tolist() if self.sums is not None else [0.0] * self.WIDTH  # host-device sync
         r = raw_rewards.double()
         truncated = sum(f == "length" for f in rollout.finish_reason)
         acc = reward_meta.get("answer_reward_mean", float((raw_rewards == 1).float().mean().item()))
@@ -575,6 +599,11 @@ class _Stats:
             kl_old,
             tokens,
             gap,
+            clip_low,
+            clip_high,
+            loss_pg,
+            loss_kl,
+            loss_entropy,
             rsum,
             rsq,
             accn,
@@ -593,6 +622,11 @@ class _Stats:
             "loss": loss,
             "entropy": ent / tokens,
             "clip_fraction": clipped / tokens,
+            "clip_fraction_low": clip_low / tokens,
+            "clip_fraction_high": clip_high / tokens,
+            "loss_pg": loss_pg,
+            "loss_kl": loss_kl,
+            "loss_entropy": loss_entropy,
             # KL to the reference policy when there is one, else to π_old (0 when on-policy)
             "kl": (kl if self.has_ref else kl_old) / tokens,
             "reward_mean": mean,
