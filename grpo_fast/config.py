@@ -485,8 +485,10 @@ def _flatten(tree: dict, cls: type = Config, prefix: str = "") -> dict[str, Any]
 
 
 def _freeze(cfg: Config) -> Config:
-    """OmegaConf turns tuples into lists; restore the dataclass field types that matter."""
-    train = dataclasses.replace(cfg.train, betas=tuple(float(b) for b in cfg.train.betas))
+    """OmegaConf turns tuples into lists; restore the dataclass field types that matter. YAML 1.1
+    reads a bare ``no`` as false, so ``train.mixed_precision=no`` arrives as ``"False"``."""
+    mp = "no" if cfg.train.mixed_precision == "False" else cfg.train.mixed_precision
+    train = dataclasses.replace(cfg.train, betas=tuple(float(b) for b in cfg.train.betas), mixed_precision=mp)
     return dataclasses.replace(cfg, train=train)
 
 

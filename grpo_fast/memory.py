@@ -9,6 +9,11 @@ process keeps one measurement's allocator state out of the next.
 
 ``peak_cuda_memory(thunk)`` is the CUDA counterpart: ``max_memory_allocated`` over the call minus
 the memory allocated before it (the caching allocator's view, without fragmentation).
+
+``allocation_timeline(thunk)`` lists the tensor storages the call creates and destroys (CPU or
+CUDA), in order, from ``torch.profiler``'s memory timeline: what a test needs to count buffers of
+a given size or to take the peak of the bytes a step allocates (``tracked_peak_bytes``), exactly
+and in-process, on the CPU too.
 """
 
 from __future__ import annotations
@@ -23,11 +28,13 @@ from collections.abc import Callable
 import torch
 
 __all__ = [
+    "allocation_timeline",
     "copy_bandwidth_gbps",
     "peak_cuda_memory",
     "peak_rss_growth",
     "process_peak_bytes",
     "reset_process_peak",
+    "tracked_peak_bytes",
 ]
 
 
@@ -128,3 +135,39 @@ def copy_bandwidth_gbps(device: torch.device | str = "cuda") -> float:
     end.record()
     torch.cuda.synchronize()  # host-device sync: read the timer
     return 2 * src.numel() * src.element_size() * 20 / (start.elapsed_time(end) / 1e3) / 1e9
+
+
+def allocation_timeline(step: Callable[[], object]) -> list[tuple[str, object, int]]:
+    """``[(event, storage key, bytes)]``, ``event`` ``"create"`` or ``"destroy"``, for the tensor
+    storages ``step()`` allocates and frees, in order.
+
+    Reads the allocator's events through ``profile._memory_profile()``, a private API of
+    ``torch.profiler`` (written against torch 2.13). Nothing is hooked into the tensors, so
+    reference counts (which decide, e.g., whether autograd adds a gradient in place) are the
+    step's own.
+    """
+    from torch.profiler import ProfilerActivity, profile
+    from torch.profiler._memory_profiler import Action
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+    with profile(activities=activities, profile_memory=True, record_shapes=True, with_stack=True) as prof:
+        step()
+    events = []
+    for _, action, (key, _), size in prof._memory_profile().timeline:
+        if action in (Action.CREATE, Action.DESTROY):
+            events.append(("create" if action == Action.CREATE else "destroy", key, size))
+    return events
+
+
+def tracked_peak_bytes(step: Callable[[], object]) -> int:
+    """The most bytes of storages created by ``step()`` alive at one time (what it allocates on
+    top of what existed before it), from ``allocation_timeline``."""
+    live: dict[object, int] = {}
+    peak = 0
+    for event, key, size in allocation_timeline(step):
+        if event == "create":
+            live[key] = size
+        else:
+            live.pop(key, None)
+        peak = max(peak, sum(live.values()))
+    return peak

@@ -35,6 +35,11 @@ RESERVE_BYTES = 1.5 * GB  # CUDA context (~0.5 GB) + allocator fragmentation hea
 VLLM_WORKSPACE_BYTES = 1.5 * GB  # vLLM's activation/sampler workspace measured by its profile run
 MAX_MICRO_BATCH = 64
 CPU_MICRO_BATCH = 16
+# The torch_chunked backend's working set: [ROW_TILE, VOCAB_BLOCK] fp32 tiles alive at once in its
+# backward (s, p, p·(log p + H), dlogits, ...). Measured with tracked allocations: 7 tiles of 4 MiB
+# (29.4 MB) beyond the logits chunk and the weight gradient (N = 768, V = 32,768, CPU, 2026-12-01;
+# tests/test_plan.py). The Triton kernels keep their tiles in registers: nothing.
+TORCH_CHUNKED_TILES = 7
 
 
 @dataclass(frozen=True)
@@ -194,7 +199,12 @@ def plan_memory(cfg: Config, arch: Arch, gpu_bytes: float) -> MemoryPlan:
     else:  # the fused op's own rule (a fixed byte budget per chunk of logits)
         rows = default_chunk_size(seq * MAX_MICRO_BATCH, arch.vocab, logits_dtype)
     # one [rows, V] logits chunk (its gradient is written over it) + the fp32 lm_head gradient
+    # + the kernel backend's working set (auto = triton: the planner plans a GPU)
     loss_chunk = rows * arch.vocab * logits_dtype.itemsize + arch.vocab * d * 4
+    if cfg.loss.kernel_backend == "torch_chunked":
+        from grpo_fast.ops._torch_chunked import ROW_TILE, VOCAB_BLOCK
+
+        loss_chunk += TORCH_CHUNKED_TILES * ROW_TILE * min(VOCAB_BLOCK, arch.vocab) * 4
     fixed = weights + grads + optimizer + autocast_copies + ref_model + loss_chunk + RESERVE_BYTES
     if cfg.train.micro_batch_size != AUTO:
         mbs = int(cfg.train.micro_batch_size)

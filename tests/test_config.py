@@ -239,3 +239,8 @@ def test_numeric_key_refuses_outside_its_domain_naming_it(key, value):
 def test_group_size_one_is_refused_with_the_reason():
     with pytest.raises(ConfigError, match=r"rollout.group_size must be >= 2, got 1: GRPO's advantage"):
         load_config("tiny", overrides=["rollout.group_size=1"])
+
+
+def test_mixed_precision_no_on_the_command_line():
+    """YAML reads a bare ``no`` as false; the override still means no autocast."""
+    assert load_config("tiny", overrides=["train.mixed_precision=no"]).train.mixed_precision == "no"
