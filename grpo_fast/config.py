@@ -24,7 +24,7 @@ import yaml
 from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from grpo_fast.core import KL_ESTIMATORS, LENGTH_NORMS, LOSS_TYPES, SCALE_REWARDS
+from grpo_fast.core import IMPORTANCE_SAMPLING_LEVELS, KL_ESTIMATORS, LENGTH_NORMS, LOSS_TYPES, SCALE_REWARDS
 from grpo_fast.errors import ConfigError
 from grpo_fast.sampler_correction import IS_LEVELS, IS_MODES
 
@@ -130,6 +130,8 @@ class LossConfig:
     dual_clip: float | None = None  # c > 1 bounds the loss of negative-advantage tokens at −c·A
     # δ > 1 caps the unclipped ratio at δ, every loss.type (INTELLECT-2's two-sided clipping)
     delta: float | None = None
+    # token | sequence (GSPO: each token's ratio is its response's, exp(mean of log π − log π_old))
+    importance_sampling_level: str = "token"
     beta: float = 0.0  # KL penalty coefficient (initial value when target_kl is set)
     kl_estimator: str = "k3"  # k1 | k2 | k3
     target_kl: float | None = None  # adaptive β (proportional controller) when set; per-token KL
@@ -307,6 +309,7 @@ _CHOICES: dict[str, tuple[str, ...]] = {
     "loss.length_norm": LENGTH_NORMS,
     "loss.kl_estimator": KL_ESTIMATORS,
     "loss.scale_rewards": SCALE_REWARDS,
+    "loss.importance_sampling_level": IMPORTANCE_SAMPLING_LEVELS,
     "loss.kernel_backend": ("auto", "triton", "torch_chunked", "eager"),
     "logging.wandb_mode": ("auto", "online", "offline", "disabled"),
 }

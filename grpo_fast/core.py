@@ -29,6 +29,7 @@ import torch
 import torch.nn.functional as F
 
 __all__ = [
+    "IMPORTANCE_SAMPLING_LEVELS",
     "LENGTH_NORMS",
     "LOSS_TYPES",
     "SCALE_REWARDS",
@@ -50,6 +51,7 @@ __all__ = [
     "length_norm_weights",
     "masked_mean",
     "masked_normalize",
+    "sequence_mean",
     "sft_microbatch_train_step",
     "tokenize_prompt_and_output",
 ]
@@ -58,6 +60,7 @@ LOSS_TYPES = ("no_baseline", "reinforce_with_baseline", "grpo_clip", "cispo")
 LENGTH_NORMS = ("sequence_mean", "constant", "token_mean")
 KL_ESTIMATORS = ("k1", "k2", "k3")
 SCALE_REWARDS = ("group", "batch", "none")
+IMPORTANCE_SAMPLING_LEVELS = ("token", "sequence")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -418,6 +421,23 @@ def kl_penalty(log_probs: torch.Tensor, ref_log_probs: torch.Tensor, estimator: 
     raise ValueError(f"unknown KL estimator {estimator!r}; expected one of {', '.join(KL_ESTIMATORS)}")
 
 
+def sequence_mean(values: torch.Tensor, sequence_ids: torch.Tensor) -> torch.Tensor:
+    """Each entry replaced by the mean over the entries of its sequence: ``[N], [N] -> [N]``.
+
+    ``sequence_ids``: any integer labels (the rows of one sequence share one). Differentiable in
+    ``values``; ``torch.unique`` makes it one host-device sync on CUDA.
+
+    Example:
+        >>> sequence_mean(torch.tensor([1.0, 3.0, 5.0]), torch.tensor([0, 0, 7]))
+        tensor([2., 2., 5.])
+    """
+    _, inverse = torch.unique(sequence_ids, return_inverse=True)
+    n_seq = int(inverse.max()) + 1 if inverse.numel() else 0
+    sums = values.new_zeros(n_seq).index_add(0, inverse, values)
+    counts = torch.bincount(inverse, minlength=n_seq).to(values.dtype)
+    return (sums / counts)[inverse]
+
+
 def grpo_token_loss(
     log_probs: torch.Tensor,
     advantages: torch.Tensor,
@@ -433,6 +453,8 @@ def grpo_token_loss(
     entropy_coef: float = 0.0,
     loss_type: str = "grpo_clip",
     delta: float | None = None,
+    importance_sampling_level: str = "token",
+    sequence_ids: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor | None]]:
     """The full per-token GRPO loss, before length normalization.
 
@@ -453,6 +475,14 @@ def grpo_token_loss(
     ``clipped`` marks the tokens whose ratio was clipped or capped: no gradient through ``r``
     (``grpo_clip``, ``delta``), or a clipped weight (``cispo``; the gradient still flows).
 
+    ``importance_sampling_level="sequence"`` (GSPO, Zheng et al. 2025) replaces every token's
+    ratio by its sequence's, ``s_i = exp(mean_{t∈i}(log π_t − log π_old,t))`` (``sequence_ids``
+    says which rows form sequence ``i``; the mean is over all of them), clipped with the same
+    ``clip_low``/``clip_high`` (GSPO's are small, e.g. 3e-4 / 4e-4). The gradient of ``s_i``
+    reaches every token of ``i``: ``∂s_i/∂log π_t = s_i/|i|``. On-policy ``s_i = 1`` and the
+    token gradient is ``−A·(Σ_{t'∈i} w_t')/|i|``: with sequence-mean weights ``1/(|i|·B)`` that is
+    ``−A·w_t``, token-level GRPO.
+
     ``old_log_probs=None`` means on-policy: π_old is π detached, so ``r = 1`` and the gradient is
     ``−A·∇log π`` (no extra forward pass needed) for every ``loss_type``.
 
@@ -470,16 +500,27 @@ def grpo_token_loss(
         ``(loss [...], {"clipped": bool [...], "kl": [...] or None})``.
     """
     old = log_probs.detach() if old_log_probs is None else old_log_probs
+    if importance_sampling_level not in IMPORTANCE_SAMPLING_LEVELS:
+        raise ValueError(
+            f"unknown importance_sampling_level {importance_sampling_level!r}; "
+            f"expected one of {', '.join(IMPORTANCE_SAMPLING_LEVELS)}"
+        )
+    if (importance_sampling_level == "sequence") != (sequence_ids is not None):
+        raise ValueError("sequence_ids is needed with importance_sampling_level='sequence', and only then")
     if loss_type not in LOSS_TYPES:
         raise ValueError(f"unknown loss_type {loss_type!r}; expected one of {', '.join(LOSS_TYPES)}")
     if dual_clip is not None and loss_type != "grpo_clip":
         raise ValueError(f"dual_clip applies only to loss_type='grpo_clip', not {loss_type!r}")
     if delta is not None and not delta > 1:
         raise ValueError(f"delta must be > 1 (or None), got {delta}")
+    log_ratio = log_probs - old
+    if sequence_ids is not None:
+        log_ratio = sequence_mean(log_ratio, sequence_ids)
     if loss_type == "grpo_clip":
-        loss, meta = grpo_clip_loss(advantages, log_probs, old, clip_low, clip_high, dual_clip, delta)
+        zero = torch.zeros_like(log_ratio)
+        loss, meta = grpo_clip_loss(advantages, log_ratio, zero, clip_low, clip_high, dual_clip, delta)
     else:
-        ratio = torch.exp(log_probs - old)
+        ratio = torch.exp(log_ratio)
         if loss_type == "cispo":
             low, high = 1 - clip_low, (1 + clip_high if delta is None else min(1 + clip_high, delta))
             weight = ratio.detach().clamp(low, high)
@@ -712,12 +753,14 @@ def eager_grpo_loss_from_logits(
     dual_clip: float | None = None,
     loss_type: str = "grpo_clip",
     delta: float | None = None,
+    importance_sampling_level: str = "token",
+    sequence_ids: torch.Tensor | None = None,
 ) -> GRPOLossOutput:
     """Reference for ``grpo_fast.ops.grpo_loss_from_logits`` (same arguments, same output).
 
     ``loss = Σ_t w_t·ℓ_t`` with ``ℓ`` from ``grpo_token_loss`` (for ``grpo_clip``:
     ``−min(r_t·A_t, clip(r_t, 1−clip_low, 1+clip_high)·A_t) + β·KL_t − c·H_t``).
-    Shapes: logits ``[N, V]``, labels/advantages/loss_weights/old/ref ``[N]``.
+    Shapes: logits ``[N, V]``, labels/advantages/loss_weights/old/ref/sequence_ids ``[N]``.
     """
     logp, entropy = eager_token_logprobs_and_entropy(logits, labels, temperature)
     cast = lambda t: None if t is None else t.to(logp.dtype)
@@ -735,6 +778,8 @@ def eager_grpo_loss_from_logits(
         entropy_coef=entropy_coef,
         loss_type=loss_type,
         delta=delta,
+        importance_sampling_level=importance_sampling_level,
+        sequence_ids=sequence_ids,
     )
     loss = (cast(loss_weights) * per_token).sum()
     return GRPOLossOutput(loss, logp, entropy, meta["kl"], meta["clipped"])

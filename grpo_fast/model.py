@@ -127,6 +127,7 @@ def build_policy_loss(cfg: Config, model: nn.Module, amp: torch.dtype | None) ->
             clip_high=lo.clip_high,
             dual_clip=lo.dual_clip,
             delta=lo.delta,
+            importance_sampling_level=lo.importance_sampling_level,
             kl_estimator=lo.kl_estimator,
             entropy_coef=lo.entropy_coef,
             loss_type=lo.type,
@@ -248,5 +249,9 @@ class PolicyLoss(nn.Module):
             temperature=temperature,
             beta=beta,
             compute_dtype=self.autocast or head.dtype,
+            # GSPO: which response each token belongs to (its ratio is the response's)
+            sequence_ids=mb.sequence_ids
+            if self.loss_options.get("importance_sampling_level") == "sequence"
+            else None,
             **self.loss_options,
         )

@@ -2,7 +2,8 @@
 
 Usage::
 
-    python -m grpo_fast.sweep --preset NAME [--config FILE]... --sweep {lr,baseline,length_norm,scale_rewards,loss_type,delta}
+    python -m grpo_fast.sweep --preset NAME [--config FILE]... --sweep {lr,baseline,length_norm,scale_rewards,loss_type,delta,
+        importance_sampling_level}
         [--values V ...] [--lr-range LOW HIGH] [--num N] [--out DIR] [--dry-run] [--plot-only]
         [key=value ...]
 
@@ -16,7 +17,9 @@ log grid (``LRGrid``: 5 values from 1e-6 to 1e-4); ``baseline`` → ``loss.type`
 ``length_norm`` → ``loss.length_norm`` (all of ``sequence_mean``, ``constant``,
 ``token_mean``); ``scale_rewards`` → ``loss.scale_rewards`` (``group``, ``batch``, ``none``); ``loss_type`` →
 ``loss.type`` (``grpo_clip`` vs ``cispo``; any loss type with ``--values``); ``delta`` →
-``loss.delta`` (``null``, 1.5, 3: off-policy only, with ``train.epochs_per_rollout_batch`` > 1). Extra ``key=value`` words are OmegaConf dot-list overrides passed to every
+``loss.delta`` (``null``, 1.5, 3: off-policy only, with ``train.epochs_per_rollout_batch`` > 1);
+``importance_sampling_level`` → ``loss.importance_sampling_level`` (``token`` vs ``sequence``,
+GSPO). Extra ``key=value`` words are OmegaConf dot-list overrides passed to every
 run; they may appear anywhere on the command line (even after ``--values``).
 
 Afterwards (or alone, with ``--plot-only``) it writes into ``OUT``: ``sweep_reward.png``,
@@ -40,7 +43,7 @@ from typing import Any
 
 from matplotlib.figure import Figure
 
-from grpo_fast.core import LENGTH_NORMS, LOSS_TYPES, SCALE_REWARDS
+from grpo_fast.core import IMPORTANCE_SAMPLING_LEVELS, LENGTH_NORMS, LOSS_TYPES, SCALE_REWARDS
 from grpo_fast.errors import ConfigError, UserError, cli_errors
 from grpo_fast.report import METRICS_FILE, read_metrics, series
 
@@ -97,6 +100,11 @@ SWEEPS: dict[str, SweepSpec] = {
     "scale_rewards": SweepSpec(key="loss.scale_rewards", defaults=SCALE_REWARDS, choices=SCALE_REWARDS),
     "loss_type": SweepSpec(key="loss.type", defaults=("grpo_clip", "cispo"), choices=LOSS_TYPES),
     "delta": SweepSpec(key="loss.delta", defaults=("null", "1.5", "3"), nullable=True),
+    "importance_sampling_level": SweepSpec(
+        key="loss.importance_sampling_level",
+        defaults=IMPORTANCE_SAMPLING_LEVELS,
+        choices=IMPORTANCE_SAMPLING_LEVELS,
+    ),
 }
 
 

@@ -47,7 +47,13 @@ from grpo_fast import checkpoint as ckpt
 from grpo_fast import dist, plan
 from grpo_fast.batch import Sequence, build_sequences, make_microbatches
 from grpo_fast.config import Config, load_config, to_yaml
-from grpo_fast.core import AdaptiveKLController, compute_group_normalized_rewards, kl_early_stop, kl_penalty
+from grpo_fast.core import (
+    AdaptiveKLController,
+    compute_group_normalized_rewards,
+    kl_early_stop,
+    kl_penalty,
+    sequence_mean,
+)
 from grpo_fast.errors import ConfigError, cli_errors
 from grpo_fast.evaluate import evaluate
 from grpo_fast.health import HealthMonitor, HealthThresholds
@@ -489,7 +495,7 @@ def optimize_on_rollout(
                 # DDP averages gradients over ranks; the weights already hold global
                 # normalizers, so scale by the world size to recover the sum.
                 (out_mb.loss * world.world_size).backward()
-            epoch_stats.add(out_mb, mb, beta, cfg.loss.entropy_coef)
+            epoch_stats.add(out_mb, mb, beta, cfg.loss.entropy_coef, cfg.loss.importance_sampling_level)
             if on_microbatch is not None:
                 on_microbatch(1)
         grad_norm = torch.nn.utils.clip_grad_norm_(params, cfg.train.grad_clip or float("inf"))
@@ -524,7 +530,7 @@ class _Stats:
         self.grad_norm = float("nan")
         self.has_ref = False
 
-    def add(self, out, mb, beta: float = 0.0, entropy_coef: float = 0.0) -> None:
+    def add(self, out, mb, beta: float = 0.0, entropy_coef: float = 0.0, level: str = "token") -> None:
         n = torch.tensor(float(mb.labels.numel()), device=out.entropy.device)
         zero = torch.zeros((), device=n.device)
         self.has_ref = out.kl is not None
@@ -541,6 +547,8 @@ class _Stats:
         clip_low = clip_high = zero
         if mb.old_logprobs is not None:
             log_ratio = out.logprobs.detach() - mb.old_logprobs
+            if level == "sequence":  # GSPO clips the response's ratio
+                log_ratio = sequence_mean(log_ratio, mb.sequence_ids)
             clip_low = (out.clipped & (log_ratio < 0)).float().sum()
             clip_high = (out.clipped & (log_ratio > 0)).float().sum()
         # the loss split: Σ w·(pg + β·KL − c·H), each term from the op's per-token values

@@ -73,6 +73,7 @@ def test_build_policy_loss_passes_every_loss_option():
             "loss.clip_low=0.1",
             "loss.clip_high=0.3",
             "loss.delta=1.5",
+            "loss.importance_sampling_level=sequence",
             "loss.kl_estimator=k2",
             "loss.entropy_coef=0.01",
             "loss.kernel_backend=eager",
@@ -85,9 +86,31 @@ def test_build_policy_loss_passes_every_loss_option():
         clip_high=0.3,
         dual_clip=None,
         delta=1.5,
+        importance_sampling_level="sequence",
         kl_estimator="k2",
         entropy_coef=0.01,
         loss_type="reinforce_with_baseline",
         backend="eager",
         chunk_size=7,
     )
+
+
+def test_policy_loss_hands_sequence_ids_only_at_sequence_level(monkeypatch):
+    """``loss.importance_sampling_level=sequence`` makes ``PolicyLoss`` pass the microbatch's
+    ``sequence_ids`` to the fused op (GSPO); at token level it passes None."""
+    import torch
+
+    from grpo_fast import model as model_mod
+
+    seen = []
+    monkeypatch.setattr(model_mod, "fused_linear_grpo_loss", lambda *a, **kw: seen.append(kw["sequence_ids"]))
+    monkeypatch.setattr(model_mod, "response_hidden_states", lambda model, mb: torch.zeros(2, 2))
+    lin = torch.nn.Linear(2, 3)
+    lin.get_output_embeddings = lambda: lin
+    ids = torch.tensor([0, 1])
+    mb = type("MB", (), dict(input_ids=torch.zeros(1, 2, dtype=torch.long), labels=ids, advantages=None,
+                             loss_weights=None, old_logprobs=None, ref_logprobs=None, sequence_ids=ids))()  # fmt: skip
+    for level in ("token", "sequence"):
+        cfg = load_config("tiny", overrides=[f"loss.importance_sampling_level={level}"])
+        model_mod.build_policy_loss(cfg, lin, None)(mb, 0.0, 1.0)
+    assert seen[0] is None and seen[1] is ids

@@ -331,6 +331,55 @@ def test_delta_caps_the_unclipped_ratio_hand_values():
         core.grpo_token_loss(lp, adv, delta=1.0)
 
 
+def test_gspo_sequence_ratio_hand_values():
+    """GSPO: every token of sequence i has ratio s_i = exp(mean_t(log π − log π_old)), clipped."""
+    lp = torch.tensor([0.2, 0.4, -0.1, 0.1, 0.06], requires_grad=True)
+    ids = torch.tensor([0, 0, 5, 5, 5])  # any labels
+    adv = torch.tensor([1.0, 1.0, -1.0, -1.0, -1.0])
+    loss, meta = core.grpo_token_loss(
+        lp, adv, old_log_probs=torch.zeros(5), importance_sampling_level="sequence", sequence_ids=ids
+    )
+    # seq 0: mean(.2, .4) = .3, s = e^.3 ≈ 1.3499 > 1.2, A = 1 → ℓ = −1.2 on both tokens, clipped, no gradient
+    # seq 5: mean(−.1, .1, .06) = .02, s = e^.02 ≈ 1.0202 inside, A = −1 → ℓ = 1.0202 on each token;
+    #        ∂(Σ_t ℓ_t)/∂log π_t = 3 tokens · (−A)·s/3 = 1.0202 (each token's loss depends on all three)
+    s5 = math.exp(0.02)
+    torch.testing.assert_close(loss.detach(), torch.tensor([-1.2, -1.2, s5, s5, s5]))
+    assert meta["clipped"].tolist() == [True, True, False, False, False]
+    loss.sum().backward()
+    torch.testing.assert_close(lp.grad, torch.tensor([0.0, 0.0, s5, s5, s5]))
+    # the token level on the same inputs: ratios e^.2 … per token, a different loss
+    token, _ = core.grpo_token_loss(lp.detach(), adv, old_log_probs=torch.zeros(5))
+    assert not torch.allclose(token, loss.detach())
+    with pytest.raises(ValueError, match="sequence_ids is needed with importance_sampling_level='sequence'"):
+        core.grpo_token_loss(lp, adv, importance_sampling_level="sequence")
+    with pytest.raises(ValueError, match="unknown importance_sampling_level 'group'"):
+        core.grpo_token_loss(lp, adv, importance_sampling_level="group", sequence_ids=ids)
+
+
+def test_gspo_on_policy_is_sequence_mean_grpo():
+    """On-policy s_i = 1 and ∂s_i/∂log π_t = 1/|i|: with sequence-mean weights w = 1/(|i|·B) the
+    token gradient −A·(Σ_{t'∈i} w_t')/|i| = −A/(|i|·B) is token-level GRPO's −A·w_t."""
+    lengths = [1, 3, 2]
+    ids = torch.repeat_interleave(torch.arange(3), torch.tensor(lengths))
+    w = torch.cat([torch.full((n,), 1 / (n * 3)) for n in lengths]).double()
+    adv = torch.tensor([0.5, -1.0, 2.0]).double()[ids]
+    grads = []
+    for kw in (dict(), dict(importance_sampling_level="sequence", sequence_ids=ids)):
+        lp = torch.linspace(-2, -0.1, 6, dtype=torch.float64, requires_grad=True)
+        loss, _ = core.grpo_token_loss(lp, adv, **kw)
+        (w * loss).sum().backward()
+        grads.append(lp.grad)
+    torch.testing.assert_close(grads[0], grads[1], rtol=1e-12, atol=1e-15)
+    torch.testing.assert_close(grads[0], -adv * w)
+
+
+def test_sequence_mean():
+    x = torch.tensor([1.0, 3.0, 5.0, 7.0])
+    torch.testing.assert_close(
+        core.sequence_mean(x, torch.tensor([4, 4, 1, 4])), torch.tensor([11 / 3, 11 / 3, 5.0, 11 / 3])
+    )
+
+
 @settings(max_examples=60, deadline=None)
 @given(
     log_ratio=st.floats(-2, 2, allow_nan=False),

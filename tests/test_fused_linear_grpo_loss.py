@@ -117,9 +117,10 @@ def _check_variant(backend, options, seed=3, chunk_size=12, hidden_weight_inputs
         fused_linear_grpo_loss, hidden, weight, inputs, torch.float32, device, chunk_size=chunk_size,
         backend=backend, **options,
     )  # fmt: skip
-    ref, gh64, gw64 = _run(_materialized, hidden, weight, inputs, torch.float64, cpu, **options)
-    eager, gh_e, gw_e = _run(_materialized, hidden, weight, inputs, torch.float32, cpu, **options)
-    terms = {k: v for k, v in options.items() if k not in ("temperature", "sequence_ids")}
+    ref_options = {k: v for k, v in options.items() if k != "two_pass"}
+    ref, gh64, gw64 = _run(_materialized, hidden, weight, inputs, torch.float64, cpu, **ref_options)
+    eager, gh_e, gw_e = _run(_materialized, hidden, weight, inputs, torch.float32, cpu, **ref_options)
+    terms = {k: v for k, v in options.items() if k not in ("temperature", "two_pass")}
     per_token, _ = grpo_token_loss(
         ref.logprobs.detach(),
         inputs.advantages.double(),
@@ -157,6 +158,79 @@ def test_loss_variants_match_float64_reference(variant, backend):
     hidden, weight, inputs = _problem(torch.float32, seed=3)
     plain, _, _ = _run(_materialized, hidden, weight, inputs, torch.float64, torch.device("cpu"), **OPTIONS)
     assert abs(ref.loss.item() - plain.loss.item()) > 1e-4
+
+
+# Sequences of 5 rows (the last of 4): chunks of 12 rows cut sequences 2, 4, 7 in two, so a
+# sequence's ratio needs rows of two chunks: the two-pass mode.
+GSPO_IDS = torch.arange(N) // 5
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize(
+    "variant",
+    [
+        pytest.param(dict(), id="grpo_clip"),
+        pytest.param(dict(loss_type="cispo"), id="cispo"),
+        pytest.param(dict(clip_low=0.05, clip_high=0.08, delta=1.5), id="small-clip-delta"),
+    ],
+)
+def test_gspo_two_pass_matches_float64_reference(variant, backend):
+    options = dict(OPTIONS, importance_sampling_level="sequence", sequence_ids=GSPO_IDS, **variant)
+    ours, ref = _check_variant(backend, options)
+    assert ours.clipped.any()
+    token, _ = _check_variant("torch_chunked", dict(OPTIONS, **variant))
+    assert abs(ref.loss.item() - token.loss.item()) > 1e-4  # a different loss than the token level's
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("chunk_size", [12, 44], ids=lambda c: f"chunk{c}")
+def test_two_pass_equals_one_pass(chunk_size, backend):
+    """Where both apply (token-level ratios), the two-pass mode gives bitwise the one-pass
+    log-probs, entropies, KL, clipped flags and gradients (the same GEMMs, kernels and per-row
+    g_lp, g_H), and the loss up to the order of its sum."""
+    hidden, weight, inputs = _problem(torch.float32, seed=5)
+    device = backend_device(backend)
+    one = _run(fused_linear_grpo_loss, hidden, weight, inputs, torch.float32, device, chunk_size=chunk_size,
+               backend=backend, two_pass=False, **OPTIONS)  # fmt: skip
+    two = _run(fused_linear_grpo_loss, hidden, weight, inputs, torch.float32, device, chunk_size=chunk_size,
+               backend=backend, two_pass=True, **OPTIONS)  # fmt: skip
+    for name in ("logprobs", "entropy", "kl", "clipped"):
+        assert torch.equal(getattr(one[0], name), getattr(two[0], name)), name
+    assert torch.equal(one[1], two[1]) and torch.equal(one[2], two[2])
+    assert two[0].loss.item() == pytest.approx(one[0].loss.item(), rel=1e-6)
+
+
+def test_gspo_on_policy_is_sequence_mean_grpo():
+    """On-policy GSPO with sequence-mean weights 1/(|i|·B) and one advantage per sequence: the
+    gradients of token-level GRPO (``grpo_fast.core.grpo_token_loss`` has the algebra), through
+    the two-pass op with sequences cut across chunks."""
+    hidden, weight, inputs = _problem(torch.float32, seed=7)
+    ids = GSPO_IDS
+    counts = torch.bincount(ids).float()
+    inputs.loss_weights = 1 / (counts[ids] * len(counts))
+    inputs.advantages = inputs.advantages[ids * 5]  # one advantage per sequence (its first row's)
+    inputs.old_logprobs = None
+    cpu = torch.device("cpu")
+    options = dict(temperature=0.7)
+    tok = _run(fused_linear_grpo_loss, hidden, weight, inputs, torch.float32, cpu, chunk_size=12, **options)
+    seq = _run(fused_linear_grpo_loss, hidden, weight, inputs, torch.float32, cpu, chunk_size=12,
+               importance_sampling_level="sequence", sequence_ids=ids, **options)  # fmt: skip
+    assert seq[0].loss.item() == pytest.approx(tok[0].loss.item(), rel=1e-5)
+    torch.testing.assert_close(seq[1], tok[1], rtol=1e-5, atol=1e-7)
+    torch.testing.assert_close(seq[2], tok[2], rtol=1e-5, atol=1e-7)
+
+
+def test_sequence_level_argument_errors():
+    hidden, weight, inputs = _problem(torch.float32)
+    args = (hidden, weight, inputs.labels, inputs.advantages, inputs.loss_weights)
+    with pytest.raises(ValueError, match="sequence_ids is needed with importance_sampling_level='sequence'"):
+        fused_linear_grpo_loss(*args, importance_sampling_level="sequence")
+    with pytest.raises(ValueError, match=r"sequence_ids must be \[N\] = \[44\]"):
+        fused_linear_grpo_loss(*args, importance_sampling_level="sequence", sequence_ids=GSPO_IDS[:-1])
+    with pytest.raises(ValueError, match="needs two_pass"):
+        fused_linear_grpo_loss(
+            *args, importance_sampling_level="sequence", sequence_ids=GSPO_IDS, two_pass=False
+        )
 
 
 @pytest.mark.parametrize("backend", BACKENDS)

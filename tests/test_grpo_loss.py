@@ -38,6 +38,12 @@ CASES = {
     # δ = 3 caps the r = 4 tokens (A < 0), as the dual clip does; δ = 1.3 also caps r = 1.5
     "delta-clip": (dict(off_policy=True), dict(delta=3.0)),
     "delta-reinforce": (dict(off_policy=True), dict(loss_type="reinforce_with_baseline", delta=1.3)),
+    # GSPO: sequences of 3 rows (the last one shorter), each row's ratio its sequence's
+    "gspo-off-policy": (
+        dict(off_policy=True, with_ref=True),
+        dict(importance_sampling_level="sequence", beta=0.04),
+    ),
+    "gspo-cispo": (dict(off_policy=True), dict(importance_sampling_level="sequence", loss_type="cispo")),
 }
 
 
@@ -100,6 +106,8 @@ def _check_against_reference(
 def test_matches_float64_reference(case, n, v, dtype, backend):
     flags, options = CASES[case]
     inputs = make_grpo_inputs(n, v, dtype=dtype, seed=v, temperature=options.get("temperature", 1.0), **flags)
+    if options.get("importance_sampling_level") == "sequence":
+        options = dict(options, sequence_ids=torch.arange(n) // 3)
     ours = _check_against_reference(inputs, dtype, backend, **options)
     ref = eager_grpo_loss_from_logits(
         inputs.logits.double(), inputs.labels, inputs.advantages, inputs.loss_weights,
@@ -109,7 +117,9 @@ def test_matches_float64_reference(case, n, v, dtype, backend):
         clipped = ours.clipped.cpu()
         a = inputs.advantages
         ratio = torch.exp(ref.logprobs.detach().float() - inputs.old_logprobs)
-        if options.get("loss_type", "grpo_clip") in ("grpo_clip", "cispo"):
+        if "sequence_ids" in options:  # sequence ratios (the advantages here differ per token)
+            assert clipped.any() and not clipped.all()
+        elif options.get("loss_type", "grpo_clip") in ("grpo_clip", "cispo"):
             assert (clipped & (a > 0)).any() and (clipped & (a < 0)).any(), "both clip sides must be active"
         elif "delta" in options:  # capped exactly where r > δ
             assert clipped.any() and torch.equal(clipped, ratio > options["delta"])

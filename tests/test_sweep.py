@@ -284,3 +284,19 @@ def test_delta_sweep_caps_the_second_epoch(tmp_path):
     assert [r.value for r in plan_sweep("tiny", "delta", out=tmp_path)] == ["null", "1.5", "3"]
     with pytest.raises(ConfigError, match=r"'big' is not a positive number for loss\.delta"):
         plan_sweep("tiny", "delta", ["big"], out=tmp_path)
+
+
+def test_importance_sampling_level_sweep_gspo(tmp_path):
+    """GSPO end to end: on-policy (one epoch) its step-1 gradient is sequence-mean GRPO's (the
+    tiny preset's length norm), so grad norms agree; with configs/gspo.yaml's second epoch and
+    tiny sequence clip range the runs' weights differ."""
+    on = _run_sweep_in_process("importance_sampling_level", tmp_path / "on")
+    assert list(on) == ["token", "sequence"]
+    (tok, _), (seq, _) = on.values()
+    assert seq["train/grad_norm"] == pytest.approx(tok["train/grad_norm"], rel=1e-4)
+    off = _run_sweep_in_process(
+        "importance_sampling_level", tmp_path / "off",
+        extra=["train.epochs_per_rollout_batch=2", "loss.clip_low=3e-4", "loss.clip_high=4e-4"],
+    )  # fmt: skip
+    (_, w_tok), (_, w_seq) = off.values()
+    assert any(not torch.equal(w_tok[k], w_seq[k]) for k in w_tok)

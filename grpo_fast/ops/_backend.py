@@ -23,7 +23,7 @@ from types import ModuleType
 
 import torch
 
-from grpo_fast.core import KL_ESTIMATORS, LOSS_TYPES
+from grpo_fast.core import IMPORTANCE_SAMPLING_LEVELS, KL_ESTIMATORS, LOSS_TYPES
 
 __all__ = [
     "BACKENDS",
@@ -32,6 +32,7 @@ __all__ = [
     "check_label_range",
     "check_loss_options",
     "check_per_token",
+    "check_sequence_ids",
     "check_temperature",
     "kernels_for",
 ]
@@ -106,6 +107,29 @@ def check_per_token(
             raise ValueError(f"{name} must be a floating-point tensor, got {t.dtype}")
         if t.device != matrix.device:
             raise ValueError(f"{name} is on {t.device} but {matrix_name} is on {matrix.device}")
+
+
+def check_sequence_ids(
+    importance_sampling_level: str, sequence_ids: torch.Tensor | None, labels: torch.Tensor
+) -> None:
+    """``ValueError`` unless ``sequence_ids`` is an ``[N]`` integer tensor on the labels' device,
+    given exactly when ``importance_sampling_level == "sequence"``."""
+    if importance_sampling_level not in IMPORTANCE_SAMPLING_LEVELS:
+        raise ValueError(
+            f"unknown importance_sampling_level {importance_sampling_level!r}; "
+            f"expected one of {', '.join(IMPORTANCE_SAMPLING_LEVELS)}"
+        )
+    if (importance_sampling_level == "sequence") != (sequence_ids is not None):
+        raise ValueError("sequence_ids is needed with importance_sampling_level='sequence', and only then")
+    if sequence_ids is None:
+        return
+    n = labels.shape[0]
+    if sequence_ids.dim() != 1 or sequence_ids.shape[0] != n:
+        raise ValueError(f"sequence_ids must be [N] = [{n}], got {tuple(sequence_ids.shape)}")
+    if sequence_ids.dtype not in (torch.int64, torch.int32):
+        raise ValueError(f"sequence_ids must be int64 or int32, got {sequence_ids.dtype}")
+    if sequence_ids.device != labels.device:
+        raise ValueError(f"sequence_ids is on {sequence_ids.device} but labels is on {labels.device}")
 
 
 def check_label_range(labels: torch.Tensor, vocab_size: int) -> None:

@@ -14,6 +14,18 @@ gradient of ``loss``. Peak extra memory: one chunk of logits, ``grad_hidden`` ``
 ``grad_weight`` ``[V, D]`` and, when the compute dtype differs from the weight's, ``W`` (during the
 forward only). Nothing of it grows with N but ``grad_hidden``.
 
+Two-pass mode (``two_pass``), for row math that needs statistics over rows before any gradient
+(GSPO's sequence ratio needs every token of the sequence, and its sequences cross chunks):
+
+    pass 1, per chunk:  logits = hidden_c @ Wᵀ;  logp, H, m, log S = kernel forward      [C] fp32
+    once, on [N]:       ℓ and its autograd -> g_lp, g_H for all N rows
+    pass 2, per chunk:  logits = hidden_c @ Wᵀ again;  dlogits, grad_hidden_c, grad_weight as above
+
+One more lm_head GEMM (3 -> 4 per chunk, with the two gradient GEMMs) and 4 fp32 per row kept
+between the passes; the peak is the one-pass mode's (one chunk of logits at a time). The
+gradient pass reuses pass 1's ``(m, log S)``: the recomputed logits are the same product of the
+same operands.
+
 fp32 master weights under bf16 autocast: pass the fp32 weight itself with ``compute_dtype=bf16``.
 The fp32 accumulator is then the weight's gradient as returned, with no bf16 rounding and no casts
 of ``[V, D]`` in the backward. Casting the weight to bf16 outside the op instead costs two more
@@ -46,6 +58,7 @@ from grpo_fast.ops._backend import (
     check_label_range,
     check_loss_options,
     check_per_token,
+    check_sequence_ids,
     kernels_for,
 )
 from grpo_fast.ops.grpo_loss import grpo_loss_from_logprobs
@@ -84,11 +97,25 @@ def _accumulate_fp32(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> Non
         acc.addmm_(a.float(), b.float())
 
 
+def _chunk_backward(logits, h, w, rows, labels, g_lp, g_h, row_max, log_norm, ent, inv_temperature, kernels,
+                    grad_hidden, grad_weight, compute_dtype) -> None:  # fmt: skip
+    """One chunk's gradients from its per-row ``g_lp, g_H [C]``: ``dlogits`` over ``logits [C, V]``
+    (in place), ``grad_hidden[rows] = dlogits @ W``, ``grad_weight += dlogitsᵀ @ h`` (fp32)."""
+    kernels.token_logprobs_bwd(logits, labels, g_lp, g_h, row_max, log_norm, ent, inv_temperature, logits)
+    if grad_hidden is not None and grad_hidden.dtype == compute_dtype:
+        torch.mm(logits, w, out=grad_hidden[rows])
+    elif grad_hidden is not None:
+        grad_hidden[rows] = logits @ w
+    if grad_weight is not None:
+        _accumulate_fp32(grad_weight, logits.t(), h)
+
+
 class FusedLinearGRPOLoss(torch.autograd.Function):
     """``(hidden [N, D], weight [V, D], ...) -> (loss, logprobs, entropy, kl, clipped)``.
 
     Only ``loss`` is differentiable (in ``hidden`` and ``weight``); the other outputs are detached.
-    ``kl`` is an empty tensor when there is no ``ref_logprobs``.
+    ``kl`` is an empty tensor when there is no ``ref_logprobs``. ``two_pass``: the row math runs
+    once over all ``N`` rows between a statistics pass and a gradient pass (module docstring).
     """
 
     @staticmethod
@@ -106,6 +133,8 @@ class FusedLinearGRPOLoss(torch.autograd.Function):
         chunk_size: int,
         compute_dtype: torch.dtype,
         kernels,
+        two_pass: bool,
+        sequence_ids: torch.Tensor | None,
     ):
         n = hidden.shape[0]
         device = hidden.device
@@ -120,46 +149,76 @@ class FusedLinearGRPOLoss(torch.autograd.Function):
         grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=device) if need_weight else None
         loss = torch.zeros((), dtype=torch.float32, device=device)
         w = weight.to(compute_dtype)  # [V, D]: the one cast per call (none when the dtypes agree)
+        grads = (grad_hidden, grad_weight, compute_dtype)
 
-        for r0 in range(0, n, chunk_size):
-            rows = slice(r0, min(r0 + chunk_size, n))
-            h = hidden[rows].to(compute_dtype)
-            logits = h @ w.t()  # [C, V], compute dtype
-            lp, ent, row_max, log_norm = kernels.token_logprobs_fwd(logits, labels[rows], inv_temperature)
+        if two_pass:
+            # pass 1: log-probs, entropies and the two row statistics of every row, chunk by chunk
+            row_max = torch.empty(n, dtype=torch.float32, device=device)
+            log_norm = torch.empty(n, dtype=torch.float32, device=device)
+            for r0 in range(0, n, chunk_size):
+                rows = slice(r0, min(r0 + chunk_size, n))
+                logits = hidden[rows].to(compute_dtype) @ w.t()  # [C, V]
+                stats = kernels.token_logprobs_fwd(logits, labels[rows], inv_temperature)
+                for out, chunk in zip((logprobs, entropy, row_max, log_norm), stats):
+                    out[rows] = chunk
+                del logits
+            # the row math once over all N rows (sequence ratios, entropy quantiles): g_lp, g_H [N]
             with torch.set_grad_enabled(track):
-                lp.requires_grad_(track)
-                ent.requires_grad_(track)
-                chunk_loss, chunk_kl, chunk_clipped = grpo_loss_from_logprobs(
-                    lp,
-                    ent,
-                    advantages[rows],
-                    loss_weights[rows],
-                    old_logprobs=None if old_logprobs is None else old_logprobs[rows],
-                    ref_logprobs=None if ref_logprobs is None else ref_logprobs[rows],
-                    **loss_options,
-                )
+                lp = logprobs.clone().requires_grad_(track)
+                ent = entropy.clone().requires_grad_(track)
+                full_loss, full_kl, full_clipped = grpo_loss_from_logprobs(
+                    lp, ent, advantages, loss_weights, old_logprobs=old_logprobs,
+                    ref_logprobs=ref_logprobs, sequence_ids=sequence_ids, **loss_options,
+                )  # fmt: skip
+            loss += full_loss.detach()
+            clipped.copy_(full_clipped)
+            if full_kl is not None:
+                kl.copy_(full_kl.detach())
             if track:
                 g_lp, g_h = torch.autograd.grad(
-                    chunk_loss, (lp, ent), allow_unused=True, materialize_grads=True
+                    full_loss, (lp, ent), allow_unused=True, materialize_grads=True
                 )
-                kernels.token_logprobs_bwd(
-                    logits, labels[rows], g_lp, g_h, row_max, log_norm, ent.detach(), inv_temperature, logits
-                )  # logits now hold dlogits [C, V]
-                if need_hidden and grad_hidden.dtype == compute_dtype:
-                    torch.mm(logits, w, out=grad_hidden[rows])
-                elif need_hidden:
-                    grad_hidden[rows] = logits @ w
-                if need_weight:
-                    _accumulate_fp32(grad_weight, logits.t(), h)
-            loss += chunk_loss.detach()
-            logprobs[rows] = lp.detach()
-            entropy[rows] = ent.detach()
-            clipped[rows] = chunk_clipped
-            if chunk_kl is not None:
-                kl[rows] = chunk_kl.detach()
-            # Free this chunk before the next matmul allocates its successor: otherwise two chunks
-            # are alive at once (N=4096, D=256, V=32768 fp32 on CPU: peak 291 -> 177 MiB).
-            del logits
+                # pass 2: each chunk's logits again (one more lm_head GEMM), then its gradients
+                for r0 in range(0, n, chunk_size):
+                    rows = slice(r0, min(r0 + chunk_size, n))
+                    h = hidden[rows].to(compute_dtype)
+                    logits = h @ w.t()  # [C, V], the same product as in pass 1
+                    _chunk_backward(logits, h, w, rows, labels[rows], g_lp[rows], g_h[rows], row_max[rows],
+                                    log_norm[rows], entropy[rows], inv_temperature, kernels, *grads)  # fmt: skip
+                    del logits
+        else:  # one pass: each chunk's row math, then its gradients, while its logits exist
+            for r0 in range(0, n, chunk_size):
+                rows = slice(r0, min(r0 + chunk_size, n))
+                h = hidden[rows].to(compute_dtype)
+                logits = h @ w.t()  # [C, V], compute dtype
+                lp, ent, row_max, log_norm = kernels.token_logprobs_fwd(logits, labels[rows], inv_temperature)
+                with torch.set_grad_enabled(track):
+                    lp.requires_grad_(track)
+                    ent.requires_grad_(track)
+                    chunk_loss, chunk_kl, chunk_clipped = grpo_loss_from_logprobs(
+                        lp,
+                        ent,
+                        advantages[rows],
+                        loss_weights[rows],
+                        old_logprobs=None if old_logprobs is None else old_logprobs[rows],
+                        ref_logprobs=None if ref_logprobs is None else ref_logprobs[rows],
+                        **loss_options,
+                    )
+                if track:
+                    g_lp, g_h = torch.autograd.grad(
+                        chunk_loss, (lp, ent), allow_unused=True, materialize_grads=True
+                    )
+                    _chunk_backward(logits, h, w, rows, labels[rows], g_lp, g_h, row_max, log_norm, ent.detach(),
+                                    inv_temperature, kernels, *grads)  # fmt: skip
+                loss += chunk_loss.detach()
+                logprobs[rows] = lp.detach()
+                entropy[rows] = ent.detach()
+                clipped[rows] = chunk_clipped
+                if chunk_kl is not None:
+                    kl[rows] = chunk_kl.detach()
+                # Free this chunk before the next matmul allocates its successor: otherwise two chunks
+                # are alive at once (N=4096, D=256, V=32768 fp32 on CPU: peak 291 -> 177 MiB).
+                del logits
 
         ctx.grads = (grad_hidden, grad_weight)  # grad_weight is fp32: the gradient of an fp32 weight
         ctx.weight_dtype = weight.dtype
@@ -177,7 +236,7 @@ class FusedLinearGRPOLoss(torch.autograd.Function):
             grad_hidden = grad_hidden.mul_(grad_loss)
         if grad_weight is not None:
             grad_weight = grad_weight.mul_(grad_loss).to(ctx.weight_dtype)  # a no-op for fp32
-        return grad_hidden, grad_weight, *([None] * 10)
+        return grad_hidden, grad_weight, *([None] * 12)
 
 
 def fused_linear_grpo_loss(
@@ -198,8 +257,11 @@ def fused_linear_grpo_loss(
     dual_clip: float | None = None,
     loss_type: str = "grpo_clip",
     delta: float | None = None,
+    importance_sampling_level: str = "token",
+    sequence_ids: torch.Tensor | None = None,
     compute_dtype: torch.dtype | None = None,
     chunk_size: int | None = None,
+    two_pass: bool | None = None,
     backend: str = "auto",
 ) -> GRPOLossOutput:
     """``grpo_loss_from_logits(hidden @ weightᵀ, ...)`` computed chunk by chunk, without ``[N, V]``.
@@ -209,14 +271,20 @@ def fused_linear_grpo_loss(
         weight: ``[V, D]`` on the same device (the lm_head weight; no bias); the same dtype as
             ``hidden`` unless ``compute_dtype`` is given.
         labels, advantages, loss_weights, old_logprobs, ref_logprobs, temperature, clip_low,
-            clip_high, beta, entropy_coef, kl_estimator, dual_clip, loss_type, delta: as
-            ``grpo_loss_from_logits``.
+            clip_high, beta, entropy_coef, kl_estimator, dual_clip, loss_type, delta,
+            importance_sampling_level, sequence_ids (``[N]`` int): as ``grpo_loss_from_logits``.
         compute_dtype: the dtype of the logits and their GEMMs (what autocast would pick), e.g.
             ``torch.bfloat16`` for an fp32 master ``weight``: the weight is cast once per call,
             ``hidden`` per chunk, and each gradient comes back in its input's dtype (the fp32
             weight's straight from the fp32 accumulator). Default: ``hidden.dtype``.
         chunk_size: rows per chunk; default ``default_chunk_size(N, V, compute_dtype)`` (128 MiB
             of logits per chunk, see the module docstring).
+        two_pass: run the per-row math once over all ``N`` rows between a pass that computes
+            every row's log-prob and entropy and a pass that recomputes each chunk's logits for
+            its gradients (one more lm_head GEMM, the same memory). ``None`` (default): exactly
+            when the row math needs statistics over rows, ``importance_sampling_level="sequence"``
+            (a sequence's ratio needs all its tokens); ``True`` is allowed for any loss (the same
+            gradients as one pass, bitwise); ``False`` with ``"sequence"`` is a ValueError.
         backend: ``"auto"``, ``"triton"``, ``"torch_chunked"``, or ``"eager"`` (materializes
             ``hidden @ weightᵀ`` and calls ``eager_grpo_loss_from_logits``: the baseline).
 
@@ -263,6 +331,11 @@ def fused_linear_grpo_loss(
         raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
     if beta != 0.0 and ref_logprobs is None:
         raise ValueError("beta != 0 needs ref_logprobs")
+    check_sequence_ids(importance_sampling_level, sequence_ids, labels)
+    needs_rows = importance_sampling_level == "sequence"
+    if two_pass is False and needs_rows:
+        raise ValueError("importance_sampling_level='sequence' needs two_pass (None or True)")
+    two_pass = needs_rows if two_pass is None else two_pass
     resolved = check_backend(backend, hidden.device)
     check_label_range(labels, weight.shape[0])
     loss_options = dict(
@@ -274,6 +347,7 @@ def fused_linear_grpo_loss(
         dual_clip=dual_clip,
         loss_type=loss_type,
         delta=delta,
+        importance_sampling_level=importance_sampling_level,
     )
     if resolved == "eager":
         return eager_grpo_loss_from_logits(
@@ -284,6 +358,7 @@ def fused_linear_grpo_loss(
             old_logprobs=old_logprobs,
             ref_logprobs=ref_logprobs,
             temperature=temperature,
+            sequence_ids=sequence_ids,
             **loss_options,
         )
     if chunk_size is None:
@@ -305,5 +380,7 @@ def fused_linear_grpo_loss(
         chunk_size,
         compute,
         kernels_for(resolved),
+        two_pass,
+        sequence_ids,
     )
     return GRPOLossOutput(loss, logprobs, entropy, kl if ref_logprobs is not None else None, clipped)

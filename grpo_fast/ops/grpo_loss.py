@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 
 from grpo_fast.core import GRPOLossOutput, eager_grpo_loss_from_logits, grpo_token_loss
-from grpo_fast.ops._backend import check_loss_options
+from grpo_fast.ops._backend import check_loss_options, check_sequence_ids
 from grpo_fast.ops.token_logprobs import apply_token_logprobs, prepare_logits
 
 __all__ = ["grpo_loss_from_logits", "grpo_loss_from_logprobs"]
@@ -35,6 +35,8 @@ def grpo_loss_from_logprobs(
     dual_clip: float | None,
     loss_type: str,
     delta: float | None = None,
+    importance_sampling_level: str = "token",
+    sequence_ids: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
     """The per-row GRPO math on ``[N]`` fp32 vectors: ``(loss scalar, kl [N] or None, clipped [N] bool)``.
 
@@ -56,6 +58,8 @@ def grpo_loss_from_logprobs(
         entropy_coef=entropy_coef,
         loss_type=loss_type,
         delta=delta,
+        importance_sampling_level=importance_sampling_level,
+        sequence_ids=sequence_ids,
     )
     return (loss_weights.float() * per_token).sum(), meta["kl"], meta["clipped"]
 
@@ -77,6 +81,8 @@ def grpo_loss_from_logits(
     dual_clip: float | None = None,
     loss_type: str = "grpo_clip",
     delta: float | None = None,
+    importance_sampling_level: str = "token",
+    sequence_ids: torch.Tensor | None = None,
     backend: str = "auto",
     inplace_grad: bool = False,
 ) -> GRPOLossOutput:
@@ -103,6 +109,10 @@ def grpo_loss_from_logits(
         delta: ``δ > 1`` or None: the unclipped term's ratio capped at δ, ``min(r_t, δ)`` (no
             gradient above it; for ``grpo_clip`` with ``δ > 1 + clip_high`` the same as
             ``dual_clip = δ``); ``clipped`` marks the capped tokens.
+        importance_sampling_level, sequence_ids: ``"token"`` (``r_t`` per token), or
+            ``"sequence"`` (GSPO) with ``sequence_ids [N]`` int64/int32: every row's ratio is its
+            sequence's ``exp(mean_{t∈i}(logp_t − old_t))``, the mean over the rows sharing the id
+            (see ``grpo_fast.core.grpo_token_loss``).
         backend: ``"auto"`` (``triton`` on CUDA, else ``torch_chunked``), ``"triton"``,
             ``"torch_chunked"``, ``"eager"``.
         inplace_grad: write ``∂loss/∂logits`` into the logits buffer (no ``[N, V]`` allocation in the
@@ -123,6 +133,7 @@ def grpo_loss_from_logits(
     )
     if beta != 0.0 and ref_logprobs is None:
         raise ValueError("beta != 0 needs ref_logprobs")
+    check_sequence_ids(importance_sampling_level, sequence_ids, labels)
     resolved = prepare_logits(
         logits,
         labels,
@@ -144,6 +155,8 @@ def grpo_loss_from_logits(
         dual_clip=dual_clip,
         loss_type=loss_type,
         delta=delta,
+        importance_sampling_level=importance_sampling_level,
+        sequence_ids=sequence_ids,
     )
     if resolved == "eager":
         return eager_grpo_loss_from_logits(
