@@ -132,6 +132,8 @@ class LossConfig:
     delta: float | None = None
     # token | sequence (GSPO: each token's ratio is its response's, exp(mean of log π − log π_old))
     importance_sampling_level: str = "token"
+    # ρ < 1: the policy-gradient term only on the top-ρ-entropy tokens of each microbatch (80/20)
+    top_entropy_quantile: float = 1.0
     beta: float = 0.0  # KL penalty coefficient (initial value when target_kl is set)
     kl_estimator: str = "k3"  # k1 | k2 | k3
     target_kl: float | None = None  # adaptive β (proportional controller) when set; per-token KL
@@ -589,6 +591,8 @@ def validate(cfg: Config, preset: str | None = None, check_device: bool = True) 
         raise ConfigError(f"loss.dual_clip applies only to loss.type=grpo_clip, not {lo.type}")
     if lo.delta is not None and lo.delta <= 1:
         raise ConfigError(f"loss.delta must be > 1 (or null), got {lo.delta}")
+    if not 0 < lo.top_entropy_quantile <= 1:
+        raise ConfigError(f"loss.top_entropy_quantile must be in (0, 1], got {lo.top_entropy_quantile}")
     positive("loss.beta", lo.beta, allow_zero=True)
     if lo.target_kl is not None:
         positive("loss.target_kl", lo.target_kl)

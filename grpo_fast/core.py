@@ -42,6 +42,7 @@ __all__ = [
     "compute_policy_gradient_loss",
     "eager_grpo_loss_from_logits",
     "eager_token_logprobs_and_entropy",
+    "entropy_threshold",
     "get_response_log_probs",
     "grpo_clip_loss",
     "grpo_microbatch_train_step",
@@ -438,6 +439,24 @@ def sequence_mean(values: torch.Tensor, sequence_ids: torch.Tensor) -> torch.Ten
     return (sums / counts)[inverse]
 
 
+def entropy_threshold(entropy: torch.Tensor, token_mask: torch.Tensor, quantile: float) -> torch.Tensor:
+    """The entropy above which a token is in the top ``quantile`` of the masked tokens (a 0-dim tensor).
+
+    "Beyond the 80/20 rule" (Wang et al. 2025) trains on the high-entropy "forking" tokens only:
+    the ``(1 − quantile)``-quantile of ``entropy[token_mask]`` (linear interpolation, as
+    ``torch.quantile``); tokens with ``H ≥`` it are kept. ``quantile = 1`` keeps every token
+    (the threshold is the smallest entropy); no masked token gives ``+inf``.
+
+    Example:
+        >>> entropy_threshold(torch.tensor([0.1, 2.0, 0.5, 1.0, 9.0]), torch.tensor([1, 1, 1, 1, 0]).bool(), 0.5)
+        tensor(0.7500)
+    """
+    h = entropy.detach()[token_mask]
+    if h.numel() == 0:
+        return entropy.new_tensor(math.inf)
+    return torch.quantile(h, 1.0 - quantile)
+
+
 def grpo_token_loss(
     log_probs: torch.Tensor,
     advantages: torch.Tensor,
@@ -455,6 +474,8 @@ def grpo_token_loss(
     delta: float | None = None,
     importance_sampling_level: str = "token",
     sequence_ids: torch.Tensor | None = None,
+    top_entropy_quantile: float = 1.0,
+    token_mask: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor | None]]:
     """The full per-token GRPO loss, before length normalization.
 
@@ -482,6 +503,12 @@ def grpo_token_loss(
     reaches every token of ``i``: ``∂s_i/∂log π_t = s_i/|i|``. On-policy ``s_i = 1`` and the
     token gradient is ``−A·(Σ_{t'∈i} w_t')/|i|``: with sequence-mean weights ``1/(|i|·B)`` that is
     ``−A·w_t``, token-level GRPO.
+
+    ``top_entropy_quantile = ρ < 1`` keeps the policy-gradient term only on the tokens whose
+    entropy is in the top ρ of the ``token_mask`` tokens (``entropy_threshold``; default mask: all
+    of them): ``pg_t ← pg_t·[H_t ≥ threshold]``, the mask detached; the KL and entropy terms stay
+    on every token (as TRL's ``top_entropy_quantile``). ``meta["entropy_threshold"]`` is the
+    threshold (None for ρ = 1).
 
     ``old_log_probs=None`` means on-policy: π_old is π detached, so ``r = 1`` and the gradient is
     ``−A·∇log π`` (no extra forward pass needed) for every ``loss_type``.
@@ -530,6 +557,15 @@ def grpo_token_loss(
             loss = -(ratio if delta is None else torch.clamp(ratio, max=delta)) * advantages
             is_clipped = ratio > (math.inf if delta is None else delta)
         meta = {"clipped": is_clipped.detach().expand(loss.shape)}
+    threshold = None
+    if top_entropy_quantile != 1.0:
+        if not 0 < top_entropy_quantile <= 1:
+            raise ValueError(f"top_entropy_quantile must be in (0, 1], got {top_entropy_quantile}")
+        if entropy is None:
+            raise ValueError("top_entropy_quantile < 1 needs the per-token entropy")
+        mask = torch.ones_like(entropy, dtype=torch.bool) if token_mask is None else token_mask.bool()
+        threshold = entropy_threshold(entropy, mask, top_entropy_quantile)
+        loss = loss * (entropy.detach() >= threshold).to(loss.dtype)
     kl = None
     if ref_log_probs is not None:
         kl = kl_penalty(log_probs, ref_log_probs, kl_estimator)
@@ -539,7 +575,7 @@ def grpo_token_loss(
         if entropy is None:
             raise ValueError("entropy_coef != 0 needs the per-token entropy")
         loss = loss - entropy_coef * entropy
-    return loss, {"clipped": meta["clipped"], "kl": kl}
+    return loss, {"clipped": meta["clipped"], "kl": kl, "entropy_threshold": threshold}
 
 
 # ----------------------------------------------------------------------------------------------
@@ -755,6 +791,7 @@ def eager_grpo_loss_from_logits(
     delta: float | None = None,
     importance_sampling_level: str = "token",
     sequence_ids: torch.Tensor | None = None,
+    top_entropy_quantile: float = 1.0,
 ) -> GRPOLossOutput:
     """Reference for ``grpo_fast.ops.grpo_loss_from_logits`` (same arguments, same output).
 
@@ -780,6 +817,8 @@ def eager_grpo_loss_from_logits(
         delta=delta,
         importance_sampling_level=importance_sampling_level,
         sequence_ids=sequence_ids,
+        top_entropy_quantile=top_entropy_quantile,
+        token_mask=loss_weights != 0,
     )
     loss = (cast(loss_weights) * per_token).sum()
     return GRPOLossOutput(loss, logp, entropy, meta["kl"], meta["clipped"])

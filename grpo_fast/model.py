@@ -128,6 +128,7 @@ def build_policy_loss(cfg: Config, model: nn.Module, amp: torch.dtype | None) ->
             dual_clip=lo.dual_clip,
             delta=lo.delta,
             importance_sampling_level=lo.importance_sampling_level,
+            top_entropy_quantile=lo.top_entropy_quantile,
             kl_estimator=lo.kl_estimator,
             entropy_coef=lo.entropy_coef,
             loss_type=lo.type,

@@ -3,7 +3,7 @@
 Usage::
 
     python -m grpo_fast.sweep --preset NAME [--config FILE]... --sweep {lr,baseline,length_norm,scale_rewards,loss_type,delta,
-        importance_sampling_level}
+        importance_sampling_level,top_entropy_quantile}
         [--values V ...] [--lr-range LOW HIGH] [--num N] [--out DIR] [--dry-run] [--plot-only]
         [key=value ...]
 
@@ -19,7 +19,7 @@ log grid (``LRGrid``: 5 values from 1e-6 to 1e-4); ``baseline`` → ``loss.type`
 ``loss.type`` (``grpo_clip`` vs ``cispo``; any loss type with ``--values``); ``delta`` →
 ``loss.delta`` (``null``, 1.5, 3: off-policy only, with ``train.epochs_per_rollout_batch`` > 1);
 ``importance_sampling_level`` → ``loss.importance_sampling_level`` (``token`` vs ``sequence``,
-GSPO). Extra ``key=value`` words are OmegaConf dot-list overrides passed to every
+GSPO); ``top_entropy_quantile`` → ``loss.top_entropy_quantile`` (1 vs 0.2, the 80/20 rule). Extra ``key=value`` words are OmegaConf dot-list overrides passed to every
 run; they may appear anywhere on the command line (even after ``--values``).
 
 Afterwards (or alone, with ``--plot-only``) it writes into ``OUT``: ``sweep_reward.png``,
@@ -100,6 +100,7 @@ SWEEPS: dict[str, SweepSpec] = {
     "scale_rewards": SweepSpec(key="loss.scale_rewards", defaults=SCALE_REWARDS, choices=SCALE_REWARDS),
     "loss_type": SweepSpec(key="loss.type", defaults=("grpo_clip", "cispo"), choices=LOSS_TYPES),
     "delta": SweepSpec(key="loss.delta", defaults=("null", "1.5", "3"), nullable=True),
+    "top_entropy_quantile": SweepSpec(key="loss.top_entropy_quantile", defaults=("1", "0.2")),
     "importance_sampling_level": SweepSpec(
         key="loss.importance_sampling_level",
         defaults=IMPORTANCE_SAMPLING_LEVELS,

@@ -50,6 +50,7 @@ from grpo_fast.config import Config, load_config, to_yaml
 from grpo_fast.core import (
     AdaptiveKLController,
     compute_group_normalized_rewards,
+    entropy_threshold,
     kl_early_stop,
     kl_penalty,
     sequence_mean,
@@ -376,6 +377,8 @@ def _train(cfg: Config, device: torch.device, world: dist.DistInfo, out: Path, e
                 "train/loss_pg": totals["loss_pg"],  # train/loss = loss_pg + loss_kl + loss_entropy
                 "train/loss_kl": totals["loss_kl"],
                 "train/loss_entropy": totals["loss_entropy"],
+                # the top_entropy_quantile threshold, mean over microbatches (0 when off)
+                "train/entropy_threshold": totals["entropy_threshold"],
                 "train/kl": totals["kl"],
                 "train/beta": state.beta,
                 "train/lr": lr,
@@ -495,7 +498,10 @@ def optimize_on_rollout(
                 # DDP averages gradients over ranks; the weights already hold global
                 # normalizers, so scale by the world size to recover the sum.
                 (out_mb.loss * world.world_size).backward()
-            epoch_stats.add(out_mb, mb, beta, cfg.loss.entropy_coef, cfg.loss.importance_sampling_level)
+            lo = cfg.loss
+            epoch_stats.add(
+                out_mb, mb, beta, lo.entropy_coef, lo.importance_sampling_level, lo.top_entropy_quantile
+            )
             if on_microbatch is not None:
                 on_microbatch(1)
         grad_norm = torch.nn.utils.clip_grad_norm_(params, cfg.train.grad_clip or float("inf"))
@@ -522,15 +528,24 @@ class _Stats:
     """Token-level sums over the microbatches of one epoch (kept on the device until the end)."""
 
     # [loss, entropy, clipped, kl_ref, kl_old, tokens, Σ |log p_trainer − log p_sampler|,
-    #  clipped with r < 1, clipped with r > 1, Σ w·pg, Σ w·β·KL, −Σ w·c·H]
-    WIDTH = 12
+    #  clipped with r < 1, clipped with r > 1, Σ w·pg, Σ w·β·KL, −Σ w·c·H,
+    #  Σ entropy thresholds (loss.top_entropy_quantile < 1), microbatches]
+    WIDTH = 14
 
     def __init__(self):
         self.sums: torch.Tensor | None = None
         self.grad_norm = float("nan")
         self.has_ref = False
 
-    def add(self, out, mb, beta: float = 0.0, entropy_coef: float = 0.0, level: str = "token") -> None:
+    def add(
+        self,
+        out,
+        mb,
+        beta: float = 0.0,
+        entropy_coef: float = 0.0,
+        level: str = "token",
+        top_entropy_quantile: float = 1.0,
+    ) -> None:
         n = torch.tensor(float(mb.labels.numel()), device=out.entropy.device)
         zero = torch.zeros((), device=n.device)
         self.has_ref = out.kl is not None
@@ -555,6 +570,9 @@ class _Stats:
         kl_term = beta * (mb.loss_weights * out.kl).sum() if beta != 0 and out.kl is not None else zero
         entropy_term = -entropy_coef * (mb.loss_weights * out.entropy).sum() if entropy_coef != 0 else zero
         loss = out.loss.detach().float()
+        threshold = zero  # the op's own: the same quantile of the same entropies
+        if top_entropy_quantile < 1:
+            threshold = entropy_threshold(out.entropy, mb.loss_weights != 0, top_entropy_quantile).float()
         row = torch.stack(
             [
                 loss,
@@ -569,6 +587,8 @@ class _Stats:
                 loss - kl_term - entropy_term,
                 kl_term,
                 entropy_term,
+                threshold,
+                torch.ones((), device=n.device),
             ]
         )
         self.sums = row if self.sums is None else self.sums + row
@@ -612,6 +632,8 @@ class _Stats:
             loss_pg,
             loss_kl,
             loss_entropy,
+            threshold_sum,
+            microbatches,
             rsum,
             rsq,
             accn,
@@ -635,6 +657,7 @@ class _Stats:
             "loss_pg": loss_pg,
             "loss_kl": loss_kl,
             "loss_entropy": loss_entropy,
+            "entropy_threshold": threshold_sum / max(microbatches, 1.0),
             # KL to the reference policy when there is one, else to π_old (0 when on-policy)
             "kl": (kl if self.has_ref else kl_old) / tokens,
             "reward_mean": mean,

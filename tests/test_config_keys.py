@@ -15,6 +15,11 @@ def test_dual_clip_needs_the_clipped_loss():
         load_config("tiny", overrides=["loss.dual_clip=3.0", "loss.type=no_baseline"])
 
 
+def test_top_entropy_quantile_range():
+    with pytest.raises(ConfigError, match=r"loss\.top_entropy_quantile must be in \(0, 1\], got 1\.5"):
+        load_config("tiny", overrides=["loss.top_entropy_quantile=1.5"])
+
+
 def test_delta_must_exceed_one():
     assert load_config("tiny", overrides=["loss.delta=3.0", "loss.type=cispo"]).loss.delta == 3.0
     with pytest.raises(ConfigError, match=r"loss\.delta must be > 1 \(or null\), got 1\.0"):
@@ -74,6 +79,7 @@ def test_build_policy_loss_passes_every_loss_option():
             "loss.clip_high=0.3",
             "loss.delta=1.5",
             "loss.importance_sampling_level=sequence",
+            "loss.top_entropy_quantile=0.2",
             "loss.kl_estimator=k2",
             "loss.entropy_coef=0.01",
             "loss.kernel_backend=eager",
@@ -87,6 +93,7 @@ def test_build_policy_loss_passes_every_loss_option():
         dual_clip=None,
         delta=1.5,
         importance_sampling_level="sequence",
+        top_entropy_quantile=0.2,
         kl_estimator="k2",
         entropy_coef=0.01,
         loss_type="reinforce_with_baseline",

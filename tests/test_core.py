@@ -373,6 +373,33 @@ def test_gspo_on_policy_is_sequence_mean_grpo():
     torch.testing.assert_close(grads[0], -adv * w)
 
 
+def test_top_entropy_quantile_hand_values():
+    """80/20: the policy-gradient term only on the top-ρ-entropy tokens; KL and bonus on all."""
+    lp = torch.zeros(5, requires_grad=True)
+    entropy = torch.tensor([0.1, 2.0, 0.5, 1.0, 9.0])
+    mask = torch.tensor([True, True, True, True, False])  # the last token does not count (weight 0)
+    adv = torch.ones(5)
+    # ρ = .5 over the 4 masked entropies, sorted [.1, .5, 1, 2]: the .5-quantile interpolates
+    # halfway between .5 and 1 → .75; kept: H = 2 and H = 1 (and H = 9: above it, though unmasked)
+    assert core.entropy_threshold(entropy, mask, 0.5).item() == pytest.approx(0.75)
+    ref = torch.full((5,), math.log(2))  # k3 with d = ln 2: 2 − ln 2 − 1 ≈ .3069 on every token
+    loss, meta = core.grpo_token_loss(
+        lp, adv, ref_log_probs=ref, beta=0.1, entropy=entropy, top_entropy_quantile=0.5, token_mask=mask
+    )
+    k3 = 2 - math.log(2) - 1
+    # on-policy pg = −A = −1 on kept tokens, 0 on the others; + β·k3 on all
+    torch.testing.assert_close(loss.detach(), torch.tensor([0.0, -1.0, 0.0, -1.0, -1.0]) + 0.1 * k3)
+    assert meta["entropy_threshold"].item() == pytest.approx(0.75)
+    loss.sum().backward()
+    # ∂/∂log π: −A on kept tokens, and β·(1 − π_ref/π) = .1·(1 − 2) = −.1 on every token
+    torch.testing.assert_close(lp.grad, torch.tensor([-0.1, -1.1, -0.1, -1.1, -1.1]))
+    full, meta = core.grpo_token_loss(lp.detach(), adv, entropy=entropy)  # ρ = 1: every token
+    assert meta["entropy_threshold"] is None and torch.equal(full, -adv)
+    assert core.entropy_threshold(entropy, mask, 1.0).item() == pytest.approx(0.1)  # the smallest
+    with pytest.raises(ValueError, match=r"top_entropy_quantile must be in \(0, 1\]"):
+        core.grpo_token_loss(lp, adv, entropy=entropy, top_entropy_quantile=0.0)
+
+
 def test_sequence_mean():
     x = torch.tensor([1.0, 3.0, 5.0, 7.0])
     torch.testing.assert_close(

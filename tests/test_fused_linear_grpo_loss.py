@@ -183,6 +183,16 @@ def test_gspo_two_pass_matches_float64_reference(variant, backend):
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
+def test_top_entropy_quantile_two_pass_matches_float64_reference(backend):
+    """The threshold needs every row's entropy (two-pass, chunks of 12): the loss and gradients of
+    the reference that materializes the logits; a different loss than ρ = 1."""
+    options = dict(OPTIONS, top_entropy_quantile=0.2)
+    _, ref = _check_variant(backend, options)
+    _, all_rows = _check_variant("torch_chunked", OPTIONS)
+    assert abs(ref.loss.item() - all_rows.loss.item()) > 1e-4
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("chunk_size", [12, 44], ids=lambda c: f"chunk{c}")
 def test_two_pass_equals_one_pass(chunk_size, backend):
     """Where both apply (token-level ratios), the two-pass mode gives bitwise the one-pass

@@ -44,6 +44,11 @@ CASES = {
         dict(importance_sampling_level="sequence", beta=0.04),
     ),
     "gspo-cispo": (dict(off_policy=True), dict(importance_sampling_level="sequence", loss_type="cispo")),
+    # 80/20: the pg term on the top 30% entropy rows of the call (KL and bonus on all)
+    "top-entropy-0.3": (
+        dict(off_policy=True, with_ref=True),
+        dict(top_entropy_quantile=0.3, beta=0.04, entropy_coef=0.01),
+    ),
 }
 
 

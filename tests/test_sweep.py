@@ -300,3 +300,13 @@ def test_importance_sampling_level_sweep_gspo(tmp_path):
     )  # fmt: skip
     (_, w_tok), (_, w_seq) = off.values()
     assert any(not torch.equal(w_tok[k], w_seq[k]) for k in w_tok)
+
+
+def test_top_entropy_quantile_sweep(tmp_path):
+    """ρ = 0.2 trains on the top-20%-entropy tokens only: a positive logged threshold (0 when
+    off) and different weights."""
+    runs = _run_sweep_in_process("top_entropy_quantile", tmp_path)
+    assert list(runs) == ["1", "0.2"]
+    (full, w_full), (top, w_top) = runs.values()
+    assert full["train/entropy_threshold"] == 0.0 and top["train/entropy_threshold"] > 0
+    assert any(not torch.equal(w_full[k], w_top[k]) for k in w_full)

@@ -161,6 +161,7 @@ def check_loss_options(
     dual_clip: float | None,
     loss_type: str,
     delta: float | None = None,
+    top_entropy_quantile: float = 1.0,
 ) -> None:
     """``ValueError`` for a GRPO option out of its domain, naming it."""
     check_temperature(temperature)
@@ -181,3 +182,5 @@ def check_loss_options(
         raise ValueError(f"dual_clip applies only to loss_type='grpo_clip', not {loss_type!r}")
     if delta is not None and not (math.isfinite(delta) and delta > 1):
         raise ValueError(f"delta must be > 1 (or None), got {delta}")
+    if not 0 < top_entropy_quantile <= 1:
+        raise ValueError(f"top_entropy_quantile must be in (0, 1], got {top_entropy_quantile}")

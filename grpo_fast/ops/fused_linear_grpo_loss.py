@@ -15,7 +15,8 @@ gradient of ``loss``. Peak extra memory: one chunk of logits, ``grad_hidden`` ``
 forward only). Nothing of it grows with N but ``grad_hidden``.
 
 Two-pass mode (``two_pass``), for row math that needs statistics over rows before any gradient
-(GSPO's sequence ratio needs every token of the sequence, and its sequences cross chunks):
+(GSPO's sequence ratio needs every token of the sequence, and its sequences cross chunks; the
+top-entropy threshold needs every row's entropy):
 
     pass 1, per chunk:  logits = hidden_c @ Wᵀ;  logp, H, m, log S = kernel forward      [C] fp32
     once, on [N]:       ℓ and its autograd -> g_lp, g_H for all N rows
@@ -259,6 +260,7 @@ def fused_linear_grpo_loss(
     delta: float | None = None,
     importance_sampling_level: str = "token",
     sequence_ids: torch.Tensor | None = None,
+    top_entropy_quantile: float = 1.0,
     compute_dtype: torch.dtype | None = None,
     chunk_size: int | None = None,
     two_pass: bool | None = None,
@@ -272,7 +274,8 @@ def fused_linear_grpo_loss(
             ``hidden`` unless ``compute_dtype`` is given.
         labels, advantages, loss_weights, old_logprobs, ref_logprobs, temperature, clip_low,
             clip_high, beta, entropy_coef, kl_estimator, dual_clip, loss_type, delta,
-            importance_sampling_level, sequence_ids (``[N]`` int): as ``grpo_loss_from_logits``.
+            importance_sampling_level, sequence_ids (``[N]`` int), top_entropy_quantile: as
+            ``grpo_loss_from_logits`` (the quantile is over all ``N`` rows of the call).
         compute_dtype: the dtype of the logits and their GEMMs (what autocast would pick), e.g.
             ``torch.bfloat16`` for an fp32 master ``weight``: the weight is cast once per call,
             ``hidden`` per chunk, and each gradient comes back in its input's dtype (the fp32
@@ -282,9 +285,10 @@ def fused_linear_grpo_loss(
         two_pass: run the per-row math once over all ``N`` rows between a pass that computes
             every row's log-prob and entropy and a pass that recomputes each chunk's logits for
             its gradients (one more lm_head GEMM, the same memory). ``None`` (default): exactly
-            when the row math needs statistics over rows, ``importance_sampling_level="sequence"``
-            (a sequence's ratio needs all its tokens); ``True`` is allowed for any loss (the same
-            gradients as one pass, bitwise); ``False`` with ``"sequence"`` is a ValueError.
+            when the row math needs statistics over rows: ``importance_sampling_level="sequence"``
+            (a sequence's ratio needs all its tokens) or ``top_entropy_quantile < 1`` (the
+            threshold needs every row's entropy); ``True`` is allowed for any loss (the same
+            gradients as one pass, bitwise); ``False`` where the rows are needed is a ValueError.
         backend: ``"auto"``, ``"triton"``, ``"torch_chunked"``, or ``"eager"`` (materializes
             ``hidden @ weightᵀ`` and calls ``eager_grpo_loss_from_logits``: the baseline).
 
@@ -303,8 +307,9 @@ def fused_linear_grpo_loss(
         >>> out.loss.backward()  # hidden.grad [6, 8], weight.grad [50, 8]
     """
     check_loss_options(
-        temperature, clip_low, clip_high, beta, entropy_coef, kl_estimator, dual_clip, loss_type, delta
-    )
+        temperature, clip_low, clip_high, beta, entropy_coef, kl_estimator, dual_clip, loss_type, delta,
+        top_entropy_quantile,
+    )  # fmt: skip
     check_per_token(
         "hidden",
         hidden,
@@ -332,9 +337,11 @@ def fused_linear_grpo_loss(
     if beta != 0.0 and ref_logprobs is None:
         raise ValueError("beta != 0 needs ref_logprobs")
     check_sequence_ids(importance_sampling_level, sequence_ids, labels)
-    needs_rows = importance_sampling_level == "sequence"
+    needs_rows = importance_sampling_level == "sequence" or top_entropy_quantile < 1
     if two_pass is False and needs_rows:
-        raise ValueError("importance_sampling_level='sequence' needs two_pass (None or True)")
+        raise ValueError(
+            "importance_sampling_level='sequence' and top_entropy_quantile < 1 need two_pass (None or True)"
+        )
     two_pass = needs_rows if two_pass is None else two_pass
     resolved = check_backend(backend, hidden.device)
     check_label_range(labels, weight.shape[0])
@@ -348,6 +355,7 @@ def fused_linear_grpo_loss(
         loss_type=loss_type,
         delta=delta,
         importance_sampling_level=importance_sampling_level,
+        top_entropy_quantile=top_entropy_quantile,
     )
     if resolved == "eager":
         return eager_grpo_loss_from_logits(

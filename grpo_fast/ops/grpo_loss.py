@@ -37,6 +37,7 @@ def grpo_loss_from_logprobs(
     delta: float | None = None,
     importance_sampling_level: str = "token",
     sequence_ids: torch.Tensor | None = None,
+    top_entropy_quantile: float = 1.0,
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
     """The per-row GRPO math on ``[N]`` fp32 vectors: ``(loss scalar, kl [N] or None, clipped [N] bool)``.
 
@@ -60,6 +61,8 @@ def grpo_loss_from_logprobs(
         delta=delta,
         importance_sampling_level=importance_sampling_level,
         sequence_ids=sequence_ids,
+        top_entropy_quantile=top_entropy_quantile,
+        token_mask=loss_weights != 0,  # the quantile is over the tokens that count
     )
     return (loss_weights.float() * per_token).sum(), meta["kl"], meta["clipped"]
 
@@ -83,6 +86,7 @@ def grpo_loss_from_logits(
     delta: float | None = None,
     importance_sampling_level: str = "token",
     sequence_ids: torch.Tensor | None = None,
+    top_entropy_quantile: float = 1.0,
     backend: str = "auto",
     inplace_grad: bool = False,
 ) -> GRPOLossOutput:
@@ -113,6 +117,9 @@ def grpo_loss_from_logits(
             ``"sequence"`` (GSPO) with ``sequence_ids [N]`` int64/int32: every row's ratio is its
             sequence's ``exp(mean_{t∈i}(logp_t − old_t))``, the mean over the rows sharing the id
             (see ``grpo_fast.core.grpo_token_loss``).
+        top_entropy_quantile: ``ρ ∈ (0, 1]``: the policy-gradient term only on the rows whose
+            entropy is in the top ρ of the rows with ``loss_weights != 0`` of this call
+            (``grpo_fast.core.entropy_threshold``); 1 = every row.
         backend: ``"auto"`` (``triton`` on CUDA, else ``torch_chunked``), ``"triton"``,
             ``"torch_chunked"``, ``"eager"``.
         inplace_grad: write ``∂loss/∂logits`` into the logits buffer (no ``[N, V]`` allocation in the
@@ -129,8 +136,9 @@ def grpo_loss_from_logits(
         tensor(-0.5000, grad_fn=<SumBackward0>)
     """
     check_loss_options(
-        temperature, clip_low, clip_high, beta, entropy_coef, kl_estimator, dual_clip, loss_type, delta
-    )
+        temperature, clip_low, clip_high, beta, entropy_coef, kl_estimator, dual_clip, loss_type, delta,
+        top_entropy_quantile,
+    )  # fmt: skip
     if beta != 0.0 and ref_logprobs is None:
         raise ValueError("beta != 0 needs ref_logprobs")
     check_sequence_ids(importance_sampling_level, sequence_ids, labels)
@@ -157,6 +165,7 @@ def grpo_loss_from_logits(
         delta=delta,
         importance_sampling_level=importance_sampling_level,
         sequence_ids=sequence_ids,
+        top_entropy_quantile=top_entropy_quantile,
     )
     if resolved == "eager":
         return eager_grpo_loss_from_logits(
