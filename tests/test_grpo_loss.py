@@ -251,6 +251,42 @@ def test_batch_invariance_bitwise(backend):
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize(
+    "options",
+    [
+        pytest.param(dict(loss_type="cispo", delta=1.3), id="cispo-delta"),
+        pytest.param(dict(importance_sampling_level="sequence", clip_low=0.05, clip_high=0.05), id="gspo"),
+    ],
+)
+def test_variants_batch_invariance_bitwise(options, backend):
+    """A row's log-prob, clipped flag and logits gradient do not depend on the other rows of the
+    call: for CISPO/δ (row-local math) any subset; for GSPO any subset of whole sequences (a
+    sequence's ratio is its own rows' mean, summed in row order whatever else is there)."""
+    device = backend_device(backend)
+    inputs = make_grpo_inputs(45, 4099, off_policy=True, seed=9)
+    ids = torch.arange(45) // 5
+
+    def run(idx):
+        logits = inputs.logits[idx].to(device).requires_grad_()
+        extra = dict(sequence_ids=ids[idx].to(device)) if "importance_sampling_level" in options else {}
+        out = grpo_loss_from_logits(
+            logits, inputs.labels[idx].to(device), inputs.advantages[idx].to(device),
+            inputs.loss_weights[idx].to(device), old_logprobs=inputs.old_logprobs[idx].to(device),
+            backend=backend, **options, **extra,
+        )  # fmt: skip
+        out.loss.backward()
+        return out, logits.grad
+
+    full, grad_full = run(torch.arange(45))
+    idx = torch.cat([torch.arange(40, 45), torch.arange(0, 5), torch.arange(15, 20)])  # sequences 8, 0, 3
+    part, grad_part = run(idx)
+    d = idx.to(device)
+    assert full.clipped.any()
+    assert torch.equal(part.logprobs, full.logprobs[d]) and torch.equal(part.clipped, full.clipped[d])
+    assert torch.equal(grad_part, grad_full[d])
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
 def test_nan_logits_propagate(backend):
     device = backend_device(backend)
     inputs = make_grpo_inputs(6, 1000)
