@@ -51,6 +51,66 @@ def build_liger_step(n: int, d: int, v: int, dtype: torch.dtype, device: str):
     return step
 
 
+# The issue-12 loss variants on the fused op: (loss options, lm_head GEMMs per chunk). GSPO and
+# the entropy quantile run the two-pass mode (one more logits GEMM).
+VARIANTS = {
+    "cispo": (dict(loss_type="cispo", clip_low=0.999, clip_high=0.28), 3),
+    "gspo-two-pass": (dict(importance_sampling_level="sequence", clip_low=3e-4, clip_high=4e-4), 4),
+    "top-entropy-0.2-two-pass": (dict(top_entropy_quantile=0.2), 4),
+}
+
+
+def build_variant_step(variant: str, n: int, d: int, v: int, dtype: torch.dtype, device: str):
+    """One fused fwd+bwd (``triton``) with a ``VARIANTS`` loss on responses of 64 tokens, off-policy."""
+    from grpo_fast.ops import fused_linear_grpo_loss
+
+    options, _ = VARIANTS[variant]
+    g = torch.Generator(device).manual_seed(0)
+    hidden = torch.randn(n, d, generator=g, device=device).to(dtype).requires_grad_()
+    weight = (torch.randn(v, d, generator=g, device=device) / math.sqrt(d)).to(dtype).requires_grad_()
+    labels = torch.randint(0, v, (n,), generator=g, device=device)
+    advantages = torch.randn(n, generator=g, device=device)
+    loss_weights = torch.full((n,), 1.0 / n, device=device)
+    old = torch.randn(n, generator=g, device=device) - math.log(v)
+    extra = (
+        {"sequence_ids": torch.arange(n, device=device) // 64}
+        if "importance_sampling_level" in options
+        else {}
+    )
+    backend = "triton" if device == "cuda" else "torch_chunked"
+
+    def step() -> None:
+        out = fused_linear_grpo_loss(
+            hidden,
+            weight,
+            labels,
+            advantages,
+            loss_weights,
+            old_logprobs=old,
+            backend=backend,
+            **options,
+            **extra,
+        )
+        out.loss.backward()
+        hidden.grad = None
+        weight.grad = None
+        if hidden.is_cuda:
+            torch.cuda.synchronize()  # sync point: the timer stops after the kernels
+
+    return step
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(("n", "d", "v"), GPU_SHAPES[:2])
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_gpu_variants(run_bench, variant, n, d, v):
+    gemms = VARIANTS[variant][1]
+    run_bench(
+        build_variant_step, variant, n, d, v, torch.bfloat16, "cuda",
+        device=torch.device("cuda"), rounds=10, flops=gemms * 2 * n * d * v,
+    )  # fmt: skip
+
+
 @pytest.mark.parametrize(("n", "d", "v"), CPU_SHAPES)
 @pytest.mark.parametrize("impl", ["eager", "compiled", "torch_chunked"])
 def test_cpu(run_bench, impl, n, d, v):
