@@ -169,6 +169,7 @@ DOMAINS: dict[str, tuple[list[str], list[str]]] = {
     "loss.clip_high": (["0", "0.3"], ["-0.1"]),
     "loss.dual_clip": (["null", "3"], ["1", "0", "-3"]),
     "loss.delta": (["null", "4"], ["1", "0", "-4"]),
+    "loss.top_entropy_quantile": (["1", "0.2"], ["0", "-0.5", "1.5"]),
     "loss.beta": (["0", "0.1"], ["-0.1"]),
     "loss.target_kl": (["null"], ["0", "-0.1"]),  # a value needs loss.beta > 0: see CONTEXT
     "loss.kl_early_stop": (["null", "0.3"], ["0", "-0.3"]),
