@@ -15,6 +15,8 @@ from functools import wraps
 class UserError(Exception):
     """A problem in what the user gave us; the message is the whole story."""
 
+    exit_code = 2
+
 
 class ConfigError(UserError):
     """A bad config key or value (the message names the key)."""
@@ -28,8 +30,27 @@ class CheckpointError(UserError):
     """A checkpoint that cannot be read, is refused as unsafe, or cannot be written (names the file)."""
 
 
+class TrainingStopped(UserError):
+    """The run cannot go on as it is (e.g. non-finite steps in a row, a reward function that
+    fails); the message says why and which checkpoint is intact."""
+
+
+class RewardError(UserError):
+    """A reward function raised or returned a non-number (names the function and the response)."""
+
+
+class Preempted(UserError):
+    """SIGTERM/SIGINT: a checkpoint of the last finished step was written (the message says
+    where); exit code 128 + the signal number, as a shell reports a process killed by it."""
+
+    def __init__(self, message: str, signum: int):
+        super().__init__(message)
+        self.exit_code = 128 + signum
+
+
 def cli_errors(main: Callable[..., int | None]) -> Callable[..., int]:
-    """Decorate a CLI ``main``: a ``UserError`` becomes ``error: <message>`` on stderr and exit 2."""
+    """Decorate a CLI ``main``: a ``UserError`` becomes ``error: <message>`` on stderr and its
+    ``exit_code`` (2; ``Preempted``: 128 + the signal number)."""
 
     @wraps(main)
     def wrapper(*args, **kwargs) -> int:
@@ -38,6 +59,6 @@ def cli_errors(main: Callable[..., int | None]) -> Callable[..., int]:
         except UserError as exc:
             msg = " ".join(str(exc).split())  # one line, whatever the message held
             print(f"error: {msg}", file=sys.stderr)
-            return 2
+            return exc.exit_code
 
     return wrapper

@@ -27,12 +27,16 @@ Grading (``is_equivalent``) runs cheapest first and stops at the first verdict:
    exponents, factorials of factorials) skip this step and count as not equivalent.
 
 Reward functions never raise on any response or ground-truth string and always return floats.
+The loop calls every reward, registered or your own, through ``GuardedReward``: one that raises
+or returns a non-number stops the run with one line naming it and the response
+(``data.reward_errors=zero``: that response scores 0 and is counted in ``train/reward_errors``).
 """
 
 from __future__ import annotations
 
 import atexit
 import json
+import math
 import os
 import re
 import select
@@ -41,15 +45,16 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from fractions import Fraction
 
-from grpo_fast.errors import ConfigError
+from grpo_fast.errors import ConfigError, RewardError
 
 __all__ = [
     "MAX_NESTING",
     "MAX_SYMBOLIC_CHARS",
     "REWARD_FNS",
+    "GuardedReward",
     "MathGrader",
     "RewardFn",
     "extract_boxed",
@@ -495,6 +500,86 @@ def get_reward_fn(name: str) -> RewardFn:
         raise ConfigError(
             f"unknown reward {name!r}: registered rewards are {', '.join(sorted(REWARD_FNS))}"
         ) from None
+
+
+class GuardedReward:
+    """A reward function as the loop calls it: one that raises, or returns anything but a mapping
+    whose ``"reward"`` is a finite number, stops the run with one line (``RewardError``) naming
+    the function, the problem and the response — unless ``on_error="zero"``
+    (``data.reward_errors=zero``), which scores that response 0 and counts it.
+
+    ``for_batch(step)`` gives the callable for one rollout batch: it knows each response's index
+    and counts the batch's errors (``train/reward_errors``). Called directly (evaluation, sample
+    dumps) the guard is the same, without an index.
+
+    Example:
+        >>> guard = GuardedReward(lambda r, g: {"reward": 1 / len(r)}, "inverse_length", "zero")
+        >>> score = guard.for_batch(step=1)
+        >>> score("ab", "x"), score("", "x"), score.errors
+        ({'reward': 0.5}, {'reward': 0.0}, 1)
+    """
+
+    def __init__(self, fn: RewardFn, name: str, on_error: str = "raise"):
+        if on_error not in ("raise", "zero"):
+            raise ValueError(f"on_error must be raise or zero, not {on_error!r}")
+        self.fn, self.name, self.on_error = fn, name, on_error
+        self._zero: dict[str, float] = {"reward": 0.0}  # an error's score: 0 for each key seen
+
+    def for_batch(self, step: int) -> _BatchReward:
+        return _BatchReward(self, step)
+
+    def __call__(self, response: str, ground_truth: str) -> dict[str, float]:
+        return self.score(response, ground_truth, where="")[0]
+
+    def score(self, response: str, ground_truth: str, where: str) -> tuple[dict[str, float], bool]:
+        """``(score dict, whether it is a tolerated error's zeros)`` for one response; ``where``
+        (e.g. ``"response 5 of step 3's rollout batch"``) goes into the error message."""
+        try:
+            out = self.fn(response, ground_truth)
+            problem = _not_a_score(out)
+        except Exception as exc:  # the user's code: whatever it raises is reported, not a traceback
+            out, problem = None, f"raised {type(exc).__name__}: {exc}"
+        if problem is None:
+            if out.keys() != self._zero.keys():  # the same keys as the others (averaged per key)
+                self._zero = {k: 0.0 for k, v in out.items() if isinstance(v, (int, float))}
+            return out, False
+        if self.on_error == "zero":
+            return dict(self._zero), True
+        at = f" on {where}" if where else ""
+        raise RewardError(
+            f"reward function {self.name!r} {problem}{at} (response {response[:60]!r}, ground truth "
+            f"{ground_truth[:60]!r}); fix it, or set data.reward_errors=zero to score such responses 0 "
+            "(counted in train/reward_errors)"
+        )
+
+
+class _BatchReward:
+    """``GuardedReward`` for one rollout batch: numbers its responses, counts their errors."""
+
+    def __init__(self, guard: GuardedReward, step: int):
+        self.guard, self.step = guard, step
+        self.index, self.errors = 0, 0
+
+    def __call__(self, response: str, ground_truth: str) -> dict[str, float]:
+        where = f"response {self.index} of step {self.step}'s rollout batch"
+        self.index += 1
+        out, failed = self.guard.score(response, ground_truth, where)
+        self.errors += failed
+        return out
+
+
+def _not_a_score(out) -> str | None:
+    """What is wrong with a reward function's return value, or None."""
+    if not isinstance(out, Mapping):
+        return f"returned {type(out).__name__} {out!r:.60}, not a dict with a 'reward' number"
+    if "reward" not in out:
+        return f"returned a dict without a 'reward' key (keys: {sorted(out)[:5]})"
+    r = out["reward"]
+    if isinstance(r, bool) or not isinstance(r, (int, float)):
+        return f"returned reward {r!r:.60} ({type(r).__name__}), not a number"
+    if not math.isfinite(r):
+        return f"returned reward {r}, not a finite number"
+    return None
 
 
 def _scores(formatted: bool, correct: bool, reward: bool) -> dict[str, float]:

@@ -19,7 +19,7 @@ from grpo_fast.config import AUTO, Config
 from grpo_fast.data import Example, load_examples
 from grpo_fast.errors import ConfigError
 from grpo_fast.prompts import get_template
-from grpo_fast.rewards import get_reward_fn
+from grpo_fast.rewards import GuardedReward, get_reward_fn
 
 DEFAULT_REWARD = {"math": "r1_zero", "gsm8k": "gsm8k", "tiny": "tiny"}
 EVAL_SPLIT = {"math": "test", "gsm8k": "test"}
@@ -32,7 +32,7 @@ class Task:
     eval: list[Example]
     template: str
     stop: list[str]
-    reward_fn: Callable[[str, str], dict[str, float]]
+    reward_fn: GuardedReward  # the data.reward function behind data.reward_errors' guard
     tokenizer: object
     max_prompt_tokens: int
     _ids: dict[str, list[int]] = field(default_factory=dict, repr=False)
@@ -88,6 +88,7 @@ def load_task(cfg: Config, tokenizer=None) -> Task:
         reward_fn = _import_reward(reward)
     else:
         reward_fn = get_reward_fn(reward)
+    reward_fn = GuardedReward(reward_fn, reward, on_error=d.reward_errors)
     return Task(
         name=d.task,
         train=train,

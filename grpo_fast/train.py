@@ -34,6 +34,7 @@ import copy
 import json
 import math
 import random
+import signal
 import sys
 import tempfile
 import time
@@ -44,7 +45,7 @@ import numpy as np
 import torch
 
 from grpo_fast import checkpoint as ckpt
-from grpo_fast import dist, plan
+from grpo_fast import dist, plan, preempt
 from grpo_fast.batch import Sequence, build_sequences, make_microbatches
 from grpo_fast.config import Config, load_config, to_yaml
 from grpo_fast.core import (
@@ -55,7 +56,7 @@ from grpo_fast.core import (
     kl_penalty,
     sequence_mean,
 )
-from grpo_fast.errors import ConfigError, cli_errors
+from grpo_fast.errors import ConfigError, Preempted, TrainingStopped, cli_errors
 from grpo_fast.evaluate import evaluate
 from grpo_fast.health import HealthMonitor, HealthThresholds
 from grpo_fast.metrics import MetricsLogger, PhaseProgress, gpu_stats, peak_memory_gb, reset_peak_memory
@@ -146,7 +147,8 @@ def run(cfg: Config, engine=None) -> Path:
     device = resolve_device(cfg)
     world = dist.init(device.type)
     try:
-        return _train(cfg, device, world, out, engine)
+        with preempt.handle_signals():  # SIGTERM/SIGINT: checkpoint at the end of the step, then stop
+            return _train(cfg, device, world, out, engine)
     finally:
         dist.shutdown()
 
@@ -272,6 +274,7 @@ def _train(cfg: Config, device: torch.device, world: dist.DistInfo, out: Path, e
 
     # ---------------------------------------------------------------- the loop
     params = [p for p in model.parameters() if p.requires_grad]
+    nonfinite_run = 0  # consecutive steps not applied (train.max_nonfinite_steps stops the run)
     with PhaseProgress(cfg.logging.progress and world.is_main, cfg.steps, state.step) as progress:
         for step in range(state.step + 1, cfg.steps + 1):
             t0 = time.perf_counter()
@@ -296,8 +299,9 @@ def _train(cfg: Config, device: torch.device, world: dist.DistInfo, out: Path, e
                 rollout = backend.generate(prompt_ids, params_s, progress=progress.advance_phase)
             backend.sleep()
             gts = [e.answer for e in examples for _ in range(r.group_size)]
+            reward_fn = task.reward_fn.for_batch(step)  # numbers the responses, counts reward errors
             advantages, raw_rewards, reward_meta = compute_group_normalized_rewards(
-                task.reward_fn,
+                reward_fn,
                 rollout.response_text,
                 gts,
                 r.group_size,
@@ -370,6 +374,7 @@ def _train(cfg: Config, device: torch.device, world: dist.DistInfo, out: Path, e
                 "train/truncated_fraction": totals["truncated"],
                 "train/zero_variance_fraction": totals["zero_variance"],
                 "train/skipped_fraction": totals["skipped"],
+                **_reward_errors(cfg, reward_fn, device),
                 "train/grad_norm": stats.grad_norm,
                 "train/clip_fraction": totals["clip_fraction"],
                 "train/clip_fraction_low": totals["clip_fraction_low"],  # clipped with r < 1
@@ -415,7 +420,20 @@ def _train(cfg: Config, device: torch.device, world: dist.DistInfo, out: Path, e
             logger.summary(step, cfg.steps, row)
             progress.step_done()
 
-            if cfg.checkpoint_every and step % cfg.checkpoint_every == 0 and step < cfg.steps:
+            nonfinite_run = nonfinite_run + 1 if stats.nonfinite else 0
+            if nonfinite_run >= cfg.train.max_nonfinite_steps:
+                latest = ckpt.latest_checkpoint(ckpt_root)
+                first = step - nonfinite_run + 1
+                raise TrainingStopped(
+                    f"steps {first}-{step}: {nonfinite_run} steps in a row with a non-finite "
+                    f"{stats.nonfinite} (train.max_nonfinite_steps={cfg.train.max_nonfinite_steps}), none "
+                    f"applied (the weights are step {first - 1}'s); "
+                    + (f"{latest} is intact" if latest else "no checkpoint was written yet")
+                    + ": lower train.lr or train.grad_clip, or check the rewards, then resume=true"
+                )
+            signum = preempt.pending(world, device)  # SIGTERM/SIGINT during this step
+            due = cfg.checkpoint_every and step % cfg.checkpoint_every == 0 and step < cfg.steps
+            if due or signum is not None:
                 _save_checkpoint(
                     cfg,
                     ckpt_root,
@@ -430,6 +448,13 @@ def _train(cfg: Config, device: torch.device, world: dist.DistInfo, out: Path, e
                     kl_ctl,
                     state,
                     world,
+                )
+            if signum is not None:
+                where = ckpt_root / ckpt.step_dir_name(step)
+                raise Preempted(
+                    f"{signal.Signals(signum).name} during step {step}: checkpoint {where} written "
+                    "after it; resume=true continues from there",
+                    signum,
                 )
 
     # ---------------------------------------------------------------- the final model
@@ -505,13 +530,30 @@ def optimize_on_rollout(
             if on_microbatch is not None:
                 on_microbatch(1)
         grad_norm = torch.nn.utils.clip_grad_norm_(params, cfg.train.grad_clip or float("inf"))
-        optimizer.step()
+        # host-device sync, once per optimizer step: a NaN/inf loss or gradient norm must not
+        # reach the weights (nor AdamW's moments), so it is checked before the step.
+        loss_v, norm_v = torch.stack([epoch_stats.sums[0], grad_norm.float()]).tolist()
+        bad = [not math.isfinite(loss_v), not math.isfinite(norm_v)]
+        if world.enabled:  # a rank's loss is its own: every rank skips together
+            bad = [b > 0 for b in dist.all_reduce_sum([float(b) for b in bad], device)]
+        nonfinite = " and ".join(q for q, b in zip(("loss", "grad_norm"), bad) if b)
+        if nonfinite:
+            if logger is not None:
+                logger.event(
+                    f"step {step}: non-finite {nonfinite} (loss {loss_v}, grad_norm {norm_v}) in epoch "
+                    f"{epoch + 1}: optimizer step skipped"
+                )
+        else:
+            optimizer.step()
         # Free the gradients now: kept until the next phase, they would sit beside the rollout
         # engine through the next rollout (Qwen2.5-1.5B: 6.2 GB of fp32 gradients).
         optimizer.zero_grad(set_to_none=True)
         if epoch == 0:
             stats = epoch_stats
-            stats.grad_norm = grad_norm.item()  # host-device sync, once per step
+            stats.grad_norm = norm_v
+        if nonfinite:
+            stats.nonfinite = nonfinite
+            break
         if epoch + 1 < epochs:
             approx_kl = epoch_stats.kl_to_old(world, device)
             if kl_early_stop(approx_kl, cfg.loss.kl_early_stop):
@@ -536,6 +578,7 @@ class _Stats:
         self.sums: torch.Tensor | None = None
         self.grad_norm = float("nan")
         self.has_ref = False
+        self.nonfinite = ""  # "loss" / "grad_norm" / both: that step's optimizer step was skipped
 
     def add(
         self,
@@ -762,6 +805,14 @@ def _make_backend(cfg, model, tokenizer, task, policy_loss, device, amp, out, wo
 
     probe = WeightSyncProbe(probe_ids, trainer_logprobs, weight_sync_tolerance(cfg, model, amp))
     return make_backend(cfg, model, tokenizer, device, amp, engine=engine, model_path=model_path, probe=probe)
+
+
+def _reward_errors(cfg: Config, reward_fn, device: torch.device) -> dict[str, float]:
+    """``train/reward_errors``: responses scored 0 because the reward function failed, over all
+    ranks (with ``data.reward_errors=zero`` only: otherwise the first failure stopped the run)."""
+    if cfg.data.reward_errors != "zero":
+        return {}
+    return {"train/reward_errors": dist.all_reduce_sum([reward_fn.errors], device)[0]}  # host-device sync
 
 
 def _rollout_metrics(backend, totals: dict) -> dict[str, float]:
