@@ -717,7 +717,8 @@ class _Stats:
 def _sequences_with_gradient(cfg: Config, seqs: list[Sequence], beta: float) -> list[Sequence]:
     """The sequences the optimization phase must run (``train.skip_zero_advantage``).
 
-    With β = 0 and no entropy bonus, every term of a token's loss is a multiple of its advantage,
+    With β = 0, no entropy bonus and no entropy quantile (``loss.top_entropy_quantile=1``: the
+    quantile would be taken over fewer tokens), every term of a token's loss is a multiple of its advantage,
     so a response whose advantage is exactly 0 (every response of a group whose rewards are all
     equal, under every loss type) has a gradient of exactly 0: its forward and backward are
     skipped. The loss weights were normalized over the whole batch before, so the update is the
@@ -727,7 +728,10 @@ def _sequences_with_gradient(cfg: Config, seqs: list[Sequence], beta: float) -> 
     (``train/entropy_mean``, ``clip_fraction``, ``rollout/logprob_abs_diff``) are then over the
     trained tokens; ``train/skipped_fraction`` says how many were skipped.
     """
-    if not (cfg.train.skip_zero_advantage and beta == 0 and cfg.loss.entropy_coef == 0):
+    lo = cfg.loss
+    # the entropy quantile is taken over every weighted token, zero-advantage ones included
+    exact = beta == 0 and lo.entropy_coef == 0 and lo.top_entropy_quantile >= 1
+    if not (cfg.train.skip_zero_advantage and exact):
         return seqs
     kept = [s for s in seqs if s.advantage != 0.0]
     return kept or sorted(seqs, key=lambda s: s.n_response)[:1]

@@ -110,7 +110,9 @@ def test_nothing_informative_still_steps_every_parameter():
     assert train_mod._sequences_with_gradient(cfg, seqs, beta=0.0) == [seqs[1]]
     mixed = [Sequence([1, 2, 3], 2, 0.7, 0.5), *seqs]
     assert train_mod._sequences_with_gradient(cfg, mixed, beta=0.0) == mixed[:1]
-    # a KL term or an entropy bonus gives zero-advantage tokens a gradient: nothing is skipped
+    # a KL term or an entropy bonus gives zero-advantage tokens a gradient, the entropy quantile
+    # counts them: nothing is skipped (nor when the skip is off)
     assert train_mod._sequences_with_gradient(cfg, mixed, beta=0.1) == mixed
-    ent = load_config("tiny", overrides=["loss.entropy_coef=0.01"], check_device=False)
-    assert train_mod._sequences_with_gradient(ent, mixed, beta=0.0) == mixed
+    for key in ("loss.entropy_coef=0.01", "loss.top_entropy_quantile=0.2", "train.skip_zero_advantage=false"):
+        other = load_config("tiny", overrides=[key], check_device=False)
+        assert train_mod._sequences_with_gradient(other, mixed, beta=0.0) == mixed, key
