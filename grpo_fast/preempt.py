@@ -22,11 +22,12 @@ from grpo_fast import dist
 
 SIGNALS = (signal.SIGTERM, signal.SIGINT)
 _received: list[int] = []  # the signals received since handle_signals() was entered, in order
+_previous: dict[int, object] = {}  # the handlers handle_signals() replaced, restored on exit
 
 
 def _on_signal(signum: int, frame) -> None:
-    if _received:  # a second signal: stop deferring, act as the default handler would
-        _restore_defaults()
+    if _received:  # a second signal: stop deferring, act as the handler before ours
+        _restore_previous()
         if signum == signal.SIGINT:
             raise KeyboardInterrupt
         os.kill(os.getpid(), signum)
@@ -34,10 +35,7 @@ def _on_signal(signum: int, frame) -> None:
     _received.append(signum)
 
 
-_previous: dict[int, object] = {}
-
-
-def _restore_defaults() -> None:
+def _restore_previous() -> None:
     for signum, handler in _previous.items():
         signal.signal(signum, handler)
     _previous.clear()
@@ -56,7 +54,7 @@ def handle_signals():
     try:
         yield
     finally:
-        _restore_defaults()
+        _restore_previous()
         _received.clear()
 
 
