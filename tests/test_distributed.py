@@ -69,12 +69,18 @@ def _one_step(cfg, rank: int, world_size: int, separated: bool = False) -> dict[
         policy = DDP(policy)
     params = list(model.parameters())
     optimizer = build_optimizer(cfg, params)
+    grads = {}  # the (all-reduced) gradients the step applies: freed right after it
+    real_step = optimizer.step
+
+    def recording_step(*a, **k):
+        grads.update({f"grad/{n}": p.grad.detach().clone() for n, p in model.named_parameters()})
+        return real_step(*a, **k)
+
+    optimizer.step = recording_step
     optimize_on_rollout(
         policy, optimizer, params, mbs, cfg, world, torch.device("cpu"), beta=0.0, temperature=1.0
     )
-    state = {k: v.detach().clone() for k, v in model.state_dict().items()}
-    state.update({f"grad/{n}": p.grad.detach().clone() for n, p in model.named_parameters()})
-    return state
+    return {**{k: v.detach().clone() for k, v in model.state_dict().items()}, **grads}
 
 
 def _worker(rank, world_size, port, overrides, out_path, separated=False):

@@ -100,6 +100,7 @@ def test_on_policy_skips_the_old_logprob_pass(tmp_path, monkeypatch):
             "checkpoint_every=0",
             "train.epochs_per_rollout_batch=2",
             "train.micro_batch_size=16",
+            "train.skip_zero_advantage=false",  # every response trained: 2 microbatches a step
         )
     )
     assert len(calls) == 2 * 2  # 2 steps × 2 microbatches of 16 sequences
