@@ -272,6 +272,12 @@ def _train(cfg: Config, device: torch.device, world: dist.DistInfo, out: Path, e
         logger.log(0, {**row, "sft/steps": sft_steps, "world_size": world.world_size})
         logger.event(f"step 0 (before GRPO): eval/accuracy {row['eval/accuracy']:.3f}")
 
+    def save_checkpoint(at_step: int) -> None:
+        _save_checkpoint(
+            cfg, ckpt_root, at_step, model, ref_model, tokenizer, optimizer, scheduler, sampler, health,
+            kl_ctl, state, world,
+        )  # fmt: skip
+
     # ---------------------------------------------------------------- the loop
     params = [p for p in model.parameters() if p.requires_grad]
     nonfinite_run = 0  # consecutive steps not applied (train.max_nonfinite_steps stops the run)
@@ -434,21 +440,7 @@ def _train(cfg: Config, device: torch.device, world: dist.DistInfo, out: Path, e
             signum = preempt.pending(world, device)  # SIGTERM/SIGINT during this step
             due = cfg.checkpoint_every and step % cfg.checkpoint_every == 0 and step < cfg.steps
             if due or signum is not None:
-                _save_checkpoint(
-                    cfg,
-                    ckpt_root,
-                    step,
-                    model,
-                    ref_model,
-                    tokenizer,
-                    optimizer,
-                    scheduler,
-                    sampler,
-                    health,
-                    kl_ctl,
-                    state,
-                    world,
-                )
+                save_checkpoint(step)
             if signum is not None:
                 where = ckpt_root / ckpt.step_dir_name(step)
                 raise Preempted(
@@ -462,21 +454,7 @@ def _train(cfg: Config, device: torch.device, world: dist.DistInfo, out: Path, e
     # `resume=true steps=N` extends a finished run from its final step.
     last = ckpt.latest_checkpoint(ckpt_root)
     if cfg.checkpoint_every and (last is None or last.name != ckpt.step_dir_name(state.step)):
-        _save_checkpoint(
-            cfg,
-            ckpt_root,
-            state.step,
-            model,
-            ref_model,
-            tokenizer,
-            optimizer,
-            scheduler,
-            sampler,
-            health,
-            kl_ctl,
-            state,
-            world,
-        )
+        save_checkpoint(state.step)
     if world.is_main:
         save_dtype = None if cfg.train.save_dtype == "auto" else getattr(torch, cfg.train.save_dtype)
         ckpt.save_pretrained_atomic(model, tokenizer, out / "final", dtype=save_dtype)
