@@ -271,7 +271,7 @@ def test_sequence_level_argument_errors():
         fused_linear_grpo_loss(*args, importance_sampling_level="sequence")
     with pytest.raises(ValueError, match=r"sequence_ids must be \[N\] = \[44\]"):
         fused_linear_grpo_loss(*args, importance_sampling_level="sequence", sequence_ids=GSPO_IDS[:-1])
-    with pytest.raises(ValueError, match="needs two_pass"):
+    with pytest.raises(ValueError, match="need two_pass"):
         fused_linear_grpo_loss(
             *args, importance_sampling_level="sequence", sequence_ids=GSPO_IDS, two_pass=False
         )
