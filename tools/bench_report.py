@@ -383,6 +383,12 @@ def _with_versus(value: str, ours: float | None, theirs: float | None, is_ours: 
     return f"{value} ({v})" if v else value
 
 
+def _is_ours(impl: dict) -> bool:
+    """grpo_fast itself, or another configuration of it (``grpo_fast_chunk256``): never compared
+    against grpo_fast."""
+    return bool(impl.get("ours")) or str(impl.get("impl", "")).startswith("grpo_fast")
+
+
 def _fmt_opt(x, fmt) -> str:
     return "" if x is None else fmt(x)
 
@@ -396,7 +402,7 @@ def _train_step_table(p: dict) -> list[str]:
         "|---|---|---:|---:|---:|---:|---:|---:|",
     ]
     for i in impls:
-        is_ours = bool(i.get("ours"))
+        is_ours = _is_ours(i)
 
         def cell(key, fmt, what="faster", i=i, is_ours=is_ours):
             return _with_versus(_fmt_opt(i.get(key), fmt), ours.get(key), i.get(key), is_ours, what)
@@ -411,7 +417,7 @@ def _train_step_table(p: dict) -> list[str]:
             "| "
             + " | ".join(
                 [
-                    f"**{i['impl']}**" if is_ours else i["impl"],
+                    f"**{i['impl']}**" if i.get("ours") else i["impl"],
                     str(i.get("version") or ""),
                     cell("step_s", fmt_time),
                     cell("rollout_s", fmt_time),
@@ -435,13 +441,13 @@ def _loss_op_table(p: dict) -> list[str]:
         "|---|---|---|---|---:|---:|---:|",
     ]
     for i in impls:
-        is_ours = bool(i.get("ours"))
+        is_ours = _is_ours(i)
         peak = i.get("peak_memory_bytes")
         lines.append(
             "| "
             + " | ".join(
                 [
-                    f"**{i['impl']}**" if is_ours else i["impl"],
+                    f"**{i['impl']}**" if i.get("ours") else i["impl"],
                     str(i.get("version") or ""),
                     i.get("what", ""),
                     "yes" if i.get("entropy") else "no",
