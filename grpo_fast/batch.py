@@ -40,6 +40,7 @@ def build_sequences(
     num_sequences: int | None = None,
     num_tokens: float | None = None,
     sampler_logprobs: list[list[float]] | None = None,
+    keep: list[bool] | None = None,
 ) -> list[Sequence]:
     """One ``Sequence`` per response; response ``i`` answers prompt ``i // group_size``.
 
@@ -49,16 +50,26 @@ def build_sequences(
         length_norm, max_length: see ``core.length_norm_weights``.
         num_sequences, num_tokens: the global counts when this is one rank's share.
         sampler_logprobs: ``[R]`` per-token log-probs from the rollout engine, or None.
+        keep: ``[R]`` bool, False for responses left out of the loss altogether (no sequence,
+            not counted in the default normalizers; ``loss.mask_truncated``). Pass global counts
+            of the kept responses as ``num_sequences`` / ``num_tokens``.
     """
     r = len(response_ids)
     if r % len(prompt_ids) or advantages.shape != (r,):
         raise ValueError(f"{len(prompt_ids)} prompts, {r} responses, advantages {tuple(advantages.shape)}")
     g = r // len(prompt_ids)
+    keep = [True] * r if keep is None else list(keep)
+    if len(keep) != r:
+        raise ValueError(f"keep has {len(keep)} entries for {r} responses")
     lengths = torch.tensor([len(x) for x in response_ids])
     width = max(int(lengths.max().item()), 1) if r else 1
-    mask = torch.arange(width)[None, :] < lengths[:, None]  # [R, width]
+    mask = (torch.arange(width)[None, :] < lengths[:, None]) & torch.tensor(keep, dtype=torch.bool)[:, None]
     w = length_norm_weights(
-        mask, length_norm, max_length=max_length, num_sequences=num_sequences, num_tokens=num_tokens
+        mask,
+        length_norm,
+        max_length=max_length,
+        num_sequences=sum(keep) if num_sequences is None else num_sequences,
+        num_tokens=num_tokens,
     )
     per_seq_w = w.max(dim=1).values.tolist()  # constant along each response
     adv = advantages.tolist()
@@ -71,7 +82,7 @@ def build_sequences(
             sampler_logprobs=None if sampler_logprobs is None else list(sampler_logprobs[i]),
         )
         for i, resp in enumerate(response_ids)
-        if len(resp) > 0
+        if len(resp) > 0 and keep[i]
     ]
 
 

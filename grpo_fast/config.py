@@ -134,6 +134,9 @@ class LossConfig:
     importance_sampling_level: str = "token"
     # ρ < 1: the policy-gradient term only on the top-ρ-entropy tokens of each microbatch (80/20)
     top_entropy_quantile: float = 1.0
+    # true: responses that hit rollout.max_tokens get no loss at all and are not counted in the
+    # length normalizers (DAPO's overlong filtering); their rewards still enter the group's advantage.
+    mask_truncated: bool = False
     beta: float = 0.0  # KL penalty coefficient (initial value when target_kl is set)
     kl_estimator: str = "k3"  # k1 | k2 | k3
     target_kl: float | None = None  # adaptive β (proportional controller) when set; per-token KL

@@ -321,9 +321,14 @@ def _train(cfg: Config, device: torch.device, world: dist.DistInfo, out: Path, e
 
             # ---- optimization phase
             t1 = time.perf_counter()
-            lengths = [len(x) for x in rollout.response_ids]
+            # loss.mask_truncated: responses that hit max_tokens leave the loss and its normalizers
+            keep = [not (cfg.loss.mask_truncated and f == "length") for f in rollout.finish_reason]
+            lengths = [len(x) for x, k in zip(rollout.response_ids, keep) if k]
+            all_tokens = sum(len(x) for x in rollout.response_ids)
             # one collective for the global counts (token_mean needs Σ tokens over all ranks)
-            g_seqs, g_tokens = dist.all_reduce_sum([len(lengths), sum(lengths)], device)
+            g_seqs, g_tokens, g_all_seqs, g_all_tokens = dist.all_reduce_sum(
+                [len(lengths), sum(lengths), len(keep), all_tokens], device
+            )
             seqs = build_sequences(
                 rollout.prompt_ids,
                 rollout.response_ids,
@@ -333,7 +338,15 @@ def _train(cfg: Config, device: torch.device, world: dist.DistInfo, out: Path, e
                 num_sequences=int(g_seqs),
                 num_tokens=g_tokens,
                 sampler_logprobs=rollout.sampler_logprobs,
+                keep=keep,
             )
+            if (
+                not seqs
+            ):  # all left out (loss.mask_truncated): one zero-weight response keeps the step's shape
+                g = r.group_size
+                i = next(i for i, x in enumerate(rollout.response_ids) if x)
+                p = rollout.prompt_ids[i // g]
+                seqs = [Sequence(list(p) + list(rollout.response_ids[i]), len(p), 0.0, 0.0)]
             trained = _sequences_with_gradient(cfg, seqs, state.beta)
             skipped_tokens = sum(s.n_response for s in seqs) - sum(s.n_response for s in trained)
             mbs = [
@@ -376,7 +389,7 @@ def _train(cfg: Config, device: torch.device, world: dist.DistInfo, out: Path, e
                 "train/accuracy": totals["accuracy"],
                 "train/format_rate": totals["format_rate"],
                 "train/entropy_mean": totals["entropy"],
-                "train/response_length_mean": g_tokens / max(g_seqs, 1),
+                "train/response_length_mean": g_all_tokens / max(g_all_seqs, 1),
                 "train/truncated_fraction": totals["truncated"],
                 "train/zero_variance_fraction": totals["zero_variance"],
                 "train/skipped_fraction": totals["skipped"],
@@ -399,7 +412,7 @@ def _train(cfg: Config, device: torch.device, world: dist.DistInfo, out: Path, e
                 "time/step_s": step_s,
                 "memory/peak_gb": peak_memory_gb(device),
                 "throughput/tokens_per_s": (
-                    g_tokens + sum(map(len, rollout.prompt_ids)) * r.group_size * world.world_size
+                    g_all_tokens + sum(map(len, rollout.prompt_ids)) * r.group_size * world.world_size
                 )
                 / step_s,
                 "world_size": world.world_size,

@@ -105,3 +105,28 @@ def test_policy_loss_equals_the_eager_course_loss():
     # fp32 both ways: the same sums in a different order
     torch.testing.assert_close(total, eager, rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(fused_grad, model.model.embed_tokens.weight.grad, rtol=1e-4, atol=1e-6)
+
+
+def test_left_out_responses_get_no_sequence_and_are_not_normalized_over():
+    """``keep`` (loss.mask_truncated): 2 prompts × 2 responses, the second one left out. Under
+    sequence_mean the three kept responses each weigh 1/(3·|o|): lengths 2, 1, 3 → 1/6, 1/3, 1/9."""
+    seqs = build_sequences(
+        [[5, 6], [7]],
+        [[1, 2], [3, 4, 4, 4], [8], [9, 9, 9]],
+        torch.tensor([1.0, -1.0, 0.5, -0.5]),
+        length_norm="sequence_mean",
+        max_length=4,
+        keep=[True, False, True, True],
+    )
+    assert [s.tokens for s in seqs] == [[5, 6, 1, 2], [7, 8], [7, 9, 9, 9]]
+    assert [s.weight for s in seqs] == pytest.approx([1 / 6, 1 / 3, 1 / 9])
+    # token_mean: 6 kept tokens (not 10) share the unit weight
+    seqs = build_sequences(
+        [[5, 6], [7]],
+        [[1, 2], [3, 4, 4, 4], [8], [9, 9, 9]],
+        torch.tensor([1.0, -1.0, 0.5, -0.5]),
+        length_norm="token_mean",
+        max_length=4,
+        keep=[True, False, True, True],
+    )
+    assert [s.weight for s in seqs] == pytest.approx([1 / 6] * 3)

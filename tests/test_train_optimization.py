@@ -116,3 +116,44 @@ def test_nothing_informative_still_steps_every_parameter():
     for key in ("loss.entropy_coef=0.01", "loss.top_entropy_quantile=0.2", "train.skip_zero_advantage=false"):
         other = load_config("tiny", overrides=[key], check_device=False)
         assert train_mod._sequences_with_gradient(other, mixed, beta=0.0) == mixed, key
+
+
+def test_mask_truncated_leaves_truncated_responses_out_of_the_loss(tmp_path, monkeypatch):
+    """loss.mask_truncated: every sequence handed to the optimization phase finished by itself
+    (when all were cut, one zero-weight response keeps the step's shape), and the run's update
+    differs from the unmasked one."""
+    import json
+
+    from safetensors.torch import load_file
+
+    seen = []
+    real = train_mod.make_microbatches
+    monkeypatch.setattr(
+        train_mod, "make_microbatches", lambda seqs, *a, **k: seen.append(len(seqs)) or real(seqs, *a, **k)
+    )
+    finals = []
+    for masked in ("true", "false"):
+        seen.clear()
+        out = tmp_path / masked
+        train_mod.run(
+            _tiny(
+                out,
+                "rollout.max_tokens=2",
+                "train.skip_zero_advantage=false",
+                "data.reward=test_train_optimization:length_reward",  # a signal in every group
+                f"loss.mask_truncated={masked}",
+            )
+        )
+        rows = [
+            json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines() if '"step": 0' not in x
+        ]
+        truncated = [round(r["train/truncated_fraction"] * 16) for r in rows]  # 16 responses a step
+        assert sum(truncated) > 0  # random weights at 2 tokens: some responses are cut
+        expected = [max(16 - t, 1) for t in truncated] if masked == "true" else [16] * len(rows)
+        assert seen == expected, (masked, seen, truncated)
+        finals.append(load_file(out / "final" / "model.safetensors"))
+    assert any(not torch.equal(a, finals[1][k]) for k, a in finals[0].items())
+
+
+def length_reward(response: str, ground_truth: str) -> dict[str, float]:
+    return {"reward": float(len(response))}
