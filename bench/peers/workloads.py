@@ -486,6 +486,8 @@ class TRLStepper:
         t0 = time.perf_counter()
         self._go.release()
         self._stopped.acquire()
+        if self.model.device.type == "cuda":
+            torch.cuda.synchronize()  # sync point: TRL's optimizer step may still be queued at on_step_end
         step_s = time.perf_counter() - t0
         if self._error is not None:
             raise self._error
