@@ -27,7 +27,9 @@ setup: $(VENV)/.installed-$(EXTRAS)
 $(VENV)/.installed-$(EXTRAS): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q $(TORCH_INSTALL)
+	# --retries 1: where the PyTorch CPU index cannot be reached (a local wheel serves), pip would
+	# otherwise retry it 5 times for torch and each of its dependencies (about 80 s here)
+	$(PY) -m pip install -q --retries 1 $(TORCH_INSTALL)
 	$(PY) -m pip install -q -e ".[$(EXTRAS)]"
 	touch $@
 
