@@ -75,51 +75,22 @@ OPTIONS = dict(temperature=0.7, clip_low=0.2, clip_high=0.28, beta=0.04, entropy
 # (measured at K = 4,099: max error 4x that of M = 4, 8, 37), which would test the BLAS, not the op.
 @pytest.mark.parametrize("chunk_size", [None, 8, 12, 16], ids=lambda c: f"chunk{c}")
 def test_matches_float64_reference(chunk_size, dtype, backend):
-    hidden, weight, inputs = _problem(dtype)
-    cpu = torch.device("cpu")
-    ours, gh, gw = _run(
-        fused_linear_grpo_loss,
-        hidden,
-        weight,
-        inputs,
-        dtype,
-        backend_device(backend),
-        chunk_size=chunk_size,
-        backend=backend,
-        **OPTIONS,
-    )
-    ref, gh64, gw64 = _run(_materialized, hidden, weight, inputs, torch.float64, cpu, **OPTIONS)
-    eager, gh_e, gw_e = _run(_materialized, hidden, weight, inputs, dtype, cpu, **OPTIONS)
-    per_token, _ = grpo_token_loss(
-        ref.logprobs.detach(),
-        inputs.advantages.double(),
-        old_log_probs=inputs.old_logprobs.double(),
-        ref_log_probs=inputs.ref_logprobs.double(),
-        entropy=ref.entropy.detach(),
-        **{k: v for k, v in OPTIONS.items() if k != "temperature"},
-    )
-    loss_scale = (inputs.loss_weights.double() * per_token).abs().sum().item()
-    assert_close_to_reference(ours.loss, ref.loss, eager.loss, name="loss", scale=loss_scale)
-    for name in ("logprobs", "entropy", "kl"):
-        assert_close_to_reference(getattr(ours, name), getattr(ref, name), getattr(eager, name), name=name)
-    assert torch.equal(ours.clipped.cpu(), ref.clipped)
-    assert gh.dtype == gw.dtype == dtype
-    assert_close_to_reference(gh, gh64, gh_e, name="grad_hidden")
-    assert_close_to_reference(gw, gw64, gw_e, name="grad_weight")
+    _check_variant(backend, OPTIONS, chunk_size=chunk_size, hidden_weight_inputs=_problem(dtype), dtype=dtype)
 
 
-def _check_variant(backend, options, seed=3, chunk_size=12, hidden_weight_inputs=None):
-    """``fused_linear_grpo_loss`` with ``options`` against the float64 reference: loss, log-probs,
-    entropy, kl, ``clipped`` exactly, and both gradients. Returns ``(ours, ref)``."""
-    hidden, weight, inputs = hidden_weight_inputs or _problem(torch.float32, seed=seed)
+def _check_variant(backend, options, seed=3, chunk_size=12, hidden_weight_inputs=None, dtype=torch.float32):
+    """``fused_linear_grpo_loss`` with ``options`` in ``dtype`` against the float64 reference: loss,
+    log-probs, entropy, kl, ``clipped`` exactly, and both gradients (in ``dtype``). Returns
+    ``(ours, ref)``."""
+    hidden, weight, inputs = hidden_weight_inputs or _problem(dtype, seed=seed)
     device, cpu = backend_device(backend), torch.device("cpu")
     ours, gh, gw = _run(
-        fused_linear_grpo_loss, hidden, weight, inputs, torch.float32, device, chunk_size=chunk_size,
+        fused_linear_grpo_loss, hidden, weight, inputs, dtype, device, chunk_size=chunk_size,
         backend=backend, **options,
     )  # fmt: skip
     ref_options = {k: v for k, v in options.items() if k != "two_pass"}
     ref, gh64, gw64 = _run(_materialized, hidden, weight, inputs, torch.float64, cpu, **ref_options)
-    eager, gh_e, gw_e = _run(_materialized, hidden, weight, inputs, torch.float32, cpu, **ref_options)
+    eager, gh_e, gw_e = _run(_materialized, hidden, weight, inputs, dtype, cpu, **ref_options)
     terms = {k: v for k, v in options.items() if k not in ("temperature", "two_pass")}
     per_token, _ = grpo_token_loss(
         ref.logprobs.detach(),
@@ -134,6 +105,7 @@ def _check_variant(backend, options, seed=3, chunk_size=12, hidden_weight_inputs
     for name in ("logprobs", "entropy", "kl"):
         assert_close_to_reference(getattr(ours, name), getattr(ref, name), getattr(eager, name), name=name)
     assert torch.equal(ours.clipped.cpu(), ref.clipped)
+    assert gh.dtype == gw.dtype == dtype
     assert_close_to_reference(gh, gh64, gh_e, name="grad_hidden")
     assert_close_to_reference(gw, gw64, gw_e, name="grad_weight")
     return ours, ref
