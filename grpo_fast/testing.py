@@ -235,3 +235,22 @@ def fused_linear_workload(
             torch.cuda.synchronize()  # sync point: the timer stops after the kernels
 
     return step
+
+
+def tiny_vllm_engine(model, tokenizer, folder):
+    """A real ``VLLMEngine`` serving ``model`` (a tiny Qwen2, fp32) from a Hugging Face folder it
+    writes to ``folder``, with the tiny preset's ``rollout.vllm_kwargs``: what the ``vllm`` tests
+    and the rollout benchmark start (vLLM must be installed)."""
+    from grpo_fast.config import load_config
+    from grpo_fast.rollout.vllm import VLLMEngine
+
+    model.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return VLLMEngine(
+        str(folder),
+        gpu_memory_utilization=0.3,
+        max_model_len=32,
+        seed=0,
+        dtype="float32",
+        extra_args=dict(load_config("tiny", check_device=False).rollout.vllm_kwargs),
+    )

@@ -18,6 +18,7 @@ import torch
 from grpo_fast import tiny
 from grpo_fast.rollout.base import SamplingParams
 from grpo_fast.rollout.vllm import VLLMBackend, VLLMEngine, WeightSyncError, WeightSyncProbe
+from grpo_fast.testing import tiny_vllm_engine
 
 pytestmark = pytest.mark.vllm
 
@@ -35,17 +36,7 @@ def served(tmp_path_factory):
     """(engine, trainer model, tokenizer): one engine for the module (start-up ≈ 20-60 s on 2 cores)."""
     tok = tiny.build_tokenizer()
     model = tiny.build_model(tok, seed=3)
-    path = tmp_path_factory.mktemp("tiny_qwen2")
-    model.save_pretrained(path)
-    tok.save_pretrained(path)
-    engine = VLLMEngine(
-        str(path),
-        gpu_memory_utilization=0.3,
-        max_model_len=32,
-        seed=0,
-        dtype="float32",
-        extra_args={"enforce_eager": True},  # rollout.vllm_kwargs, as the tiny preset sets it
-    )
+    engine = tiny_vllm_engine(model, tok, tmp_path_factory.mktemp("tiny_qwen2"))  # as the tiny preset runs it
     return engine, model, tok
 
 
