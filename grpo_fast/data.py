@@ -22,6 +22,16 @@ Answers (the ground truth the reward compares against):
 Field names default to the first present of ``TaskSpec.question_fields`` /
 ``TaskSpec.answer_fields``. Every bad record raises ``DataError`` naming the file and line.
 
+Optional, per example:
+
+- ``solution``, a worked ground-truth solution (``sft.mix_coef``'s target): the
+  ``solution_field`` (``data.solution_field``), by default the task's ``TaskSpec.solution_field``
+  when a record has it (``math``: ``solution``, as it is; ``gsm8k``: the ``answer`` text before
+  ``####``, calculator annotations ``<<48/2=24>>`` removed); None otherwise.
+- ``difficulty``, a number, lower = easier (``rollout.curriculum=easy_first``): the
+  ``difficulty_field`` (``data.difficulty_field``, no default), a number or the last number of a
+  string (MATH's ``"Level 3"`` → 3.0); a value with no number (MATH has a few ``"Level ?"``) → None.
+
 Example:
     >>> write_jsonl("/tmp/tiny.jsonl", [{"question": "1+1?", "answer": "so #### 2"}])  # doctest: +SKIP
     >>> load_examples("gsm8k", "/tmp/tiny.jsonl")  # doctest: +SKIP
@@ -31,6 +41,7 @@ Example:
 from __future__ import annotations
 
 import json
+import math
 import re
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
@@ -47,10 +58,13 @@ SUPPORTED_EXTENSIONS = (".jsonl", ".parquet")
 
 @dataclass(frozen=True)
 class Example:
-    """One task item: the question shown to the policy and the extracted ground-truth answer."""
+    """One task item: the question shown to the policy and the extracted ground-truth answer;
+    optionally a worked ground-truth ``solution`` and a ``difficulty`` (lower = easier)."""
 
     question: str
     answer: str
+    solution: str | None = None
+    difficulty: float | None = None
 
 
 @dataclass(frozen=True)
@@ -63,6 +77,7 @@ class TaskSpec:
     question_fields: tuple[str, ...]
     answer_fields: tuple[str, ...]
     reward: str
+    solution_field: str | None = None  # the worked solution's default field, when a record has it
 
 
 TASKS: dict[str, TaskSpec] = {
@@ -72,6 +87,7 @@ TASKS: dict[str, TaskSpec] = {
         question_fields=("problem", "question"),
         answer_fields=("answer", "solution"),
         reward="r1_zero",
+        solution_field="solution",
     ),
     "gsm8k": TaskSpec(
         hub_name="openai/gsm8k",
@@ -79,10 +95,13 @@ TASKS: dict[str, TaskSpec] = {
         question_fields=("question", "problem"),
         answer_fields=("answer", "solution"),
         reward="gsm8k",
+        solution_field="answer",
     ),
 }
 
 _PLAIN_NUMBER_RE = re.compile(r"-?\d+(?:\.\d+)?")
+_LAST_NUMBER_RE = re.compile(r"-?\d+(?:\.\d+)?(?!.*\d)", re.DOTALL)
+_CALCULATOR_RE = re.compile(r"<<[^<>]*>>")  # GSM8K's "<<48/2=24>>" annotations
 
 
 def load_examples(
@@ -94,6 +113,8 @@ def load_examples(
     answer_field: str | None = None,
     hub_name: str | None = None,
     hub_config: str | None = None,
+    solution_field: str | None = None,
+    difficulty_field: str | None = None,
 ) -> list[Example]:
     """Load ``task`` examples from a local file (``path``) or the Hub (``path=None``).
 
@@ -105,6 +126,9 @@ def load_examples(
             ``question_fields`` / ``answer_fields`` that a record has.
         hub_name, hub_config: Hub dataset and config instead of the task's defaults; with a
             ``hub_name`` and no ``hub_config``, the dataset's own default config.
+        solution_field: the worked solution's field (must be present); None: the task's
+            ``solution_field`` where a record has it (see the module docstring).
+        difficulty_field: the difficulty's field (must be present); None: no difficulty.
 
     Returns:
         One ``Example`` per record, in file order.
@@ -123,9 +147,8 @@ def load_examples(
         source, records = f"{name} [{split}]", _read_hub(name, config, split)
     else:
         source, records = path, _read_file(Path(path))
-    examples = [
-        _to_example(task, spec, record, where, question_field, answer_field) for where, record in records
-    ]
+    fields = (question_field, answer_field, solution_field, difficulty_field)
+    examples = [_to_example(task, spec, record, where, *fields) for where, record in records]
     if not examples:
         raise DataError(f"{source}: empty (no records)")
     return examples
@@ -227,6 +250,8 @@ def _to_example(
     where: str,
     question_field: str | None,
     answer_field: str | None,
+    solution_field: str | None = None,
+    difficulty_field: str | None = None,
 ) -> Example:
     q_name = _field(record, where, question_field, spec.question_fields, "question")
     a_name = _field(record, where, answer_field, spec.answer_fields, "answer")
@@ -250,4 +275,50 @@ def _to_example(
             raise DataError(f"{where}: no '####' answer found in field {a_name!r}")
     if not answer.strip():
         raise DataError(f"{where}: empty answer in field {a_name!r}")
-    return Example(question=question, answer=answer.strip())
+    solution = _solution(task, spec, record, where, solution_field)
+    difficulty = None
+    if difficulty_field is not None:
+        _field(record, where, difficulty_field, (), "difficulty")
+        difficulty = _difficulty(record[difficulty_field])
+    return Example(question=question, answer=answer.strip(), solution=solution, difficulty=difficulty)
+
+
+def _solution(task: str, spec: TaskSpec, record: dict, where: str, explicit: str | None) -> str | None:
+    """The worked solution: the explicit field (required), else the task's default field if the
+    record has it (gsm8k's: the text before ``####``, calculator annotations removed)."""
+    if explicit is not None:
+        _field(record, where, explicit, (), "solution")
+        name = explicit
+    elif spec.solution_field in record:
+        name = spec.solution_field
+    else:
+        return None
+    value = record[name]
+    if not isinstance(value, str) and explicit is None:  # gsm8k's bare number: no worked solution
+        return None
+    if not isinstance(value, str):
+        raise DataError(
+            f"{where}: field {name!r} must be a string (a worked solution), got {type(value).__name__}"
+        )
+    if task == "gsm8k":
+        head, sep, _ = value.rpartition("####")
+        if not sep:
+            return None if explicit is None else value.strip() or None
+        value = _CALCULATOR_RE.sub("", head)
+    return value.strip() or None
+
+
+def _difficulty(value: Any) -> float | None:
+    """A difficulty value as a number: numbers as they are, a string's last number
+    (``"Level 3"`` → 3.0), None for anything without one (``"Level ?"``).
+
+    Example:
+        >>> _difficulty("Level 3"), _difficulty(2), _difficulty("Level ?")
+        (3.0, 2.0, None)
+    """
+    if isinstance(value, bool):
+        return None
+    if isinstance(value, (int, float)):
+        return float(value) if math.isfinite(value) else None
+    m = _LAST_NUMBER_RE.search(str(value))
+    return float(m.group()) if m else None

@@ -30,6 +30,10 @@ Reward functions never raise on any response or ground-truth string and always r
 The loop calls every reward, registered or your own, through ``GuardedReward``: one that raises
 or returns a non-number stops the run with one line naming it and the response
 (``data.reward_errors=zero``: that response scores 0 and is counted in ``train/reward_errors``).
+
+Several rewards with weights (``data.reward`` a list, ``data.reward_weights``) are one
+``WeightedReward``: ``reward = Σ_k w_k·reward_k``, each part guarded on its own and reported as
+``"reward/NAME"`` (its unweighted reward) beside the sum.
 """
 
 from __future__ import annotations
@@ -57,6 +61,7 @@ __all__ = [
     "GuardedReward",
     "MathGrader",
     "RewardFn",
+    "WeightedReward",
     "extract_boxed",
     "extract_last_number",
     "get_reward_fn",
@@ -553,18 +558,88 @@ class GuardedReward:
         )
 
 
-class _BatchReward:
-    """``GuardedReward`` for one rollout batch: numbers its responses, counts their errors."""
+class WeightedReward:
+    """Several guarded reward functions as one: ``reward = Σ_k w_k·reward_k``.
 
-    def __init__(self, guard: GuardedReward, step: int):
+    Each call returns ``{"reward": Σ_k w_k·r_k, "reward/NAME_k": r_k, ...}``: ``r_k`` is part
+    ``k``'s own (unweighted) ``"reward"``, and every other key (``format_reward``,
+    ``answer_reward``) is taken from the first part that returns it, so ``[r1_zero, bonus]``
+    keeps ``r1_zero``'s accuracy keys. Each part keeps its guard: a failing part stops the run
+    with the line naming that part's function, or (``data.reward_errors=zero``) scores that part
+    0 and counts one error, the other parts' scores standing.
+
+    ``names`` (default: each part's ``name``) are the NAMEs of ``"reward/NAME"``.
+    ``for_batch(step)`` gives the callable for one rollout batch, with ``errors`` (the failed
+    part-calls of the batch, all parts together), ``errors_by_part`` and ``scores`` (every
+    returned dict, in call order).
+
+    Example:
+        >>> length = GuardedReward(lambda r, g: {"reward": len(r) / 10}, "length")
+        >>> exact = GuardedReward(lambda r, g: {"reward": float(r == g), "answer_reward": float(r == g)}, "exact")
+        >>> both = WeightedReward([exact, length], [1.0, -0.5])
+        >>> both("42", "42")  # 1·1 − 0.5·0.2 = 0.9
+        {'reward': 0.9, 'reward/exact': 1.0, 'reward/length': 0.2, 'answer_reward': 1.0}
+    """
+
+    def __init__(
+        self, parts: list[GuardedReward], weights: list[float] | None = None, names: list[str] | None = None
+    ):
+        weights = [1.0] * len(parts) if weights is None else [float(w) for w in weights]
+        if not parts or len(weights) != len(parts):
+            raise ValueError(f"{len(parts)} reward parts need as many weights, got {len(weights)}")
+        names = [p.name for p in parts] if names is None else list(names)
+        if len(names) != len(parts) or len(set(names)) != len(names):
+            raise ValueError(f"reward part names must differ, got {names}")
+        self.parts, self.weights, self.names = list(parts), weights, names
+        self.name = " + ".join(f"{w:g}·{n}" for w, n in zip(weights, names))
+
+    def for_batch(self, step: int) -> _BatchReward:
+        return _BatchReward(self, step)
+
+    def __call__(self, response: str, ground_truth: str) -> dict[str, float]:
+        return self.score(response, ground_truth, where="")[0]
+
+    def score(self, response: str, ground_truth: str, where: str) -> tuple[dict[str, float], list[str]]:
+        """``(combined score dict, names of the parts whose error was scored 0)``."""
+        out: dict[str, float] = {"reward": 0.0}
+        extras: dict[str, float] = {}
+        failed: list[str] = []
+        for part, w, name in zip(self.parts, self.weights, self.names):
+            s, bad = part.score(response, ground_truth, where)
+            if bad:
+                failed.append(name)
+            r = float(s["reward"])
+            out["reward"] += w * r
+            out[f"reward/{name}"] = r
+            for k, v in s.items():
+                if k != "reward":
+                    extras.setdefault(k, v)
+        out.update(extras)
+        return out, failed
+
+
+class _BatchReward:
+    """``GuardedReward`` / ``WeightedReward`` for one rollout batch: numbers its responses,
+    counts their errors (``errors``; per part: ``errors_by_part``), keeps what they scored
+    (``scores``: one dict per call, in order)."""
+
+    def __init__(self, guard: GuardedReward | WeightedReward, step: int):
         self.guard, self.step = guard, step
         self.index, self.errors = 0, 0
+        names = guard.names if isinstance(guard, WeightedReward) else [guard.name]
+        self.errors_by_part: dict[str, int] = dict.fromkeys(names, 0)
+        self.scores: list[dict[str, float]] = []
 
     def __call__(self, response: str, ground_truth: str) -> dict[str, float]:
         where = f"response {self.index} of step {self.step}'s rollout batch"
         self.index += 1
         out, failed = self.guard.score(response, ground_truth, where)
-        self.errors += failed
+        if isinstance(failed, bool):  # a single GuardedReward
+            failed = [self.guard.name] if failed else []
+        for name in failed:
+            self.errors_by_part[name] += 1
+        self.errors += len(failed)
+        self.scores.append(out)
         return out
 
 

@@ -3,11 +3,13 @@
 ``data.task`` picks the data (``math``, ``gsm8k`` through ``grpo_fast.data``; ``tiny`` built in),
 ``data.prompt_template`` the prompt, ``data.reward`` the reward function: a registered name
 (``auto`` = the task's own: ``math`` → ``r1_zero``, ``gsm8k`` → ``gsm8k``, ``tiny`` → ``tiny``)
-or ``package.module:function`` for one of your own.
+or ``package.module:function`` for one of your own; or a list of them with
+``data.reward_weights``, summed by ``grpo_fast.rewards.WeightedReward``.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import random
 import warnings
@@ -19,7 +21,7 @@ from grpo_fast.config import AUTO, Config
 from grpo_fast.data import Example, load_examples
 from grpo_fast.errors import ConfigError
 from grpo_fast.prompts import get_template
-from grpo_fast.rewards import GuardedReward, get_reward_fn
+from grpo_fast.rewards import GuardedReward, WeightedReward, get_reward_fn
 
 DEFAULT_REWARD = {"math": "r1_zero", "gsm8k": "gsm8k", "tiny": "tiny"}
 EVAL_SPLIT = {"math": "test", "gsm8k": "test"}
@@ -32,7 +34,8 @@ class Task:
     eval: list[Example]
     template: str
     stop: list[str]
-    reward_fn: GuardedReward  # the data.reward function behind data.reward_errors' guard
+    # the data.reward function(s) behind data.reward_errors' guard; several: their weighted sum
+    reward_fn: GuardedReward | WeightedReward
     tokenizer: object
     max_prompt_tokens: int
     _ids: dict[str, list[int]] = field(default_factory=dict, repr=False)
@@ -55,6 +58,30 @@ class Task:
             self._ids[ex.question] = ids
         return ids
 
+    @property
+    def reward_parts(self) -> list[str]:
+        """The names NAME of a weighted reward's parts (each score holds ``"reward/NAME"``, the
+        loop logs ``train/reward/NAME``); empty for a single reward function."""
+        return list(self.reward_fn.names) if isinstance(self.reward_fn, WeightedReward) else []
+
+    def solution_text(self, ex: Example) -> str | None:
+        """The response that would solve ``ex`` in the format the reward expects (the target of
+        ``sft.mix_coef``), or None when ``ex`` has no ground-truth solution.
+
+        With ``r1_zero`` the prompt ends inside ``<think>``: the worked solution is the reasoning,
+        then the answer, ``" {solution} </think> <answer> {answer} </answer>"``; with other
+        templates the solution text itself.
+
+        Example:
+            ``Example("1+1?", "2", solution="One plus one is 2.")`` under ``r1_zero``:
+            ``" One plus one is 2. </think> <answer> 2 </answer>"``.
+        """
+        if ex.solution is None:
+            return None
+        if self.template == "r1_zero":
+            return f" {ex.solution.strip()} </think> <answer> {ex.answer} </answer>"
+        return ex.solution
+
     def eval_subset(self, size: int, seed: int) -> list[Example]:
         """A fixed random subset of the eval set (the same for every step and every resume)."""
         if size >= len(self.eval):
@@ -66,29 +93,36 @@ def load_task(cfg: Config, tokenizer=None) -> Task:
     """The task of ``cfg`` with its examples loaded and checked. ``tokenizer`` may be attached
     later (``task.tokenizer = ...``): prompts are tokenized on first use."""
     d = cfg.data
+    fields = dict(
+        question_field=d.question_field,
+        answer_field=d.answer_field,
+        solution_field=d.solution_field,
+        difficulty_field=d.difficulty_field,
+    )
     if d.task == "tiny":
-        # Local files override the built-in problems: JSONL/Parquet with question and a bare answer.
-        train = (
-            load_examples("gsm8k", d.train_path, question_field=d.question_field, answer_field=d.answer_field)
-            if d.train_path
-            else tiny.examples("train")
-        )
-        evals = (
-            load_examples("gsm8k", d.eval_path, question_field=d.question_field, answer_field=d.answer_field)
-            if d.eval_path
-            else tiny.examples("eval")
-        )
+        # Local files override the built-in problems: JSONL/Parquet with question and a bare answer
+        # (which is also the worked solution, unless data.solution_field names one).
+        train = _tiny_file(d.train_path, fields) if d.train_path else tiny.examples("train")
+        evals = _tiny_file(d.eval_path, fields) if d.eval_path else tiny.examples("eval")
     else:
-        common = dict(question_field=d.question_field, answer_field=d.answer_field, hub_name=d.hub_name)
+        common = dict(**fields, hub_name=d.hub_name)
         train = load_examples(d.task, d.train_path, split="train", **common)
         evals = load_examples(d.task, d.eval_path, split=EVAL_SPLIT[d.task], **common)
     template = get_template(d.prompt_template)
-    reward = DEFAULT_REWARD[d.task] if d.reward == AUTO else d.reward
-    if ":" in reward:  # "package.module:function": import it (its @register_reward runs too)
-        reward_fn = _import_reward(reward)
+    if isinstance(d.reward, str):
+        reward_fn = _guarded_reward(d.reward, d.task, d.reward_errors)
     else:
-        reward_fn = get_reward_fn(reward)
-    reward_fn = GuardedReward(reward_fn, reward, on_error=d.reward_errors)
+        parts = [_guarded_reward(spec, d.task, d.reward_errors) for spec in d.reward]
+        names = [p.name.rpartition(":")[2] for p in parts]  # "pkg.mod:bonus" is logged as bonus
+        repeated = sorted({n for n in names if names.count(n) > 1})
+        if repeated:
+            raise ConfigError(f"data.reward={list(d.reward)} names the reward {repeated[0]!r} twice")
+        reward_fn = WeightedReward(parts, d.reward_weights, names=names)
+    if cfg.sft.mix_coef > 0 and not any(ex.solution is not None for ex in train):
+        raise ConfigError(
+            f"sft.mix_coef={cfg.sft.mix_coef} needs ground-truth solutions, and no training example "
+            "has one: name the field with data.solution_field"
+        )
     return Task(
         name=d.task,
         train=train,
@@ -99,6 +133,26 @@ def load_task(cfg: Config, tokenizer=None) -> Task:
         tokenizer=tokenizer,
         max_prompt_tokens=cfg.rollout.max_prompt_tokens,
     )
+
+
+def _tiny_file(path: str, fields: dict) -> list[Example]:
+    examples = load_examples("gsm8k", path, **fields)
+    if fields["solution_field"] is None:  # the tiny task's response is the bare answer
+        examples = [dataclasses.replace(ex, solution=ex.answer) for ex in examples]
+    return examples
+
+
+def _guarded_reward(spec: str, task: str, on_error: str) -> GuardedReward:
+    """One ``data.reward`` entry, guarded: ``auto`` (the task's own), a registered name, or
+    ``package.module:function``."""
+    name = DEFAULT_REWARD[task] if spec == AUTO else spec
+    if ":" in name:  # "package.module:function": import it (its @register_reward runs too)
+        return GuardedReward(_import_reward(name), name, on_error=on_error)
+    try:
+        fn = get_reward_fn(name)
+    except ConfigError as exc:
+        raise ConfigError(f"data.reward: {exc}") from None
+    return GuardedReward(fn, name, on_error=on_error)
 
 
 def _import_reward(spec: str) -> Callable[[str, str], dict[str, float]]:

@@ -79,7 +79,8 @@ def examples(split: str) -> list[Example]:
     pairs = [(a, b) for a in range(100) for b in range(100)]
     random.Random(TASK_SEED).shuffle(pairs)
     chosen = pairs[:EVAL_SIZE] if split == "eval" else pairs[EVAL_SIZE:]
-    return [Example(question=f"{a}+{b}=", answer=str(a + b)) for a, b in chosen]
+    # the worked solution (sft.mix_coef's target) is the answer itself: the reward wants digits only
+    return [Example(question=f"{a}+{b}=", answer=str(a + b), solution=str(a + b)) for a, b in chosen]
 
 
 @register_reward("tiny")

@@ -143,6 +143,8 @@ DOMAINS: dict[str, tuple[list[str], list[str]]] = {
     "checkpoint_every": (["0", "5"], ["-1"]),
     "keep_checkpoints": (["1"], ["0", "-1"]),
     "data.eval_subset_size": (["0", "8"], ["-1"]),
+    "data.overlong_buffer": (["0", "1023"], ["-1", "1024"]),  # 1024: not below max_tokens=1024
+    "data.overlong_penalty": (["0", "1.5"], ["-1"]),
     "rollout.group_size": (["2", "4"], ["1", "0", "-2"]),
     "rollout.batch_size": (["8"], ["0", "-8", "12"]),  # 12: not a multiple of group_size=8
     "rollout.temperature": (["0.1", "2.0"], ["0", "-1"]),
@@ -156,6 +158,9 @@ DOMAINS: dict[str, tuple[list[str], list[str]]] = {
     "rollout.sleep_level": (["0", "2"], ["-1", "3"]),
     "rollout.weight_sync_tolerance": (["auto", "0", "0.05"], ["-0.1"]),
     "rollout.is_cap": (["1.5"], ["1", "0", "-2"]),
+    "rollout.max_sampling_rounds": (["1", "5"], ["0", "-1"]),
+    "rollout.min_group_size": (["2", "16"], ["1", "0", "17"]),  # 17: above max_group_size=16
+    "rollout.max_group_size": (["2", "64"], ["1", "0", "-1"]),  # 1: below min_group_size=2
     "train.lr": (["0", "1e-5"], ["-1e-5"]),
     "train.betas": (["[0.0,0.5]"], ["[-0.1,0.9]", "[0.9,1.0]", "[0.9]"]),
     "train.weight_decay": (["0", "0.1"], ["-0.1"]),
@@ -182,6 +187,7 @@ DOMAINS: dict[str, tuple[list[str], list[str]]] = {
     "sft.target_accuracy": (["null", "1", "0.5"], ["0", "-0.5", "1.5"]),
     "sft.check_every": (["1"], ["0", "-1"]),
     "sft.check_size": (["1"], ["0", "-1"]),
+    "sft.mix_coef": (["0", "0.1"], ["-0.1"]),
     "logging.sample_every": (["0", "10"], ["-1"]),
     "logging.samples_per_dump": (["0", "16"], ["-1"]),
 }

@@ -23,9 +23,10 @@ def test_gsm8k_jsonl_takes_the_text_after_hashes_without_commas(tmp_path):
             {"question": "Bare?", "answer": 42},  # an already-extracted number
         ],
     )
+    # the worked solution: the text before ####; a bare number has none
     assert load_examples("gsm8k", str(path)) == [
-        Example("Eggs?", "18"),
-        Example("Big?", "1000"),
+        Example("Eggs?", "18", solution="16 - 3 - 4 = 9\n9 * 2 = 18"),
+        Example("Big?", "1000", solution="so"),
         Example("Bare?", "42"),
     ]
 
@@ -47,7 +48,7 @@ def test_math_prefers_a_bare_answer_field_and_accepts_an_explicit_one(tmp_path):
     path = write_jsonl(
         tmp_path / "m500.jsonl", [{"problem": "P", "solution": "\\boxed{2}", "answer": "\\frac14"}]
     )
-    assert load_examples("math", str(path)) == [Example("P", "\\frac14")]
+    assert load_examples("math", str(path)) == [Example("P", "\\frac14", solution="\\boxed{2}")]
     path = write_jsonl(tmp_path / "custom.jsonl", [{"q": "Q", "final": "x+1"}])
     assert load_examples("math", str(path), question_field="q", answer_field="final") == [Example("Q", "x+1")]
 
@@ -61,7 +62,10 @@ def test_blank_lines_are_skipped(tmp_path):
 def test_parquet(tmp_path):
     path = tmp_path / "train.parquet"
     pq.write_table(pa.table({"problem": ["P1", "P2"], "solution": ["\\boxed{1}", "\\boxed{x^2}"]}), path)
-    assert load_examples("math", str(path)) == [Example("P1", "1"), Example("P2", "x^2")]
+    assert load_examples("math", str(path)) == [
+        Example("P1", "1", solution="\\boxed{1}"),
+        Example("P2", "x^2", solution="\\boxed{x^2}"),
+    ]
 
 
 @pytest.mark.parametrize(
@@ -91,7 +95,7 @@ def test_hub_defaults_and_overrides(monkeypatch, task, hub_name, hub_config, exp
     monkeypatch.setattr(datasets, "load_dataset", fake_load_dataset)
     examples = load_examples(task, split="test", hub_name=hub_name, hub_config=hub_config)
     assert calls == [(*expected, "test")]
-    assert examples == [Example("Q", "7")]
+    assert examples == [Example("Q", "7", solution="\\boxed{7}" if task == "math" else None)]
 
 
 def test_write_jsonl_creates_folders(tmp_path):
