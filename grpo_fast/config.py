@@ -25,6 +25,7 @@ from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from grpo_fast.core import IMPORTANCE_SAMPLING_LEVELS, KL_ESTIMATORS, LENGTH_NORMS, LOSS_TYPES, SCALE_REWARDS
+from grpo_fast.difficulty import CURRICULA
 from grpo_fast.errors import ConfigError
 from grpo_fast.sampler_correction import IS_LEVELS, IS_MODES
 
@@ -170,6 +171,10 @@ class LossConfig:
     # length normalizers (DAPO's overlong filtering); their rewards still enter the group's advantage.
     mask_truncated: bool = False
     beta: float = 0.0  # KL penalty coefficient (initial value when target_kl is set)
+    # true: β·KL enters the reward, not the loss (verl's use_kl_in_reward): each response's reward
+    # loses β·Σ_t k1_t, k1 = log π − log π_ref on its sampled tokens, before the advantages (two
+    # no-grad passes in the rollout phase, π and π_ref); the loss then has no KL term.
+    kl_in_reward: bool = False
     kl_estimator: str = "k3"  # k1 | k2 | k3
     target_kl: float | None = None  # adaptive β (proportional controller) when set; per-token KL
     kl_early_stop: float | None = None  # stop the inner epochs once KL(π_old‖π) exceeds this
@@ -341,7 +346,7 @@ _CHOICES: dict[str, tuple[str, ...]] = {
     "rollout.is_level": IS_LEVELS,
     "rollout.is_mode": IS_MODES,
     "rollout.old_logprobs": ("trainer", "sampler"),
-    "rollout.curriculum": ("none", "easy_first"),
+    "rollout.curriculum": CURRICULA,
     "train.optimizer": ("adamw", "adamw8bit"),
     "train.schedule": ("constant", "linear", "cosine"),
     "train.mixed_precision": ("auto", "bf16", "fp16", "no"),
@@ -663,6 +668,8 @@ def validate(cfg: Config, preset: str | None = None, check_device: bool = True) 
         positive("loss.target_kl", lo.target_kl)
         if lo.beta == 0:
             raise ConfigError("loss.target_kl needs an initial loss.beta > 0 to adapt")
+    if lo.kl_in_reward and lo.beta <= 0:
+        raise ConfigError("loss.kl_in_reward=true needs loss.beta > 0 (the weight of the KL in the reward)")
     if lo.kl_early_stop is not None:
         positive("loss.kl_early_stop", lo.kl_early_stop)
     positive("loss.advantage_eps", lo.advantage_eps, allow_zero=True)

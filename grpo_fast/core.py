@@ -21,7 +21,7 @@ Shapes: ``B`` sequences, ``T`` tokens per sequence, ``N`` flattened tokens, ``V`
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -47,11 +47,14 @@ __all__ = [
     "grpo_clip_loss",
     "grpo_microbatch_train_step",
     "grpo_token_loss",
+    "informative_groups",
     "kl_early_stop",
     "kl_penalty",
     "length_norm_weights",
     "masked_mean",
     "masked_normalize",
+    "normalize_group_rewards",
+    "overlong_penalty",
     "sequence_mean",
     "sft_microbatch_train_step",
     "tokenize_prompt_and_output",
@@ -194,16 +197,22 @@ def compute_group_normalized_rewards(
     reward_fn: Callable[[str, str], dict[str, float]],
     rollout_responses: list[str],
     repeated_ground_truths: list[str],
-    group_size: int,
+    group_size: int | Sequence[int],
     advantage_eps: float,
     normalize_by_std: bool = True,
     *,
     scale_rewards: str | None = None,
     reduce_sums: Callable[[list[float]], list[float]] | None = None,
+    reward_shaping: Sequence[float] | torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, dict[str, float]]:
     """Score every response and normalize its reward within its group.
 
-    Groups are consecutive runs of ``group_size`` responses to the same prompt.
+    Groups are consecutive runs of ``group_size`` responses to the same prompt, or, with a list
+    of sizes (``rollout.adaptive_group_size``), consecutive runs of ``group_size[j]`` responses
+    for group ``j``. ``reward_shaping`` (``[B]``, e.g. ``overlong_penalty``) is added to each
+    raw reward first: ``r_i = reward_fn(...)["reward"] + shaping_i`` is the reward returned, the
+    one the advantage and the ``reward_*`` statistics use (``metadata["reward_shaping_mean"]``
+    is its mean). ``normalize_group_rewards`` does the normalization on rewards already scored.
     ``A_i = r_i − mean(group)``, then divided by a std by ``scale_rewards`` (``loss.scale_rewards``;
     every std unbiased, as ``torch.std``):
 
@@ -231,49 +240,157 @@ def compute_group_normalized_rewards(
         Rewards ``[1, 0, 0, 0]`` in one group: mean 0.25, unbiased std 0.5, so without std
         the advantages are ``[0.75, -0.25, -0.25, -0.25]`` and with std ``[1.5, -0.5, -0.5, -0.5]``.
     """
-    scale = scale_rewards if scale_rewards is not None else ("group" if normalize_by_std else "none")
-    if scale not in SCALE_REWARDS:
-        raise ValueError(f"unknown scale_rewards {scale!r}; expected one of {', '.join(SCALE_REWARDS)}")
     if len(rollout_responses) != len(repeated_ground_truths):
         raise ValueError(
             f"rollout_responses has {len(rollout_responses)} items but repeated_ground_truths "
             f"has {len(repeated_ground_truths)}"
         )
-    if group_size < 1 or len(rollout_responses) % group_size:
+    _check_group_sizes(group_size, len(rollout_responses))
+    if reward_shaping is not None and len(reward_shaping) != len(rollout_responses):
         raise ValueError(
-            f"group_size={group_size} must be >= 1 and divide the {len(rollout_responses)} responses"
+            f"reward_shaping has {len(reward_shaping)} items for {len(rollout_responses)} responses"
         )
     scores = [reward_fn(r, g) for r, g in zip(rollout_responses, repeated_ground_truths)]
     raw_rewards = torch.tensor([float(s["reward"]) for s in scores], dtype=torch.float32)
-    grouped = raw_rewards.view(-1, group_size)
-    advantages = grouped - grouped.mean(dim=1, keepdim=True)
-    if scale == "group" and group_size > 1:  # a group of one has no std (and zero advantage below)
-        advantages = advantages / (grouped.std(dim=1, keepdim=True) + advantage_eps)
-    elif scale == "batch":
+    if reward_shaping is not None:
+        shaping = torch.as_tensor(reward_shaping, dtype=torch.float32)
+        raw_rewards = raw_rewards + shaping
+    advantages, metadata = normalize_group_rewards(
+        raw_rewards,
+        group_size,
+        advantage_eps,
+        normalize_by_std,
+        scale_rewards=scale_rewards,
+        reduce_sums=reduce_sums,
+    )
+    if reward_shaping is not None:
+        metadata["reward_shaping_mean"] = shaping.mean().item()
+    n = len(scores)
+    for key in scores[0]:
+        if key != "reward" and isinstance(scores[0][key], (int, float, bool)):
+            metadata[f"{key}_mean"] = sum(float(s[key]) for s in scores) / n
+    return advantages, raw_rewards, metadata
+
+
+def normalize_group_rewards(
+    raw_rewards: torch.Tensor,
+    group_size: int | Sequence[int],
+    advantage_eps: float,
+    normalize_by_std: bool = True,
+    *,
+    scale_rewards: str | None = None,
+    reduce_sums: Callable[[list[float]], list[float]] | None = None,
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """The advantages of rewards already scored: ``compute_group_normalized_rewards`` without the
+    reward function (for a batch assembled from several rounds of dynamic sampling).
+
+    Args:
+        raw_rewards: ``[B]`` fp32, groups contiguous.
+        group_size: one size for every group, or a list of sizes summing to ``B``.
+        advantage_eps, normalize_by_std, scale_rewards, reduce_sums: as
+            ``compute_group_normalized_rewards``.
+
+    Returns:
+        ``(advantages [B] fp32, metadata)``; metadata: ``reward_mean reward_std reward_min
+        reward_max num_groups zero_variance_groups zero_variance_fraction advantage_abs_mean``.
+
+    Example:
+        Sizes ``[2, 3]``, rewards ``[1, 0, 1, 1, 1]``, ``scale_rewards="none"``: group 1's mean 0.5
+        gives ``[0.5, -0.5]``; group 2 has zero variance: ``[0, 0, 0]``.
+    """
+    scale = scale_rewards if scale_rewards is not None else ("group" if normalize_by_std else "none")
+    if scale not in SCALE_REWARDS:
+        raise ValueError(f"unknown scale_rewards {scale!r}; expected one of {', '.join(SCALE_REWARDS)}")
+    sizes = _check_group_sizes(group_size, raw_rewards.numel())
+    if sizes is not None and len(set(sizes)) == 1:
+        group_size, sizes = sizes[0], None  # equal sizes: the [n_groups, G] path below, bit for bit
+    if sizes is None:
+        grouped = raw_rewards.view(-1, group_size)
+        advantages = grouped - grouped.mean(dim=1, keepdim=True)
+        if scale == "group" and group_size > 1:  # a group of one has no std (and zero advantage below)
+            advantages = advantages / (grouped.std(dim=1, keepdim=True) + advantage_eps)
+        zero_var = grouped.max(dim=1).values == grouped.min(dim=1).values  # [n_groups]
+    else:
+        groups = raw_rewards.split(sizes)
+        centred = [g - g.mean() for g in groups]
+        if scale == "group":  # a group of one has no std (and zero advantage below)
+            centred = [c / (g.std() + advantage_eps) if len(g) > 1 else c for c, g in zip(centred, groups)]
+        advantages = torch.cat(centred)
+        zero_var = torch.tensor([bool(g.max() == g.min()) for g in groups])  # [n_groups]
+    if scale == "batch":
         r64 = raw_rewards.double()
         sums = [float(r64.numel()), r64.sum().item(), (r64 * r64).sum().item()]
         count, total, squares = reduce_sums(sums) if reduce_sums is not None else sums
         mean = total / count
         var = max(squares - count * mean * mean, 0.0) / max(count - 1.0, 1.0)
         advantages = advantages / (math.sqrt(var) + advantage_eps)
-    zero_var = grouped.max(dim=1).values == grouped.min(dim=1).values  # [n_groups]
-    advantages = torch.where(zero_var[:, None], torch.zeros_like(advantages), advantages).reshape(-1)
+    if sizes is None:
+        advantages = torch.where(zero_var[:, None], torch.zeros_like(advantages), advantages).reshape(-1)
+    else:
+        per_response = zero_var.repeat_interleave(torch.tensor(sizes))  # [B]
+        advantages = torch.where(per_response, torch.zeros_like(advantages), advantages)
 
-    n = len(scores)
+    n = raw_rewards.numel()
     metadata: dict[str, float] = {
         "reward_mean": raw_rewards.mean().item(),
         "reward_std": raw_rewards.std().item() if n > 1 else 0.0,
         "reward_min": raw_rewards.min().item(),
         "reward_max": raw_rewards.max().item(),
-        "num_groups": float(grouped.shape[0]),
+        "num_groups": float(zero_var.numel()),
         "zero_variance_groups": float(zero_var.sum().item()),
         "zero_variance_fraction": zero_var.float().mean().item(),
         "advantage_abs_mean": advantages.abs().mean().item(),
     }
-    for key in scores[0]:
-        if key != "reward" and isinstance(scores[0][key], (int, float, bool)):
-            metadata[f"{key}_mean"] = sum(float(s[key]) for s in scores) / n
-    return advantages, raw_rewards, metadata
+    return advantages, metadata
+
+
+def informative_groups(raw_rewards: torch.Tensor, group_size: int | Sequence[int]) -> list[bool]:
+    """Per group, whether its rewards differ (``max > min``): the groups DAPO's dynamic sampling
+    keeps. A group whose rewards are all equal has advantage 0 for every response: nothing to
+    learn from it. ``raw_rewards [B]``, groups contiguous (sizes as ``normalize_group_rewards``).
+
+    Example:
+        >>> informative_groups(torch.tensor([1.0, 0.0, 1.0, 1.0, 0.0, 0.0, 0.5]), [2, 2, 3])
+        [True, False, True]
+    """
+    sizes = _check_group_sizes(group_size, raw_rewards.numel())
+    sizes = sizes if sizes is not None else [group_size] * (raw_rewards.numel() // group_size)
+    return [bool(g.max() > g.min()) for g in raw_rewards.split(sizes)]
+
+
+def overlong_penalty(
+    lengths: Sequence[int] | torch.Tensor, max_tokens: int, buffer: int, penalty: float = 1.0
+) -> torch.Tensor:
+    """DAPO's soft overlong punishment, a reward added per response: ``[B] -> [B]`` fp32.
+
+    With ``L = max_tokens`` and the buffer ``c``: 0 for ``length ≤ L − c``;
+    ``−penalty · (length − (L − c)) / c`` for ``L − c < length < L`` (falling linearly);
+    ``−penalty`` for ``length ≥ L``. ``buffer = 0`` turns it off (all zeros). ``data.overlong_buffer``
+    and ``data.overlong_penalty``; the lengths count response tokens.
+
+    Example:
+        >>> overlong_penalty([10, 16, 17, 18, 20, 21], max_tokens=20, buffer=4, penalty=1.0)
+        tensor([ 0.0000,  0.0000, -0.2500, -0.5000, -1.0000, -1.0000])
+    """
+    lengths = torch.as_tensor(lengths, dtype=torch.float32)
+    if buffer < 0 or buffer >= max_tokens:
+        raise ValueError(f"buffer={buffer} must be in [0, max_tokens={max_tokens})")
+    if buffer == 0:
+        return torch.zeros_like(lengths)
+    over = (lengths - (max_tokens - buffer)).clamp(0.0, float(buffer))  # tokens into the buffer
+    return 0.0 - over * (penalty / buffer)  # 0.0 − 0 is +0.0, not −0.0
+
+
+def _check_group_sizes(group_size: int | Sequence[int], n: int) -> list[int] | None:
+    """None for one int size that divides ``n``; the list of sizes when they are positive and sum to ``n``."""
+    if isinstance(group_size, int):
+        if group_size < 1 or n % group_size:
+            raise ValueError(f"group_size={group_size} must be >= 1 and divide the {n} responses")
+        return None
+    sizes = [int(g) for g in group_size]
+    if not sizes or min(sizes) < 1 or sum(sizes) != n:
+        raise ValueError(f"group sizes {sizes} must each be >= 1 and sum to the {n} responses")
+    return sizes
 
 
 # ----------------------------------------------------------------------------------------------
