@@ -204,6 +204,93 @@ def test_zero_variance_group_gets_zero_advantage_never_nan():
 def test_group_normalized_rewards_bad_sizes():
     with pytest.raises(ValueError, match="group_size=3 must be >= 1 and divide the 4 responses"):
         core.compute_group_normalized_rewards(lambda r, g: {"reward": 0}, ["a"] * 4, ["b"] * 4, 3, 1e-6, True)
+    with pytest.raises(
+        ValueError, match=r"group sizes \[2, 3\] must each be >= 1 and sum to the 4 responses"
+    ):
+        core.compute_group_normalized_rewards(lambda r, g: {"reward": 0}, ["a"] * 4, ["b"] * 4, [2, 3], 1e-6)
+    with pytest.raises(ValueError, match="reward_shaping has 3 items for 4 responses"):
+        core.compute_group_normalized_rewards(
+            lambda r, g: {"reward": 0}, ["a"] * 4, ["b"] * 4, 2, 1e-6, reward_shaping=[0.0] * 3
+        )
+
+
+def test_variable_group_sizes_hand_values():
+    # groups [1, 0] | [1, 1, 0, 0] | [1] (sizes 2, 4, 1)
+    fn = _reward_table({"a": 1.0, "b": 0.0, "c": 1.0, "d": 1.0, "e": 0.0, "f": 0.0, "g": 1.0})
+    args = (fn, list("abcdefg"), ["x"] * 7, [2, 4, 1], 0.0)
+    # none: [0.5, −0.5 | 0.5, 0.5, −0.5, −0.5 | 0 (a group of one: zero variance)]
+    adv, _, meta = core.compute_group_normalized_rewards(*args, scale_rewards="none")
+    torch.testing.assert_close(adv, torch.tensor([0.5, -0.5, 0.5, 0.5, -0.5, -0.5, 0.0]))
+    assert meta["num_groups"] == 3.0 and meta["zero_variance_groups"] == 1.0
+    assert meta["zero_variance_fraction"] == pytest.approx(1 / 3)
+    # group: stds √0.5 ≈ 0.70711 and √(1/3) ≈ 0.57735
+    adv, _, _ = core.compute_group_normalized_rewards(*args, scale_rewards="group")
+    a, b = 0.5 / math.sqrt(0.5), 0.5 / math.sqrt(1 / 3)
+    torch.testing.assert_close(adv, torch.tensor([a, -a, b, b, -b, -b, 0.0]))
+    # batch: rewards [1,0,1,1,0,0,1]: mean 4/7, var = (4 − 7·(4/7)²)/6 = (4 − 16/7)/6 = 2/7
+    adv, _, _ = core.compute_group_normalized_rewards(*args, scale_rewards="batch")
+    s = math.sqrt(2 / 7)
+    torch.testing.assert_close(adv, torch.tensor([0.5, -0.5, 0.5, 0.5, -0.5, -0.5, 0.0]) / s)
+
+
+@pytest.mark.parametrize("scale", ["group", "batch", "none"])
+def test_equal_group_sizes_as_a_list_match_the_int_form_bit_for_bit(scale):
+    rewards = [0.3, 1.0, 0.0, 0.7, 0.2, 0.2, 0.9, 0.1]
+    fn = lambda r, g: {"reward": rewards[int(r)]}
+    args = (fn, [str(i) for i in range(8)], ["x"] * 8)
+    as_int = core.compute_group_normalized_rewards(*args, 4, 1e-6, scale_rewards=scale)
+    as_list = core.compute_group_normalized_rewards(*args, [4, 4], 1e-6, scale_rewards=scale)
+    assert torch.equal(as_int[0], as_list[0]) and torch.equal(as_int[1], as_list[1])
+    assert as_int[2] == as_list[2]
+
+
+def test_reward_shaping_is_added_before_the_advantage():
+    fn = _reward_table({"a": 1.0, "b": 1.0, "c": 0.0, "d": 0.0})
+    # shaping [0, −0.5, 0, −1]: rewards [1, 0.5, 0, −1]; group [1, 0.5] → mean 0.75: [0.25, −0.25];
+    # group [0, −1] → mean −0.5: [0.5, −0.5]. Without shaping group 1 ([1, 1]) would teach nothing.
+    adv, raw, meta = core.compute_group_normalized_rewards(
+        fn, list("abcd"), ["x"] * 4, 2, 0.0, scale_rewards="none", reward_shaping=[0.0, -0.5, 0.0, -1.0]
+    )
+    torch.testing.assert_close(raw, torch.tensor([1.0, 0.5, 0.0, -1.0]))
+    torch.testing.assert_close(adv, torch.tensor([0.25, -0.25, 0.5, -0.5]))
+    assert meta["reward_shaping_mean"] == -0.375 and meta["reward_mean"] == 0.125
+    assert meta["answer_reward_mean"] == 0.5  # the reward function's own keys are unshaped
+
+
+def test_normalize_group_rewards_matches_the_scoring_form():
+    fn = _reward_table({"a": 1.0, "b": 0.0, "c": 0.0, "d": 0.0, "e": 1.0, "f": 1.0})
+    adv, raw, meta = core.compute_group_normalized_rewards(fn, list("abcdef"), ["x"] * 6, [4, 2], 1e-6)
+    adv2, meta2 = core.normalize_group_rewards(raw, [4, 2], 1e-6)
+    assert torch.equal(adv, adv2)
+    assert meta2 == {k: v for k, v in meta.items() if not k.endswith("_reward_mean")}
+
+
+def test_informative_groups():
+    r = torch.tensor([1.0, 1.0, 1.0, 0.0, 1.0, 0.0, 0.5, 0.5, 0.5])
+    assert core.informative_groups(r, 3) == [False, True, False]  # [1,1,1] | [0,1,0] | [.5,.5,.5]
+    assert core.informative_groups(r, [2, 2, 2, 3]) == [False, True, True, False]  # [1,1] [1,0] [1,0] […]
+    assert core.informative_groups(torch.tensor([0.7]), [1]) == [False]  # a group of one teaches nothing
+
+
+@pytest.mark.parametrize(
+    ("lengths", "max_tokens", "buffer", "penalty", "expected"),
+    [
+        # L − c = 16: 16 → 0; 17 → −1/4; 18 → −2/4; 19 → −3/4; 20 (= L) → −1
+        ([10, 16, 17, 18, 19, 20], 20, 4, 1.0, [0.0, 0.0, -0.25, -0.5, -0.75, -1.0]),
+        ([6, 7, 8], 8, 2, 0.5, [0.0, -0.25, -0.5]),  # L − c = 6: 7 → −0.5·1/2; 8 → −0.5
+        ([4, 8, 9], 8, 0, 1.0, [0.0, 0.0, 0.0]),  # buffer 0: off
+    ],
+    ids=["dapo", "penalty-half", "off"],
+)
+def test_overlong_penalty_hand_values(lengths, max_tokens, buffer, penalty, expected):
+    out = core.overlong_penalty(lengths, max_tokens, buffer, penalty)
+    assert out.dtype == torch.float32 and out.tolist() == expected
+    assert not torch.signbit(out[0])  # 0, not −0
+
+
+def test_overlong_penalty_bad_buffer():
+    with pytest.raises(ValueError, match=r"buffer=8 must be in \[0, max_tokens=8\)"):
+        core.overlong_penalty([1], 8, 8)
 
 
 @settings(max_examples=50, deadline=None)
