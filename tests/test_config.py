@@ -251,3 +251,72 @@ def test_group_size_one_is_refused_with_the_reason():
 def test_mixed_precision_no_on_the_command_line():
     """YAML reads a bare ``no`` as false; the override still means no autocast."""
     assert load_config("tiny", overrides=["train.mixed_precision=no"]).train.mixed_precision == "no"
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        (["data.reward=[]"], "data.reward must be a reward name or a non-empty list of names, got []"),
+        (["data.reward=[r1_zero,r1_zero]"], "data.reward lists 'r1_zero' twice"),
+        (["data.reward_weights=[1.0]"], "data.reward_weights needs data.reward to be a list"),
+        (
+            ["data.reward=[r1_zero,gsm8k]", "data.reward_weights=[1.0]"],
+            "data.reward_weights has 1 weights for the 2 rewards of data.reward",
+        ),
+        (
+            ["data.reward=[r1_zero]", "data.reward_weights=[nan]"],
+            "data.reward_weights[0]=nan is not a finite number",
+        ),
+        (
+            ["rollout.difficulty_filter=[0.9,0.1]"],
+            "rollout.difficulty_filter must be [lo, hi] with 0 <= lo <= hi <= 1",
+        ),
+        (["rollout.difficulty_filter=[0.1]"], "rollout.difficulty_filter must be [lo, hi]"),
+        (["rollout.difficulty_filter=[-0.1,0.5]"], "rollout.difficulty_filter must be [lo, hi]"),
+        (
+            ["rollout.curriculum=hard_first"],
+            "rollout.curriculum='hard_first' is not one of: none, easy_first",
+        ),
+        (
+            ["rollout.adaptive_group_size=true", "rollout.group_size=32", "rollout.batch_size=256"],
+            "rollout.adaptive_group_size=true needs rollout.min_group_size=2 <= rollout.group_size=32 <= "
+            "rollout.max_group_size=16",
+        ),
+        (["data.overlong_buffer=4"], "data.overlong_buffer=4 must be below rollout.max_tokens=4"),
+    ],
+)
+def test_issue13_options_refuse_bad_values_in_one_line(overrides, message):
+    with pytest.raises(ConfigError) as err:
+        load_config("tiny", overrides=overrides)
+    assert message in str(err.value) and "\n" not in str(err.value)
+
+
+def test_issue13_options_accept_their_values():
+    cfg = load_config(
+        "tiny",
+        overrides=[
+            "data.reward=[auto,gsm8k]",
+            "data.reward_weights=[1.0,0.5]",
+            "rollout.difficulty_filter=[0.0,0.9]",
+            "rollout.curriculum=easy_first",
+            "rollout.adaptive_group_size=true",
+            "rollout.dynamic_sampling=true",
+            "data.overlong_buffer=2",
+            "sft.mix_coef=0.1",
+        ],
+    )
+    assert cfg.data.reward == ["auto", "gsm8k"] and cfg.data.reward_weights == [1.0, 0.5]
+    assert cfg.rollout.difficulty_filter == [0.0, 0.9]
+    # off by default: the runs of before
+    d = Config()
+    assert (d.rollout.dynamic_sampling, d.rollout.adaptive_group_size, d.rollout.curriculum) == (
+        False,
+        False,
+        "none",
+    )
+    assert (d.data.overlong_buffer, d.sft.mix_coef, d.rollout.difficulty_filter, d.data.reward_weights) == (
+        0,
+        0.0,
+        None,
+        None,
+    )

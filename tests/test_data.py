@@ -254,3 +254,59 @@ def test_extraction_uses_the_reward_modules_box_parser():
     from grpo_fast import rewards
 
     assert data.extract_boxed is rewards.extract_boxed
+
+
+def test_math_solution_and_level(tmp_path):
+    path = write_jsonl(
+        tmp_path / "math.jsonl",
+        [
+            {"problem": "P1", "solution": "So $\\boxed{2}$.", "level": "Level 3"},
+            {"problem": "P2", "solution": "Hence \\boxed{5}", "level": "Level ?"},  # MATH has a few
+            {"problem": "P3", "solution": "\\boxed{1}", "level": 2},
+        ],
+    )
+    examples = load_examples("math", str(path), difficulty_field="level")
+    assert [(e.answer, e.solution, e.difficulty) for e in examples] == [
+        ("2", "So $\\boxed{2}$.", 3.0),
+        ("5", "Hence \\boxed{5}", None),
+        ("1", "\\boxed{1}", 2.0),
+    ]
+    assert load_examples("math", str(path))[0].difficulty is None  # no difficulty field by default
+    with pytest.raises(DataError, match=r"math.jsonl:1: missing field 'rating'"):
+        load_examples("math", str(path), difficulty_field="rating")
+    with pytest.raises(DataError, match=r"math.jsonl:1: missing field 'worked'"):
+        load_examples("math", str(path), solution_field="worked")
+
+
+def test_gsm8k_solution_drops_the_calculator_annotations(tmp_path):
+    path = write_jsonl(tmp_path / "g.jsonl", [{"question": "Q", "answer": "48/2 = <<48/2=24>>24\n#### 24"}])
+    assert load_examples("gsm8k", str(path)) == [Example("Q", "24", solution="48/2 = 24")]
+
+
+def test_task_solution_text_in_the_reward_format():
+    from grpo_fast.config import load_config
+    from grpo_fast.rewards import r1_zero_reward_fn
+    from grpo_fast.task import load_task
+
+    tiny_task = load_task(load_config("tiny"))
+    ex = tiny_task.train[0]
+    assert ex.solution == ex.answer  # the tiny task's response is the bare sum
+    assert tiny_task.reward_fn(tiny_task.solution_text(ex), ex.answer)["reward"] == 1.0
+    math_ex = Example("1+1?", "2", solution="One plus one is 2.")
+    tiny_task.template = "r1_zero"
+    text = tiny_task.solution_text(math_ex)
+    assert text == " One plus one is 2. </think> <answer> 2 </answer>"
+    assert r1_zero_reward_fn(text, "2")["reward"] == 1.0
+    assert tiny_task.solution_text(Example("Q", "3")) is None
+
+
+def test_sft_mix_needs_solutions(tmp_path):
+    from grpo_fast.config import load_config
+    from grpo_fast.task import load_task
+
+    path = write_jsonl(tmp_path / "bare.jsonl", [{"question": "1+2=", "answer": "3"}])
+    overrides = ["sft.mix_coef=0.1", f"data.train_path={path}", f"data.eval_path={path}"]
+    assert load_task(load_config("tiny", overrides=overrides)).train[0].solution == "3"  # tiny: the answer
+    cfg = load_config(overrides=[*overrides, "data.task=gsm8k"])
+    with pytest.raises(ConfigError, match=r"^sft\.mix_coef=0\.1 needs ground-truth solutions"):
+        load_task(cfg)

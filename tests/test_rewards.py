@@ -363,3 +363,85 @@ def test_register_a_custom_reward(monkeypatch):
     register_reward("exact")(exact)  # the same function again is fine
     with pytest.raises(ValueError, match="'exact'"):
         register_reward("exact")(lambda r, g: {"reward": 0.0})
+
+
+# ----------------------------------------------------------------------------------------------
+# Several rewards with weights
+# ----------------------------------------------------------------------------------------------
+
+
+def _exact(response, ground_truth):
+    ok = float(response == ground_truth)
+    return {"format_reward": 1.0, "answer_reward": ok, "reward": ok}
+
+
+def _short(response, ground_truth):
+    if response == "boom":
+        raise RuntimeError("no")
+    return {"reward": 1.0 / len(response), "format_reward": 0.0}
+
+
+def test_weighted_reward_sums_the_parts_and_reports_each():
+    from grpo_fast.rewards import GuardedReward, WeightedReward
+
+    both = WeightedReward([GuardedReward(_exact, "exact"), GuardedReward(_short, "short")], [2.0, -0.5])
+    # "42" == "42": 2·1 − 0.5·(1/2) = 1.75; format_reward is exact's (the first part returning it)
+    assert both("42", "42") == {
+        "reward": 1.75,
+        "reward/exact": 1.0,
+        "reward/short": 0.5,
+        "format_reward": 1.0,
+        "answer_reward": 1.0,
+    }
+    assert both("4", "42")["reward"] == -0.5  # 2·0 − 0.5·1
+    assert both.names == ["exact", "short"] and both.name == "2·exact + -0.5·short"
+    with pytest.raises(ValueError, match="2 reward parts need as many weights, got 1"):
+        WeightedReward(both.parts, [1.0])
+
+
+def test_weighted_reward_guards_each_part():
+    from grpo_fast.errors import RewardError
+    from grpo_fast.rewards import GuardedReward, WeightedReward
+
+    tolerant = WeightedReward(
+        [GuardedReward(_exact, "exact", "zero"), GuardedReward(_short, "short", "zero")]
+    )
+    batch = tolerant.for_batch(step=2)
+    batch("ab", "ab")
+    out = batch("boom", "boom")  # short raises: its part scores 0, exact's 1 stands
+    assert out["reward"] == 1.0 and out["reward/short"] == 0.0 and out["reward/exact"] == 1.0
+    assert batch.errors == 1 and batch.errors_by_part == {"exact": 0, "short": 1}
+    assert [s["reward"] for s in batch.scores] == [1.5, 1.0]  # every score of the batch, in order
+    strict = WeightedReward([GuardedReward(_exact, "exact"), GuardedReward(_short, "my.mod:short")])
+    with pytest.raises(
+        RewardError, match=r"^reward function 'my.mod:short' raised RuntimeError: no on response 0 of step 5"
+    ):
+        strict.for_batch(step=5)("boom", "x")
+
+
+def test_task_builds_the_weighted_reward_from_the_config(tmp_path, monkeypatch):
+    from grpo_fast.config import load_config
+    from grpo_fast.task import load_task
+
+    (tmp_path / "bonus_rewards.py").write_text(
+        "def short(response, ground_truth):\n    return {'reward': float(len(response) <= 2)}\n"
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    cfg = load_config(
+        "tiny", overrides=["data.reward=[auto,bonus_rewards:short]", "data.reward_weights=[1,0.25]"]
+    )
+    task = load_task(cfg)
+    assert task.reward_parts == ["tiny", "short"]
+    # "82" is right (tiny: 1) and short (1): 1 + 0.25
+    assert task.reward_fn("82", "82") == {
+        "reward": 1.25,
+        "reward/tiny": 1.0,
+        "reward/short": 1.0,
+        "format_reward": 1.0,
+        "answer_reward": 1.0,
+    }
+    assert load_task(load_config("tiny")).reward_parts == []  # one reward: no parts
+    with pytest.raises(ConfigError, match=r"^data\.reward: unknown reward 'nope': registered rewards are"):
+        load_task(load_config("tiny", overrides=["data.reward=[auto,nope]"]))
+    with pytest.raises(ConfigError, match=r"data\.reward=\['auto', 'tiny'\] names the reward 'tiny' twice"):
+        load_task(load_config("tiny", overrides=["data.reward=[auto,tiny]"]))
