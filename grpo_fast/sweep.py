@@ -3,7 +3,8 @@
 Usage::
 
     python -m grpo_fast.sweep --preset NAME [--config FILE]... --sweep {lr,baseline,length_norm,scale_rewards,loss_type,delta,
-        importance_sampling_level,top_entropy_quantile}
+        importance_sampling_level,top_entropy_quantile,dynamic_sampling,curriculum,adaptive_group_size,
+        overlong_buffer,sft_mix}
         [--values V ...] [--lr-range LOW HIGH] [--num N] [--out DIR] [--dry-run] [--plot-only]
         [key=value ...]
 
@@ -19,8 +20,13 @@ log grid (``LRGrid``: 5 values from 1e-6 to 1e-4); ``baseline`` → ``loss.type`
 ``loss.type`` (``grpo_clip`` vs ``cispo``; any loss type with ``--values``); ``delta`` →
 ``loss.delta`` (``null``, 1.5, 3: off-policy only, with ``train.epochs_per_rollout_batch`` > 1);
 ``importance_sampling_level`` → ``loss.importance_sampling_level`` (``token`` vs ``sequence``,
-GSPO); ``top_entropy_quantile`` → ``loss.top_entropy_quantile`` (1 vs 0.2, the 80/20 rule). Extra ``key=value`` words are OmegaConf dot-list overrides passed to every
-run; they may appear anywhere on the command line (even after ``--values``).
+GSPO); ``top_entropy_quantile`` → ``loss.top_entropy_quantile`` (1 vs 0.2, the 80/20 rule);
+``dynamic_sampling`` → ``rollout.dynamic_sampling`` (false vs true, DAPO); ``curriculum`` →
+``rollout.curriculum`` (``none`` vs ``easy_first``); ``adaptive_group_size`` →
+``rollout.adaptive_group_size`` (false vs true); ``overlong_buffer`` → ``data.overlong_buffer``
+(0 vs 2: the tiny preset's 4-token responses); ``sft_mix`` → ``sft.mix_coef`` (0 vs 0.1). Extra
+``key=value`` words are OmegaConf dot-list overrides passed to every run; they may appear
+anywhere on the command line (even after ``--values``).
 
 Afterwards (or alone, with ``--plot-only``) it writes into ``OUT``: ``sweep_reward.png``,
 ``sweep_eval_accuracy.png``, ``sweep_entropy.png`` (one line per run against the step), for
@@ -44,6 +50,7 @@ from typing import Any
 from matplotlib.figure import Figure
 
 from grpo_fast.core import IMPORTANCE_SAMPLING_LEVELS, LENGTH_NORMS, LOSS_TYPES, SCALE_REWARDS
+from grpo_fast.difficulty import CURRICULA
 from grpo_fast.errors import ConfigError, UserError, cli_errors
 from grpo_fast.report import METRICS_FILE, read_metrics, series
 
@@ -82,13 +89,18 @@ class SweepSpec:
     """A sweepable setting: its train-config key and the values it may take.
 
     ``choices`` empty means a positive float (a learning rate; ``defaults`` empty: ``LRGrid``),
-    or ``null`` too where ``nullable`` (an option that is off by default).
+    or ``null`` too where ``nullable`` (an option that is off by default), or 0 too where
+    ``allow_zero`` (an option whose 0 is off).
     """
 
     key: str
     defaults: tuple[str, ...]
     choices: tuple[str, ...] = ()
     nullable: bool = False
+    allow_zero: bool = False
+
+
+_OFF_ON = ("false", "true")
 
 
 SWEEPS: dict[str, SweepSpec] = {
@@ -106,6 +118,12 @@ SWEEPS: dict[str, SweepSpec] = {
         defaults=IMPORTANCE_SAMPLING_LEVELS,
         choices=IMPORTANCE_SAMPLING_LEVELS,
     ),
+    "dynamic_sampling": SweepSpec(key="rollout.dynamic_sampling", defaults=_OFF_ON, choices=_OFF_ON),
+    "curriculum": SweepSpec(key="rollout.curriculum", defaults=CURRICULA, choices=CURRICULA),
+    "adaptive_group_size": SweepSpec(key="rollout.adaptive_group_size", defaults=_OFF_ON, choices=_OFF_ON),
+    # the tiny preset's responses are at most 4 tokens: a buffer of 2 shapes its last two
+    "overlong_buffer": SweepSpec(key="data.overlong_buffer", defaults=("0", "2"), allow_zero=True),
+    "sft_mix": SweepSpec(key="sft.mix_coef", defaults=("0", "0.1"), allow_zero=True),
 }
 
 
@@ -307,9 +325,14 @@ def _check_value(sweep: str, spec: SweepSpec, value: str) -> str:
         lr = float(value)
     except ValueError:
         lr = math.nan
-    if not (lr > 0 and math.isfinite(lr)):
-        what = "learning rate" if spec.key == "train.lr" else f"number for {spec.key} (or null)"
-        raise ConfigError(f"--values: {value!r} is not a positive {what} ({sweep} sweep)")
+    if not ((lr > 0 or (spec.allow_zero and lr == 0)) and math.isfinite(lr)):
+        if spec.key == "train.lr":
+            what = "a positive learning rate"
+        elif spec.allow_zero:
+            what = f"a number >= 0 for {spec.key}"
+        else:
+            what = f"a positive number for {spec.key} (or null)"
+        raise ConfigError(f"--values: {value!r} is not {what} ({sweep} sweep)")
     return f"{lr:.3g}"
 
 

@@ -49,6 +49,25 @@ def test_plan_defaults_and_given_values():
     assert [r.value for r in plan_sweep("p", "lr", ["3e-5", "0.0001"])] == ["3e-05", "0.0001"]
 
 
+def test_plan_the_rollout_side_sweeps():
+    """The issue-13 ablations: each option off, then on (a 0 that means off is a valid value)."""
+    planned = {
+        sweep: [r.command[-2] for r in plan_sweep("tiny", sweep)]
+        for sweep in ("dynamic_sampling", "curriculum", "adaptive_group_size", "overlong_buffer", "sft_mix")
+    }
+    assert planned == {
+        "dynamic_sampling": ["rollout.dynamic_sampling=false", "rollout.dynamic_sampling=true"],
+        "curriculum": ["rollout.curriculum=none", "rollout.curriculum=easy_first"],
+        "adaptive_group_size": ["rollout.adaptive_group_size=false", "rollout.adaptive_group_size=true"],
+        "overlong_buffer": ["data.overlong_buffer=0", "data.overlong_buffer=2"],
+        "sft_mix": ["sft.mix_coef=0", "sft.mix_coef=0.1"],
+    }
+    with pytest.raises(ConfigError, match=r"'-1' is not a number >= 0 for sft\.mix_coef \(sft_mix sweep\)"):
+        plan_sweep("tiny", "sft_mix", ["-1"])
+    with pytest.raises(ConfigError, match=r"'yes' is not a rollout\.dynamic_sampling"):
+        plan_sweep("tiny", "dynamic_sampling", ["yes"])
+
+
 @pytest.mark.parametrize(
     ("sweep", "values", "overrides", "match"),
     [
