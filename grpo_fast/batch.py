@@ -12,7 +12,100 @@ from dataclasses import dataclass
 import torch
 
 from grpo_fast.core import length_norm_weights
-from grpo_fast.model import Microbatch
+
+
+@dataclass
+class Microbatch:
+    """One microbatch of sequences, right-padded, with the per-token quantities of its responses.
+
+    Shapes: b sequences of padded length L; n = number of response tokens in the microbatch.
+
+    Fields:
+        input_ids: ``[b, L]`` int64; attention_mask: ``[b, L]`` (1 = real token), or None
+            for packed rows.
+        position_ids: ``[b, L]`` or None (packed rows restart positions per sequence).
+        select: ``[b, L]`` bool, the positions whose *next* token is a response token (the
+            hidden state at t predicts token t+1).
+        labels: ``[n]`` int64, the response tokens, in row-major order of ``select``.
+        advantages, loss_weights: ``[n]`` fp32.
+        old_logprobs, ref_logprobs: ``[n]`` fp32 or None (filled by no-grad passes).
+        sampler_logprobs: ``[n]`` fp32 log-probs from the rollout engine, or None.
+        sequence_ids: ``[n]`` int64, which sequence of the microbatch each response token
+            belongs to (0 … sequences − 1), or None.
+        select_index: ``[n]`` int64, the flat indices (into ``b·L``) of ``select``'s positions;
+            derived from ``select`` at construction (on the CPU, where the batch is built), so the
+            forward gathers with ``index_select`` instead of boolean-mask indexing, which is a
+            host-device sync on CUDA (it must count the mask to size its output).
+        label_bounds: ``(min, max)`` of ``labels`` as Python ints (None when n = 0), read at
+            construction: the loss checks the labels against the vocabulary with these two
+            numbers, not by reading ``labels`` (on CUDA another host-device sync per microbatch).
+        cu_seqlens: ``[S + 1]`` int32, packed rows only (b = 1): where each of the row's S
+            sequences starts, then L (a padded tail counts as one more sequence);
+            max_seqlen: the longest of them. What flash-attention's varlen kernel takes, given
+            so that transformers does not derive them from ``position_ids`` in every layer (a
+            ``nonzero`` and a max read back to the host, two syncs per layer).
+
+    Built on the CPU (``make_microbatches``), then moved with ``to(device)``, which copies the
+    tensors without reading them: the derived fields cost no host-device sync on CUDA. Built
+    from CUDA tensors, ``__post_init__`` syncs to derive them.
+
+    Example (two sequences packed in one row of 6: prompts [5] and [6, 7], responses [8, 9] and [2]):
+        >>> mb = make_microbatches([Sequence([5, 8, 9], 1, 1.0, 0.5), Sequence([6, 7, 2], 2, -1.0, 0.5)],
+        ...                        micro_batch_size=2, pad_id=0, packing=True)[0]
+        >>> mb.labels.tolist(), mb.select_index.tolist(), mb.label_bounds, mb.cu_seqlens.tolist()
+        ([8, 9, 2], [0, 1, 4], (2, 9), [0, 3, 6])
+    """
+
+    input_ids: torch.Tensor
+    attention_mask: torch.Tensor | None
+    position_ids: torch.Tensor | None
+    select: torch.Tensor
+    labels: torch.Tensor
+    advantages: torch.Tensor
+    loss_weights: torch.Tensor
+    old_logprobs: torch.Tensor | None = None
+    ref_logprobs: torch.Tensor | None = None
+    sampler_logprobs: torch.Tensor | None = None
+    sequence_ids: torch.Tensor | None = None
+    select_index: torch.Tensor | None = None
+    label_bounds: tuple[int, int] | None = None
+    cu_seqlens: torch.Tensor | None = None
+    max_seqlen: int | None = None
+
+    def __post_init__(self) -> None:
+        n = int(self.labels.shape[0])
+        for name in (
+            "advantages",
+            "loss_weights",
+            "old_logprobs",
+            "ref_logprobs",
+            "sampler_logprobs",
+            "sequence_ids",
+        ):
+            t = getattr(self, name)
+            if t is not None and tuple(t.shape) != (n,):
+                raise ValueError(f"Microbatch.{name} has shape {tuple(t.shape)}, expected ({n},)")
+        if self.select.shape != self.input_ids.shape:
+            raise ValueError(
+                f"Microbatch.select {tuple(self.select.shape)} != input_ids {tuple(self.input_ids.shape)}"
+            )
+        if self.select_index is None:
+            self.select_index = self.select.flatten().nonzero().squeeze(1)
+        if tuple(self.select_index.shape) != (n,):
+            raise ValueError(f"Microbatch.select marks {self.select_index.shape[0]} positions for {n} labels")
+        if self.label_bounds is None and n:
+            self.label_bounds = tuple(int(x) for x in torch.aminmax(self.labels))
+        if (self.cu_seqlens is None) != (self.max_seqlen is None):
+            raise ValueError("Microbatch.cu_seqlens and max_seqlen come together")
+        if self.cu_seqlens is not None and self.input_ids.shape[0] != 1:
+            raise ValueError(
+                f"Microbatch.cu_seqlens is for one packed row, got {self.input_ids.shape[0]} rows"
+            )
+
+    def to(self, device: torch.device) -> Microbatch:
+        """The same microbatch with its tensors on ``device`` (copied, never read: no sync)."""
+        move = lambda t: t.to(device, non_blocking=True) if isinstance(t, torch.Tensor) else t
+        return Microbatch(**{k: move(v) for k, v in self.__dict__.items()})
 
 
 @dataclass
@@ -130,10 +223,12 @@ def _collate(rows: list[list[Sequence]], pad_id: int, packing: bool) -> Microbat
     pos = torch.zeros((b, width), dtype=torch.long)
     select = torch.zeros((b, width), dtype=torch.bool)
     labels, adv, w, slp, seq_ids = [], [], [], [], []
+    starts = []  # packed: where each sequence of the one row starts
     for r, row in enumerate(rows):
         at = 0
         for s in row:
             n = len(s.tokens)
+            starts.append(at)
             ids[r, at : at + n] = torch.tensor(s.tokens)
             attn[r, at : at + n] = 1
             pos[r, at : at + n] = torch.arange(n)
@@ -147,6 +242,11 @@ def _collate(rows: list[list[Sequence]], pad_id: int, packing: bool) -> Microbat
             at += n
         if packing and at < width:  # the tail is its own "sequence" so nothing attends across
             pos[r, at:] = torch.arange(width - at)
+            starts.append(at)
+    cu_seqlens = max_seqlen = None
+    if packing:
+        cu_seqlens = torch.tensor([*starts, width], dtype=torch.int32)
+        max_seqlen = int(cu_seqlens.diff().max())
     sampler = None
     if all(x is not None for x in slp):
         sampler = torch.tensor([v for x in slp for v in x], dtype=torch.float32)
@@ -160,4 +260,6 @@ def _collate(rows: list[list[Sequence]], pad_id: int, packing: bool) -> Microbat
         loss_weights=torch.tensor(w, dtype=torch.float32),
         sampler_logprobs=sampler,
         sequence_ids=torch.tensor(seq_ids, dtype=torch.long),
+        cu_seqlens=cu_seqlens,
+        max_seqlen=max_seqlen,
     )

@@ -10,13 +10,15 @@ from __future__ import annotations
 
 import contextlib
 import importlib.util
-from dataclasses import dataclass
+import weakref
 from pathlib import Path
 
 import torch
 from torch import nn
+from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from grpo_fast import tiny
+from grpo_fast.batch import Microbatch
 from grpo_fast.config import AUTO, Config
 from grpo_fast.core import GRPOLossOutput
 from grpo_fast.errors import ConfigError
@@ -138,78 +140,30 @@ def build_policy_loss(cfg: Config, model: nn.Module, amp: torch.dtype | None) ->
     )
 
 
-@dataclass
-class Microbatch:
-    """One microbatch of sequences, right-padded, with the per-token quantities of its responses.
-
-    Shapes: b sequences of padded length L; n = number of response tokens in the microbatch.
-
-    Fields:
-        input_ids: ``[b, L]`` int64; attention_mask: ``[b, L]`` (1 = real token), or None
-            for packed rows.
-        position_ids: ``[b, L]`` or None (packed rows restart positions per sequence).
-        select: ``[b, L]`` bool, the positions whose *next* token is a response token (the
-            hidden state at t predicts token t+1).
-        labels: ``[n]`` int64, the response tokens, in row-major order of ``select``.
-        advantages, loss_weights: ``[n]`` fp32.
-        old_logprobs, ref_logprobs: ``[n]`` fp32 or None (filled by no-grad passes).
-        sampler_logprobs: ``[n]`` fp32 log-probs from the rollout engine, or None.
-        sequence_ids: ``[n]`` int64, which sequence of the microbatch each response token
-            belongs to (0 … sequences − 1), or None.
-        select_index: ``[n]`` int64, the flat indices (into ``b·L``) of ``select``'s positions;
-            derived from ``select`` at construction (on the CPU, where the batch is built), so the
-            forward gathers with ``index_select`` instead of boolean-mask indexing, which is a
-            host-device sync on CUDA (it must count the mask to size its output).
-    """
-
-    input_ids: torch.Tensor
-    attention_mask: torch.Tensor | None
-    position_ids: torch.Tensor | None
-    select: torch.Tensor
-    labels: torch.Tensor
-    advantages: torch.Tensor
-    loss_weights: torch.Tensor
-    old_logprobs: torch.Tensor | None = None
-    ref_logprobs: torch.Tensor | None = None
-    sampler_logprobs: torch.Tensor | None = None
-    sequence_ids: torch.Tensor | None = None
-    select_index: torch.Tensor | None = None
-
-    def __post_init__(self) -> None:
-        n = int(self.labels.shape[0])
-        for name in (
-            "advantages",
-            "loss_weights",
-            "old_logprobs",
-            "ref_logprobs",
-            "sampler_logprobs",
-            "sequence_ids",
-        ):
-            t = getattr(self, name)
-            if t is not None and tuple(t.shape) != (n,):
-                raise ValueError(f"Microbatch.{name} has shape {tuple(t.shape)}, expected ({n},)")
-        if self.select.shape != self.input_ids.shape:
-            raise ValueError(
-                f"Microbatch.select {tuple(self.select.shape)} != input_ids {tuple(self.input_ids.shape)}"
-            )
-        if self.select_index is None:
-            self.select_index = self.select.flatten().nonzero().squeeze(1)
-        if tuple(self.select_index.shape) != (n,):
-            raise ValueError(f"Microbatch.select marks {self.select_index.shape[0]} positions for {n} labels")
-
-    def to(self, device: torch.device) -> Microbatch:
-        move = lambda t: None if t is None else t.to(device, non_blocking=True)
-        return Microbatch(**{k: move(v) for k, v in self.__dict__.items()})
-
-
 def response_hidden_states(model: nn.Module, mb: Microbatch) -> torch.Tensor:
-    """Last-layer hidden states at the response positions: ``[n, D]``."""
+    """Last-layer hidden states at the response positions: ``[n, D]``.
+
+    A packed microbatch under flash-attention hands its precomputed ``cu_seqlens`` / ``max_seqlen``
+    to transformers' varlen path (written against transformers 5.24: the ``cu_seq_lens_q/k``,
+    ``max_length_q/k`` keyword arguments of ``_flash_attention_forward``), which would otherwise
+    derive them from ``position_ids`` in every layer. transformers' mask preparation still reads
+    the mask or the position ids once per forward (``find_packed_sequence_indices``,
+    ``_ignore_causal_mask_sdpa``): one host-device sync per forward that is not ours.
+    """
     backbone = model.get_decoder() if hasattr(model, "get_decoder") else model.model
     kwargs = {"input_ids": mb.input_ids, "use_cache": False}
     if mb.attention_mask is not None:
         kwargs["attention_mask"] = mb.attention_mask
     if mb.position_ids is not None:
         kwargs["position_ids"] = mb.position_ids
+    attn = getattr(getattr(model, "config", None), "_attn_implementation", None) or ""
+    if mb.cu_seqlens is not None and attn.startswith("flash_attention"):
+        kwargs.update(
+            cu_seq_lens_q=mb.cu_seqlens,
+            cu_seq_lens_k=mb.cu_seqlens,
+            max_length_q=mb.max_seqlen,
+            max_length_k=mb.max_seqlen,
+        )
     hidden = backbone(**kwargs).last_hidden_state  # [b, L, D]
     return hidden.flatten(0, 1).index_select(0, mb.select_index)  # [b·L, D] -> [n, D], no sync
 
@@ -219,6 +173,15 @@ class PolicyLoss(nn.Module):
 
     ``temperature`` is the one the responses were sampled at (the trainer's log-probs must be of
     the same tempered distribution); ``beta`` changes under the adaptive KL controller.
+
+    Under autocast the lm_head GEMMs run in the autocast dtype, from one copy of the (fp32 master)
+    lm_head weight in that dtype per optimizer step, not one per microbatch: the copy is kept
+    while the weight is unchanged (same storage, same ``_version``, which every in-place update
+    bumps) and dropped after every ``optimizer.step()`` (a global ``torch.optim`` step post-hook;
+    an optimizer that writes through raw pointers, bitsandbytes' 8-bit AdamW, may not bump
+    ``_version``). Memory: one ``[V, D]`` buffer in the autocast dtype, from the first forward
+    to the step (Qwen2.5-1.5B: 151,936 × 1,536 bf16 = 467 MB; the planner counts a bf16 copy of
+    every weight under autocast), where each microbatch's forward allocated and freed it before.
     """
 
     def __init__(self, model: nn.Module, *, autocast: torch.dtype | None, loss_options: dict):
@@ -226,19 +189,46 @@ class PolicyLoss(nn.Module):
         self.model = model
         self.autocast = autocast
         self.loss_options = loss_options
+        self._head_cast: torch.Tensor | None = None  # [V, D] in the autocast dtype
+        self._head_src = None  # weak reference to the weight it was cast from
+        self._head_key: tuple | None = None  # (storage, _version) of that weight then
+        this = weakref.ref(self)
+
+        def after_step(*_) -> None:
+            if (policy := this()) is not None:
+                policy.release_head_cast()
+
+        weakref.finalize(self, register_optimizer_step_post_hook(after_step).remove)
+
+    def release_head_cast(self) -> None:
+        """Drop the cached lm_head copy (after an optimizer step; the next forward casts anew)."""
+        self._head_cast = self._head_src = self._head_key = None
 
     def _autocast(self, device: torch.device):
         if self.autocast is None:
             return contextlib.nullcontext()
         return torch.autocast(device.type, dtype=self.autocast)
 
+    def _head_in_compute_dtype(self, head: torch.Tensor) -> torch.Tensor | None:
+        """``head`` ``[V, D]`` in the autocast dtype, cast at most once per weight update; None
+        when there is nothing to cast (no autocast, or the weight already in that dtype)."""
+        if self.autocast is None or head.dtype == self.autocast:
+            return None
+        key = (head.untyped_storage().data_ptr(), head._version)
+        if self._head_src is None or self._head_src() is not head or key != self._head_key:
+            self.release_head_cast()  # free the stale copy before allocating its successor
+            with torch.no_grad():
+                self._head_cast = head.to(self.autocast)
+            self._head_src, self._head_key = weakref.ref(head), key
+        return self._head_cast
+
     def forward(self, mb: Microbatch, beta: float, temperature: float) -> GRPOLossOutput:
         with self._autocast(mb.input_ids.device):
             hidden = response_hidden_states(self.model, mb)
         head = self.model.get_output_embeddings().weight  # [V, D], the (fp32 master) weight itself
-        # Under autocast the lm_head GEMMs run in the autocast dtype, as nn.Linear's would; the op
-        # casts the weight once and hands back its gradient as accumulated, in fp32 (no [V, D]
-        # casts in the backward; a tied embedding's gradient adds to it as usual).
+        # The op takes the master weight and hands back its gradient as accumulated, in fp32 (no
+        # [V, D] casts in the backward; a tied embedding's gradient adds to it as usual); its GEMMs
+        # read the cached copy in the compute dtype.
         return fused_linear_grpo_loss(
             hidden,
             head,
@@ -250,6 +240,8 @@ class PolicyLoss(nn.Module):
             temperature=temperature,
             beta=beta,
             compute_dtype=self.autocast or head.dtype,
+            weight_cast=self._head_in_compute_dtype(head),
+            label_bounds=mb.label_bounds,  # read on the CPU when the microbatch was built: no sync
             # GSPO: which response each token belongs to (its ratio is the response's)
             sequence_ids=mb.sequence_ids
             if self.loss_options.get("importance_sampling_level") == "sequence"

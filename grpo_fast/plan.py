@@ -12,7 +12,9 @@ Two phases share the card and never overlap (vLLM sleeps while the trainer train
   ``gpu_memory_utilization`` share (its bf16 weights, its activation workspace, its KV cache).
 
 The planner picks the largest microbatch (sequences of ``max_prompt_tokens + max_tokens``) whose
-training peak fits, the loss chunk rows for a fixed chunk budget, and the vLLM share that the
+training peak fits, the loss chunk rows by the fused op's own rule on CUDA (a 128 MiB budget,
+raised to the 2,048 rows that keep its weight-gradient GEMM compute-bound, within 1 GiB: see
+``grpo_fast.ops.fused_linear_grpo_loss``), and the vLLM share that the
 trainer's resident state leaves free. ``train`` uses it for every setting left at ``auto``.
 The estimates are formulas, not measurements; ``bench/`` measures the real peaks.
 """
@@ -196,8 +198,8 @@ def plan_memory(cfg: Config, arch: Arch, gpu_bytes: float) -> MemoryPlan:
     logits_dtype = torch.bfloat16 if act_b == 2 else torch.float32
     if cfg.loss.chunk_size != AUTO:
         rows = int(cfg.loss.chunk_size)
-    else:  # the fused op's own rule (a fixed byte budget per chunk of logits)
-        rows = default_chunk_size(seq * MAX_MICRO_BATCH, arch.vocab, logits_dtype)
+    else:  # the fused op's own rule on CUDA (memory budget and GEMM-efficiency floor)
+        rows = default_chunk_size(seq * MAX_MICRO_BATCH, arch.vocab, logits_dtype, "cuda")
     # one [rows, V] logits chunk (its gradient is written over it) + the fp32 lm_head gradient
     # + the kernel backend's working set (auto = triton: the planner plans a GPU)
     loss_chunk = rows * arch.vocab * logits_dtype.itemsize + arch.vocab * d * 4

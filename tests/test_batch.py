@@ -130,3 +130,56 @@ def test_left_out_responses_get_no_sequence_and_are_not_normalized_over():
         keep=[True, False, True, True],
     )
     assert [s.weight for s in seqs] == pytest.approx([1 / 6] * 3)
+
+
+def test_packed_microbatches_carry_their_boundaries_and_label_bounds():
+    """Built on the CPU: lengths 7, 5, 5, 3 (longest first) in rows of at most 2 × 7 = 14 tokens,
+    first-fit: row 0 = 7 + 5 (12; the second 5 does not fit in the 2 left), row 1 = 5 + 3 (8).
+    cu_seqlens are the sequence starts, then the row's length; max_seqlen the longest."""
+    prompts, responses, adv = _rollout()
+    seqs = build_sequences(prompts, responses, adv, length_norm="sequence_mean", max_length=4)
+    packed = make_microbatches(seqs, micro_batch_size=2, pad_id=0, packing=True)
+    assert [mb.cu_seqlens.tolist() for mb in packed] == [[0, 7, 12], [0, 5, 8]]
+    assert [mb.max_seqlen for mb in packed] == [7, 5]
+    assert all(mb.cu_seqlens.dtype == torch.int32 for mb in packed)  # what flash-attention takes
+    # labels: row 0 = [4, 4, 4, 1] + [3, 1], row 1 = [11, 12, 1] + [10]
+    assert [mb.label_bounds for mb in packed] == [(1, 4), (1, 12)]
+    padded = make_microbatches(seqs, micro_batch_size=2, pad_id=0, packing=False)
+    assert all(mb.cu_seqlens is None and mb.max_seqlen is None for mb in padded)
+    moved = packed[0].to(torch.device("cpu"))
+    assert moved.label_bounds == (1, 4) and moved.max_seqlen == 7  # carried over, not re-read
+
+
+class _RecordingDecoder(torch.nn.Module):
+    """Records the keyword arguments of its forward; returns zeros as hidden states."""
+
+    def __init__(self, d: int):
+        super().__init__()
+        self.d, self.kwargs = d, None
+
+    def forward(self, input_ids, **kwargs):
+        self.kwargs = kwargs
+        from types import SimpleNamespace
+
+        return SimpleNamespace(last_hidden_state=torch.zeros(*input_ids.shape, self.d))
+
+
+@pytest.mark.parametrize("attn", ["sdpa", "flash_attention_2"])
+def test_flash_attention_gets_the_precomputed_varlen_arguments(attn):
+    """Under flash-attention a packed microbatch's cu_seqlens / max_seqlen go to transformers'
+    varlen path (so it derives nothing from position_ids per layer); other kernels get none."""
+    from types import SimpleNamespace
+
+    prompts, responses, adv = _rollout()
+    seqs = build_sequences(prompts, responses, adv, length_norm="sequence_mean", max_length=4)
+    mb = make_microbatches(seqs, micro_batch_size=2, pad_id=0, packing=True)[0]
+    decoder = _RecordingDecoder(4)
+    model = SimpleNamespace(config=SimpleNamespace(_attn_implementation=attn), get_decoder=lambda: decoder)
+    hidden = response_hidden_states(model, mb)
+    assert hidden.shape == (mb.labels.numel(), 4)
+    varlen = {k: v for k, v in decoder.kwargs.items() if k.startswith(("cu_seq_lens", "max_length"))}
+    if attn == "sdpa":
+        assert varlen == {}
+    else:
+        assert set(varlen) == {"cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k"}
+        assert varlen["cu_seq_lens_q"].tolist() == [0, 7, 12] and varlen["max_length_q"] == 7

@@ -132,16 +132,18 @@ def check_sequence_ids(
         raise ValueError(f"sequence_ids is on {sequence_ids.device} but labels is on {labels.device}")
 
 
-def check_label_range(labels: torch.Tensor, vocab_size: int) -> None:
+def check_label_range(labels: torch.Tensor, vocab_size: int, bounds: tuple[int, int] | None = None) -> None:
     """``ValueError`` unless every label is in ``[0, vocab_size)``.
 
-    One ``aminmax`` kernel and one device-to-host copy of two numbers: on CUDA this is a host-device
-    sync point (≈10 µs), the only one in the ops; an out-of-range label would otherwise read out of
-    bounds in the kernel.
+    ``bounds``: the labels' ``(min, max)`` as the caller knows them (``Microbatch.label_bounds``,
+    read on the CPU where the batch is built): the check compares two Python ints and reads
+    nothing. Without them, one ``aminmax`` kernel and one device-to-host copy of two numbers: on
+    CUDA a host-device sync point (≈10 µs) per call; an out-of-range label would otherwise read
+    out of bounds in the kernel.
     """
     if labels.numel() == 0:
         return
-    lo, hi = (int(x) for x in torch.aminmax(labels))
+    lo, hi = bounds if bounds is not None else (int(x) for x in torch.aminmax(labels))
     if lo < 0 or hi >= vocab_size:
         raise ValueError(f"labels must be in [0, V) = [0, {vocab_size}), got min {lo} and max {hi}")
 

@@ -1,6 +1,7 @@
 """The GRPO loss from hidden states and the lm_head weight: the ``[N, V]`` logits never exist.
 
-Per chunk of ``C`` rows, in the forward (``W`` = the weight in the compute dtype, cast once per call):
+Per chunk of ``C`` rows, in the forward (``W`` = the weight in the compute dtype: the caller's
+``weight_cast``, or cast once per call):
 
     logits = hidden_c @ Wᵀ                           [C, V], compute dtype
     logp, H = token_logprobs kernel (forward)        [C] fp32, plus 2 fp32 per row for the backward
@@ -12,7 +13,7 @@ Per chunk of ``C`` rows, in the forward (``W`` = the weight in the compute dtype
 so the gradients are ready when the forward returns; ``backward`` only scales them by the upstream
 gradient of ``loss``. Peak extra memory: one chunk of logits, ``grad_hidden`` ``[N, D]``, the fp32
 ``grad_weight`` ``[V, D]`` and, when the compute dtype differs from the weight's, ``W`` (during the
-forward only). Nothing of it grows with N but ``grad_hidden``.
+forward only, unless the caller keeps it as ``weight_cast``). Nothing of it grows with N but ``grad_hidden``.
 
 Two-pass mode (``two_pass``), for row math that needs statistics over rows before any gradient
 (GSPO's sequence ratio needs every token of the sequence, and its sequences cross chunks; the
@@ -38,13 +39,39 @@ rounds the accumulated gradient to bf16. Measured on CPU (tied Qwen2 embeddings,
 D = 80, ``test_master_weight_under_autocast_allocates_no_cast_gradient``): ``[V, D]`` buffers
 allocated per call 5 -> 3 (bf16 weight, fp32 accumulator, fp32 embedding gradient); alive at
 once at most 2 fp32 beside the weight and any existing ``.grad``, before and after: the
-accumulator and the embedding's gradient, which the tie makes autograd add.
+accumulator and the embedding's gradient, which the tie makes autograd add. ``PolicyLoss``
+passes the bf16 copy as ``weight_cast``, cast once per optimizer step: 3 -> 2 buffers allocated
+per microbatch after the first of a step, for one bf16 ``[V, D]`` kept until the step.
 
-Default chunk: ``CHUNK_LOGITS_BYTES`` (128 MiB) of logits, rounded down to a multiple of 128 rows
-(whole GEMM tiles) when at least 128 rows fit:
+Default chunk (``default_chunk_size``): from the memory budget and, on CUDA, GEMM efficiency.
+The weight-gradient GEMM of a chunk of ``C`` rows, ``grad_weight [V, D] fp32 += dlogitsᵀ [V, C] @
+hidden_c [C, D]``, does ``2·V·C·D`` FLOP and moves ``2·V·C + 2·C·D`` bytes of bf16 operands plus
+``8·V·D`` of the fp32 accumulator (read and written once per chunk): with ``V ≫ C, D`` its
+intensity is ``≈ C·D / (C + 4·D)`` FLOP per byte, which only a larger chunk raises. At D = 1,536
+(Qwen2.5-1.5B):
 
-    V = 151,936 bf16: 441 rows fit, chunk = 384 rows (111 MiB)
-    V = 32,768 fp32:  chunk = 1,024 rows (128 MiB)
+    C =   384:  90 FLOP/byte    (the 128 MiB budget alone at V = 151,936 bf16)
+    C = 1,024: 219
+    C = 2,048: 384
+    C = 4,096: 614
+
+against a ridge point (peak bf16 FLOP/s over HBM bytes/s) of ≈ 165 on an H200 (790 TFLOP/s
+measured, 4.8 TB/s) and ≈ 295 on an H100 SXM (989 TFLOP/s, 3.35 TB/s): 384 rows leave that GEMM
+memory-bound on both; 2,048 put it above both (D = 3,584, Qwen2.5-7B: 448). The logits GEMM
+(``≈ C·D / (C + D)``: 307 at C = 384) and the ``grad_hidden`` one are not the bound ones. So on
+CUDA the chunk is at least ``GEMM_MIN_ROWS`` (2,048) rows, as long as they take at most
+``CHUNK_LOGITS_MAX_BYTES`` (1 GiB) of logits; above that floor the ``CHUNK_LOGITS_BYTES``
+(128 MiB) budget decides. Rounded down to a multiple of 128 rows (whole GEMM tiles) when at least
+128 rows fit, and never more than ``N``:
+
+    V = 151,936 bf16, CUDA: 441 rows fit in 128 MiB, the floor makes it 2,048 rows (594 MiB)
+    V = 151,936 bf16, CPU:  384 rows (111 MiB)
+    V = 32,768 fp32, CUDA:  2,048 rows (256 MiB);  CPU: 1,024 rows (128 MiB)
+
+On a CPU the floor does not apply: its ridge point is far lower (a few cores' FLOP/s over their
+memory bandwidth) and its runs are test-sized, so memory alone decides. These are formulas, not
+yet GPU measurements: ``bench/test_bench_fused_linear_grpo_loss.py`` has ``chunk_size`` as an
+axis for the first GPU run to settle it.
 
 An eager ``[N, V]`` path at N = 8,192, V = 151,936 holds 2.5 GB of bf16 logits plus ≥ 3 fp32
 copies (≥ 15 GB) for its backward.
@@ -67,9 +94,17 @@ from grpo_fast.ops._backend import (
 )
 from grpo_fast.ops.grpo_loss import grpo_loss_from_logprobs
 
-__all__ = ["CHUNK_LOGITS_BYTES", "default_chunk_size", "fused_linear_grpo_loss"]
+__all__ = [
+    "CHUNK_LOGITS_BYTES",
+    "CHUNK_LOGITS_MAX_BYTES",
+    "GEMM_MIN_ROWS",
+    "default_chunk_size",
+    "fused_linear_grpo_loss",
+]
 
-CHUNK_LOGITS_BYTES = 128 * 2**20
+CHUNK_LOGITS_BYTES = 128 * 2**20  # the memory budget of one chunk of logits
+CHUNK_LOGITS_MAX_BYTES = 2**30  # the most the GEMM floor may take
+GEMM_MIN_ROWS = 2048  # on CUDA: the weight-gradient GEMM above the ridge point (module docstring)
 _GEMM_ROWS = 128
 
 _GRADS_USED = (
@@ -78,12 +113,18 @@ _GRADS_USED = (
 )
 
 
-def default_chunk_size(num_rows: int, vocab_size: int, dtype: torch.dtype) -> int:
-    """Rows per chunk so that one ``[C, V]`` chunk of logits takes at most ``CHUNK_LOGITS_BYTES``.
+def default_chunk_size(num_rows: int, vocab_size: int, dtype: torch.dtype, device_type: str = "cuda") -> int:
+    """Rows per chunk: what ``CHUNK_LOGITS_BYTES`` of ``[C, V]`` logits hold, raised on CUDA to
+    ``GEMM_MIN_ROWS`` while those take at most ``CHUNK_LOGITS_MAX_BYTES``; a multiple of 128
+    when at least 128 rows fit, at most ``num_rows`` (see the module docstring for the numbers).
 
-    Example: ``default_chunk_size(8192, 151936, torch.bfloat16) == 384``.
+    Example: ``default_chunk_size(8192, 151936, torch.bfloat16) == 2048`` (CUDA), and ``384``
+    with ``device_type="cpu"``.
     """
-    rows = CHUNK_LOGITS_BYTES // (vocab_size * dtype.itemsize)
+    row_bytes = vocab_size * dtype.itemsize
+    rows = CHUNK_LOGITS_BYTES // row_bytes
+    if device_type == "cuda":
+        rows = max(rows, min(GEMM_MIN_ROWS, CHUNK_LOGITS_MAX_BYTES // row_bytes))
     if rows >= _GEMM_ROWS:
         rows -= rows % _GEMM_ROWS
     return max(1, min(rows, num_rows))
@@ -139,6 +180,7 @@ class FusedLinearGRPOLoss(torch.autograd.Function):
         kernels,
         two_pass: bool,
         sequence_ids: torch.Tensor | None,
+        weight_cast: torch.Tensor | None,
     ):
         n = hidden.shape[0]
         device = hidden.device
@@ -152,7 +194,8 @@ class FusedLinearGRPOLoss(torch.autograd.Function):
         grad_hidden = torch.empty_like(hidden) if need_hidden else None
         grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=device) if need_weight else None
         loss = torch.zeros((), dtype=torch.float32, device=device)
-        w = weight.to(compute_dtype)  # [V, D]: the one cast per call (none when the dtypes agree)
+        # [V, D] in the compute dtype: the caller's copy, else one cast per call (none when the dtypes agree)
+        w = weight_cast if weight_cast is not None else weight.to(compute_dtype)
         grads = (grad_hidden, grad_weight, compute_dtype)
 
         if two_pass:
@@ -240,7 +283,7 @@ class FusedLinearGRPOLoss(torch.autograd.Function):
             grad_hidden = grad_hidden.mul_(grad_loss)
         if grad_weight is not None:
             grad_weight = grad_weight.mul_(grad_loss).to(ctx.weight_dtype)  # a no-op for fp32
-        return grad_hidden, grad_weight, *([None] * 12)
+        return grad_hidden, grad_weight, *([None] * 13)
 
 
 def fused_linear_grpo_loss(
@@ -268,6 +311,8 @@ def fused_linear_grpo_loss(
     chunk_size: int | None = None,
     two_pass: bool | None = None,
     backend: str = "auto",
+    weight_cast: torch.Tensor | None = None,
+    label_bounds: tuple[int, int] | None = None,
 ) -> GRPOLossOutput:
     """``grpo_loss_from_logits(hidden @ weightᵀ, ...)`` computed chunk by chunk, without ``[N, V]``.
 
@@ -283,8 +328,9 @@ def fused_linear_grpo_loss(
             ``torch.bfloat16`` for an fp32 master ``weight``: the weight is cast once per call,
             ``hidden`` per chunk, and each gradient comes back in its input's dtype (the fp32
             weight's straight from the fp32 accumulator). Default: ``hidden.dtype``.
-        chunk_size: rows per chunk; default ``default_chunk_size(N, V, compute_dtype)`` (128 MiB
-            of logits per chunk, see the module docstring).
+        chunk_size: rows per chunk; default ``default_chunk_size(N, V, compute_dtype, device)``:
+            128 MiB of logits per chunk, on CUDA at least 2,048 rows (within 1 GiB) so that the
+            weight-gradient GEMM is not memory-bound (see the module docstring).
         two_pass: run the per-row math once over all ``N`` rows between a pass that computes
             every row's log-prob and entropy and a pass that recomputes each chunk's logits for
             its gradients (one more lm_head GEMM, the same memory). ``None`` (default): exactly
@@ -294,6 +340,14 @@ def fused_linear_grpo_loss(
             gradients as one pass, bitwise); ``False`` where the rows are needed is a ValueError.
         backend: ``"auto"``, ``"triton"``, ``"torch_chunked"``, or ``"eager"`` (materializes
             ``hidden @ weightᵀ`` and calls ``eager_grpo_loss_from_logits``: the baseline).
+        weight_cast: ``[V, D]`` in ``compute_dtype``, ``weight.to(compute_dtype)`` made by the
+            caller and used for the GEMMs in place of a cast per call (``PolicyLoss`` keeps one
+            per optimizer step); not differentiable, the gradient still goes to ``weight``. It
+            must hold ``weight``'s current values (not checked: that would read both). Ignored
+            by ``eager``.
+        label_bounds: the labels' ``(min, max)`` if the caller knows them
+            (``Microbatch.label_bounds``): the range check then reads no tensor, where it would
+            otherwise be a host-device sync on CUDA. They must be the labels' (not checked).
 
     Returns:
         ``GRPOLossOutput``. ``loss`` is differentiable in ``hidden`` and ``weight``; its gradients
@@ -347,7 +401,16 @@ def fused_linear_grpo_loss(
         )
     two_pass = needs_rows if two_pass is None else two_pass
     resolved = check_backend(backend, hidden.device)
-    check_label_range(labels, weight.shape[0])
+    check_label_range(labels, weight.shape[0], label_bounds)
+    if weight_cast is not None and (
+        weight_cast.shape != weight.shape
+        or weight_cast.dtype != compute
+        or weight_cast.device != weight.device
+    ):
+        raise ValueError(
+            f"weight_cast must be weight.to({compute}): [V, D] = {tuple(weight.shape)} on {weight.device}, "
+            f"got {tuple(weight_cast.shape)} {weight_cast.dtype} on {weight_cast.device}"
+        )
     loss_options = dict(
         clip_low=clip_low,
         clip_high=clip_high,
@@ -373,7 +436,7 @@ def fused_linear_grpo_loss(
             **loss_options,
         )
     if chunk_size is None:
-        chunk_size = default_chunk_size(hidden.shape[0], weight.shape[0], compute)
+        chunk_size = default_chunk_size(hidden.shape[0], weight.shape[0], compute, hidden.device.type)
     if not torch.is_grad_enabled():
         # Under no_grad a Function still sees needs_input_grad=True for inputs that require grad:
         # detach them so a no-grad pass (π_old, π_ref, probes) skips the two gradient GEMMs.
@@ -393,5 +456,6 @@ def fused_linear_grpo_loss(
         kernels_for(resolved),
         two_pass,
         sequence_ids,
+        None if weight_cast is None else weight_cast.detach(),
     )
     return GRPOLossOutput(loss, logprobs, entropy, kl if ref_logprobs is not None else None, clipped)
