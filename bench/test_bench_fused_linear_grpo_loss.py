@@ -1,5 +1,6 @@
 """fused_linear_grpo_loss forward + backward from hidden states: the materialized eager path,
 torch.compile of it, torch_chunked, triton, and Liger-Kernel's fused-linear GRPO loss (CUDA only).
+And a ``chunk_size`` axis: rows of logits per lm_head chunk, default against smaller and larger.
 
 The op is matmul-bound: 3 GEMMs of 2·N·D·V FLOP each (logits, grad_hidden, grad_weight), so CUDA
 cases report ``tflops``.
@@ -145,3 +146,59 @@ def test_gpu(run_bench, impl, n, d, v):
         flops=3 * 2 * n * d * v,
         may_fail=impl in ("eager", "compiled", "liger"),
     )
+
+
+# The chunk_size axis (issue 11, item 9): rows of logits per lm_head chunk. On CUDA the default is
+# 2,048 rows at V = 151,936 bf16 (the GEMM-efficiency floor: the fp32 weight-gradient GEMM at
+# ≈ C·D / (C + 4·D) = 384 FLOP/byte, D = 1,536), against 384 from the 128 MiB budget alone (90).
+# On CPU the default is the budget's 1,024 rows at V = 32,768 fp32.
+CPU_CHUNKS = [256, 512, 1024]
+GPU_CHUNKS = [384, 1024, 2048, 4096]
+
+
+def build_chunk_step(chunk_size: int, n: int, d: int, v: int, dtype: torch.dtype, device: str):
+    """One fused fwd+bwd (``triton`` on CUDA, ``torch_chunked`` on CPU) with ``chunk_size`` rows
+    per chunk, on-policy with old log-probs, as ``grpo_fast.testing.fused_linear_workload``."""
+    from grpo_fast.ops import fused_linear_grpo_loss
+
+    g = torch.Generator(device).manual_seed(0)
+    hidden = torch.randn(n, d, generator=g, device=device).to(dtype).requires_grad_()
+    weight = (torch.randn(v, d, generator=g, device=device) / math.sqrt(d)).to(dtype).requires_grad_()
+    labels = torch.randint(0, v, (n,), generator=g, device=device)
+    advantages = torch.randn(n, generator=g, device=device)
+    loss_weights = torch.full((n,), 1.0 / n, device=device)
+    old = torch.randn(n, generator=g, device=device) - math.log(v)
+    backend = "triton" if device == "cuda" else "torch_chunked"
+
+    def step() -> None:
+        out = fused_linear_grpo_loss(
+            hidden, weight, labels, advantages, loss_weights, old_logprobs=old,
+            backend=backend, chunk_size=chunk_size,
+        )  # fmt: skip
+        out.loss.backward()
+        hidden.grad = None
+        weight.grad = None
+        if hidden.is_cuda:
+            torch.cuda.synchronize()  # sync point: the timer stops after the kernels
+
+    return step
+
+
+@pytest.mark.parametrize("chunk_size", CPU_CHUNKS, ids=lambda c: f"chunk{c}")
+def test_cpu_chunk_size(run_bench, benchmark, chunk_size):
+    n, d, v = 1024, 256, 32768
+    benchmark.extra_info["impl"] = "torch_chunked"
+    run_bench(
+        build_chunk_step, chunk_size, n, d, v, torch.float32, "cpu", device=torch.device("cpu"), rounds=3
+    )
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("chunk_size", GPU_CHUNKS, ids=lambda c: f"chunk{c}")
+def test_gpu_chunk_size(run_bench, benchmark, chunk_size):
+    n, d, v = 8192, 1536, 151936
+    benchmark.extra_info["impl"] = "triton"
+    run_bench(
+        build_chunk_step, chunk_size, n, d, v, torch.bfloat16, "cuda",
+        device=torch.device("cuda"), rounds=10, flops=3 * 2 * n * d * v,
+    )  # fmt: skip
