@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# One GPU check in under 8 minutes: environment, copy bandwidth, the `gpu` tests, the GPU benchmarks.
+# One GPU check in under 10 minutes: environment, copy bandwidth, the `gpu` tests, the GPU benchmarks
+# (the fused op's chunk_size axis, the rtx4090 step capped at 24 GB), two training steps with vLLM.
 #
 #   tools/gpu_check.sh OUTDIR                        # on a CUDA machine, from anywhere
 #   GPU_CHECK_DRY_RUN=1 tools/gpu_check.sh OUTDIR    # print the commands, run nothing but the preflight
@@ -9,17 +10,24 @@
 # Needs python with torch, triton and pytest; runs from the source tree (PYTHONPATH=., no install,
 # no network: HF_HUB_OFFLINE=1). A module whose import fails for a missing package (transformers,
 # pytest-benchmark, hypothesis, ...) is left out and listed as skipped: the kernel tests and kernel
-# benchmarks need only torch, triton, pytest and pytest-benchmark.
+# benchmarks need only torch, triton, pytest and pytest-benchmark. Wheels in ROOT/.whl (e.g.
+# bitsandbytes for the rtx4090 step's 8-bit AdamW, vllm and its dependencies for the vLLM step, on a
+# machine without network) are installed first into a private --target folder on PYTHONPATH.
 #
 # Parts, each under `timeout` (SIGINT first, so pytest still writes what it measured) with a cap
-# shrunk to the time left of GPU_CHECK_BUDGET_S (default 450 s = 7.5 min):
-#   preflight 60 s, nvidia-smi 20 s, copy bandwidth 60 s, `python -m pytest -m gpu tests/` 120 s,
-#   the kernel tests' triton cases on the GPU 90 s, then `python -m pytest -m gpu bench/<file>`
-#   per benchmark file (80-90 s each), report 30 s.
-#   Expected on an H200: ≈ 6-7 min; the budget keeps the whole script under 8 min.
+# shrunk to the time left of GPU_CHECK_BUDGET_S (default 570 s = 9.5 min):
+#   wheels 60 s (only with ROOT/.whl), preflight 60 s, nvidia-smi 20 s, copy bandwidth 60 s,
+#   `python -m pytest -m gpu tests/` 120 s, the kernel tests' triton cases on the GPU 90 s, then
+#   `python -m pytest -m gpu bench/<file>` per benchmark file (80-110 s each; the fused op's file
+#   has the chunk_size axis, 384 to 4,096 rows at N = 8,192, V = 151,936 bf16; the train-step file
+#   has the rtx4090 preset on a card capped at 24 GB, skipped without bitsandbytes), the vLLM step
+#   (2 steps of the tiny preset's loop with rollout.backend=vllm, rollout.sleep_level=1, on its
+#   random Qwen2 saved offline; skipped without vllm) 120 s, report 30 s.
+#   Expected on an H200: ≈ 8-9 min; the budget keeps the whole script under 10 min.
 #
-# OUTDIR gets 8 files: env.json (versions, GPU, copy bandwidth, every part's command, status and
-# time), nvidia-smi.txt, check.log (preflight, bandwidth, report), tests.log, bench.log, bench.json
+# OUTDIR gets 9 files: env.json (versions, GPU, copy bandwidth, every part's command, status and
+# time), nvidia-smi.txt, check.log (preflight, bandwidth, report), tests.log, bench.log, vllm.log
+# (the vLLM step's training log and metrics), bench.json
 # (pytest-benchmark JSON of all benchmark files, with each case's command), BENCHMARKS.md
 # (tools/bench_report.py) and summary.md (printed at the end). A failing part is recorded and the
 # script goes on; it exits 0.
@@ -35,7 +43,7 @@ mkdir -p "$1"
 OUT="$(cd "$1" && pwd)"
 cd "$ROOT" || exit 2
 DRY="${GPU_CHECK_DRY_RUN:-0}"
-BUDGET_S="${GPU_CHECK_BUDGET_S:-450}"
+BUDGET_S="${GPU_CHECK_BUDGET_S:-570}"
 BENCH_MARK="${GPU_CHECK_BENCH_MARK:-gpu}"
 PY="${PYTHON:-$(command -v python || command -v python3)}"
 export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}" HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
@@ -78,6 +86,13 @@ run_part() {
     esac
     printf '%s\t%s\t%s\t%s\n' "$name" "$status" "$(($(date +%s) - t0))" "$cmd" >>"$PARTS"
 }
+
+# ---- wheels carried in ROOT/.whl (no network on the GPU machine): into a private folder
+if compgen -G "$ROOT/.whl/*.whl" >/dev/null; then
+    run_part wheels 60 "$OUT/check.log" "$PY" -m pip install -q --no-index --no-deps --no-compile \
+        --no-cache-dir --upgrade --target "$TMP/site" "$ROOT"/.whl/*.whl
+    export PYTHONPATH="$PYTHONPATH:$TMP/site"
+fi
 
 # ---- preflight: versions, CUDA, and which test/benchmark modules import here
 run_part preflight 60 "$OUT/check.log" "$PY" - "$TMP/preflight.json" <<'EOF'
@@ -159,7 +174,7 @@ if [[ "$has_bench_plugin" != 1 ]]; then
 else
     # file:cap_s, most valuable first (each op file compiles eager with torch.compile for 3 shapes)
     for entry in bench/test_bench_token_logprobs.py:80 bench/test_bench_grpo_loss.py:90 \
-        bench/test_bench_fused_linear_grpo_loss.py:80 bench/test_bench_train_step.py:90; do
+        bench/test_bench_fused_linear_grpo_loss.py:110 bench/test_bench_train_step.py:90; do
         file=${entry%:*}
         name="bench:$(basename "$file" .py)"
         if [[ ! -f "$file" ]]; then
@@ -171,6 +186,21 @@ else
                 -p no:cacheprovider --benchmark-json="$TMP/$(basename "$file" .py).json"
         fi
     done
+fi
+
+# ---- vLLM: two steps of the training loop with rollout.backend=vllm and sleep mode level 1, on the
+# tiny preset's random Qwen2 (built in-process, saved to output_dir/rollout_init for vLLM, no
+# download); no SFT warm start, no evaluation: only the loop's rollout -> train -> weight push.
+read -r has_vllm < <("$PY" -c 'import json, sys; print(int(bool(json.load(open(sys.argv[1]))["versions"].get("vllm"))))' \
+    "$TMP/preflight.json")
+if [[ "$has_cuda" != 1 && "$DRY" != 1 ]]; then
+    printf 'vllm-steps\tskipped: no CUDA device\t0\t-\n' >>"$PARTS"
+elif [[ "$has_vllm" != 1 && "$DRY" != 1 ]]; then
+    printf 'vllm-steps\tskipped: vllm is not installed (pip install -e ".[gpu]", or wheels in .whl)\t0\t-\n' >>"$PARTS"
+else
+    run_part vllm-steps 120 "$OUT/vllm.log" "$PY" -m grpo_fast.train --preset tiny device=cuda \
+        rollout.backend=vllm rollout.sleep_level=1 rollout.gpu_memory_utilization=0.3 steps=2 \
+        sft.steps=0 eval_every=0 checkpoint_every=0 "output_dir=$TMP/vllm-run"
 fi
 
 # ---- bench.json (all files, each case with its command), BENCHMARKS.md, env.json, summary.md
