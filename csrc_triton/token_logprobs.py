@@ -1,6 +1,6 @@
 """Triton kernels for per-token log-probs and entropy of tempered logits, and their launchers.
 
-Math (``shared/notes/kernel-math.md``), per row of logits ``z`` with ``s = z / T``:
+Math, per row of logits ``z`` with ``s = z / T`` (``p = softmax(s)``, label ``y``):
 
     m = max_j s_j,  S = Σ_j exp(s_j − m),  A = Σ_j exp(s_j − m)·(s_j − m)
     logp = (s_y − m) − log S,  H = log S − A / S

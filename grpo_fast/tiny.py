@@ -9,7 +9,8 @@
 - Reward: exact match of the digits (``answer_reward``), digits-only (``format_reward``).
 
 Random weights learn nothing from GRPO here (a right answer has probability ≈ 1/15² per
-sample, so nearly every group has zero reward variance; see ``shared/notes/tiny-task-probe.md``).
+sample, so nearly every group has zero reward variance: measured on single-digit addition, the
+policy collapsed to a constant answer, eval accuracy 0.00-0.07 after 2,000 steps).
 The tiny preset therefore starts with a short SFT warm start, like a real run starts from a
 pretrained base model, and GRPO then sharpens it.
 """
