@@ -116,7 +116,8 @@ def test_policy_loss_hands_sequence_ids_only_at_sequence_level(monkeypatch):
     lin.get_output_embeddings = lambda: lin
     ids = torch.tensor([0, 1])
     mb = type("MB", (), dict(input_ids=torch.zeros(1, 2, dtype=torch.long), labels=ids, advantages=None,
-                             loss_weights=None, old_logprobs=None, ref_logprobs=None, sequence_ids=ids))()  # fmt: skip
+                             loss_weights=None, old_logprobs=None, ref_logprobs=None, sequence_ids=ids,
+                             label_bounds=(0, 1)))()  # fmt: skip
     for level in ("token", "sequence"):
         cfg = load_config("tiny", overrides=[f"loss.importance_sampling_level={level}"])
         model_mod.build_policy_loss(cfg, lin, None)(mb, 0.0, 1.0)
