@@ -6,12 +6,13 @@ import torch
 
 from grpo_fast.config import AUTO, Config
 from grpo_fast.errors import ConfigError
-from grpo_fast.rollout.base import Rollout, RolloutBackend, SamplingParams
+from grpo_fast.rollout.base import Rollout, RolloutBackend, SamplingParams, generate_groups
 
 __all__ = [
     "Rollout",
     "RolloutBackend",
     "SamplingParams",
+    "generate_groups",
     "make_backend",
     "vllm_dtype",
     "weight_sync_tolerance",

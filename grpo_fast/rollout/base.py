@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Protocol
 
 import torch
@@ -25,15 +25,17 @@ class SamplingParams:
 
 @dataclass
 class Rollout:
-    """Responses to P prompts, ``n`` each, grouped consecutively (prompt i owns rows i·n … i·n+n−1).
+    """Responses to P prompts, grouped consecutively: prompt i owns the next ``sizes[i]`` rows
+    (``n`` each, unless ``group_sizes`` says otherwise: ``rollout.adaptive_group_size``).
 
-    Fields (R = P·n responses):
+    Fields (R = Σ sizes responses):
         prompt_ids: ``[P]`` lists of prompt token ids.
         response_ids: ``[R]`` lists of the sampled token ids (EOS included when sampled).
         response_text: ``[R]`` decoded responses (special tokens skipped).
         finish_reason: ``[R]`` ``"stop"`` (EOS or a stop string) or ``"length"``.
         sampler_logprobs: ``[R]`` lists of per-token log-probs from the sampler (after
             temperature), or None when the backend does not provide them (hf).
+        group_sizes: ``[P]`` responses per prompt, or None: R / P each.
     """
 
     prompt_ids: list[list[int]]
@@ -41,13 +43,18 @@ class Rollout:
     response_text: list[str]
     finish_reason: list[str]
     sampler_logprobs: list[list[float]] | None = None
+    group_sizes: list[int] | None = None
 
     def __post_init__(self) -> None:
         r = len(self.response_ids)
-        if not (len(self.response_text) == len(self.finish_reason) == r) or r % max(len(self.prompt_ids), 1):
+        uneven = self.group_sizes is None and r % max(len(self.prompt_ids), 1)
+        bad_sizes = self.group_sizes is not None and (
+            len(self.group_sizes) != len(self.prompt_ids) or sum(self.group_sizes) != r
+        )
+        if not (len(self.response_text) == len(self.finish_reason) == r) or uneven or bad_sizes:
             raise ValueError(
-                f"inconsistent rollout: {len(self.prompt_ids)} prompts, {r} responses, "
-                f"{len(self.response_text)} texts, {len(self.finish_reason)} finish reasons"
+                f"inconsistent rollout: {len(self.prompt_ids)} prompts (group sizes {self.group_sizes}), "
+                f"{r} responses, {len(self.response_text)} texts, {len(self.finish_reason)} finish reasons"
             )
         if self.sampler_logprobs is not None and [len(x) for x in self.sampler_logprobs] != [
             len(x) for x in self.response_ids
@@ -55,12 +62,87 @@ class Rollout:
             raise ValueError("sampler_logprobs must have one log-prob per response token")
 
     @property
+    def sizes(self) -> list[int]:
+        """``[P]`` responses per prompt."""
+        if self.group_sizes is not None:
+            return list(self.group_sizes)
+        return (
+            [len(self.response_ids) // len(self.prompt_ids)] * len(self.prompt_ids) if self.prompt_ids else []
+        )
+
+    @property
     def group_size(self) -> int:
-        return len(self.response_ids) // len(self.prompt_ids)
+        """The responses per prompt when every prompt has as many (ValueError otherwise)."""
+        sizes = set(self.sizes)
+        if len(sizes) > 1:
+            raise ValueError(f"this rollout's group sizes differ: {self.sizes}")
+        return sizes.pop() if sizes else 0
 
     @property
     def num_response_tokens(self) -> int:
         return sum(len(x) for x in self.response_ids)
+
+    def response_prompt_ids(self) -> list[list[int]]:
+        """``[R]``: the prompt each response answers."""
+        return [p for p, n in zip(self.prompt_ids, self.sizes) for _ in range(n)]
+
+    def select_groups(self, groups: list[int]) -> Rollout:
+        """The rollout of prompts ``groups`` (indices into ``prompt_ids``) and their responses, in that order."""
+        starts = [0]
+        for n in self.sizes:
+            starts.append(starts[-1] + n)
+        rows = [i for g in groups for i in range(starts[g], starts[g + 1])]
+        pick = lambda xs: None if xs is None else [xs[i] for i in rows]
+        return Rollout(
+            prompt_ids=[self.prompt_ids[g] for g in groups],
+            response_ids=pick(self.response_ids),
+            response_text=pick(self.response_text),
+            finish_reason=pick(self.finish_reason),
+            sampler_logprobs=pick(self.sampler_logprobs),
+            group_sizes=[self.sizes[g] for g in groups] if self.group_sizes is not None else None,
+        )
+
+    @staticmethod
+    def concat(parts: list[Rollout]) -> Rollout:
+        """One rollout of ``parts``' prompts and responses, in order (group sizes kept)."""
+        cat = lambda name: [x for p in parts for x in getattr(p, name)]
+        sizes = [n for p in parts for n in p.sizes]
+        slp = None if any(p.sampler_logprobs is None for p in parts) else cat("sampler_logprobs")
+        return Rollout(
+            prompt_ids=cat("prompt_ids"),
+            response_ids=cat("response_ids"),
+            response_text=cat("response_text"),
+            finish_reason=cat("finish_reason"),
+            sampler_logprobs=slp,
+            group_sizes=None if len(set(sizes)) <= 1 else sizes,
+        )
+
+
+def generate_groups(
+    backend, prompt_ids: list[list[int]], sizes: list[int], params: SamplingParams, progress=None
+) -> Rollout:
+    """Prompt i's ``sizes[i]`` responses (``rollout.adaptive_group_size``), from one ``generate``
+    call per distinct size (each with a seed of its own, derived from ``params.seed``); with one
+    size this is ``backend.generate(prompt_ids, replace(params, n=size))``."""
+    if len(sizes) != len(prompt_ids):
+        raise ValueError(f"{len(sizes)} group sizes for {len(prompt_ids)} prompts")
+    distinct = sorted(set(sizes))
+    if len(distinct) == 1:
+        return backend.generate(prompt_ids, replace(params, n=distinct[0]), progress=progress)
+    parts: dict[int, Rollout] = {}
+    for n in distinct:
+        seed = None if params.seed is None else (params.seed + 7919 * n) % 2**31
+        which = [p for p, k in zip(prompt_ids, sizes) if k == n]
+        parts[n] = backend.generate(which, replace(params, n=n, seed=seed), progress=progress)
+    taken = dict.fromkeys(distinct, 0)  # groups of each size used so far
+    groups = []
+    for n in sizes:
+        groups.append(parts[n].select_groups([taken[n]]))
+        taken[n] += 1
+    out = Rollout.concat(groups)
+    if out.group_sizes is None:  # concat drops uniform sizes; these differ by construction
+        out.group_sizes = list(sizes)
+    return out
 
 
 class RolloutBackend(Protocol):

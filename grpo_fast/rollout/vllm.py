@@ -346,12 +346,16 @@ class VLLMBackend:
         )
 
 
-def step_seed(seed: int, step: int, rank: int) -> int:
-    """A sampling seed for (run seed, step, rank): the same after a resume, different across ranks.
+def step_seed(seed: int, step: int, rank: int, round: int = 0) -> int:
+    """A sampling seed for (run seed, step, rank, sampling round): the same after a resume,
+    different across ranks and across the extra rounds of dynamic sampling (round 0 is the
+    step's first generation, whose seed does not depend on the option).
 
-    Example: ``step_seed(0, 1, 0) != step_seed(0, 1, 1)``; the value fits in 31 bits.
+    Example: ``step_seed(0, 1, 0) != step_seed(0, 1, 1) != step_seed(0, 1, 0, round=1)``; the
+    value fits in 31 bits.
     """
-    return int(np.random.SeedSequence([seed, step, rank]).generate_state(1)[0] >> 1)
+    entropy = [seed, step, rank] + ([round] if round else [])
+    return int(np.random.SeedSequence(entropy).generate_state(1)[0] >> 1)
 
 
 def _hf_named_tensors(model: torch.nn.Module) -> Iterable[tuple[str, torch.Tensor]]:
