@@ -48,7 +48,7 @@ from grpo_fast.optim import PromptSampler, build_optimizer
 from grpo_fast.rollout import SamplingParams, make_backend
 from grpo_fast.rollout.hf import HFBackend
 from grpo_fast.task import load_task
-from grpo_fast.train import optimize_on_rollout
+from grpo_fast.train import Trainer, optimize_on_rollout
 
 GPU_ARCH = "Qwen/Qwen2.5-Math-1.5B"
 CARD_BYTES = 24e9  # an RTX 4090
@@ -181,16 +181,9 @@ class OptimizationPhase:
 
     def __call__(self, batch: RolloutBatch) -> float:
         cfg = self.cfg
+        trainer = Trainer(self.policy, self.optimizer, self.params, cfg, dist.DistInfo(), self.device)
         stats = optimize_on_rollout(
-            self.policy,
-            self.optimizer,
-            self.params,
-            self._microbatches(batch),
-            cfg,
-            dist.DistInfo(),
-            self.device,
-            cfg.loss.beta,
-            cfg.rollout.temperature,
+            trainer, self._microbatches(batch), beta=cfg.loss.beta, temperature=cfg.rollout.temperature
         )
         self.optimizer.zero_grad(set_to_none=True)
         return stats.grad_norm  # read with .item(): a host-device sync that ends the timed region

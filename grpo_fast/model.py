@@ -209,6 +209,21 @@ class PolicyLoss(nn.Module):
             return contextlib.nullcontext()
         return torch.autocast(device.type, dtype=self.autocast)
 
+    def step_cast_cache(self, device: torch.device):
+        """A context the loop holds around all the microbatches of one optimizer step, so that
+        under autocast each backbone weight is cast once per step, not once per microbatch.
+
+        Autocast caches its casts of leaf, requires-grad tensors (the weights) until the
+        outermost autocast context exits; this is such a context with autocast *disabled*
+        (the backward passes inside it run outside autocast, as they must), and each forward's
+        own autocast region nests in it. The weights do not change within a step; the copies,
+        one per weight in the autocast dtype, live until the context ends, before
+        ``optimizer.step()``. A no-op without autocast.
+        """
+        if self.autocast is None:
+            return contextlib.nullcontext()
+        return torch.autocast(device.type, dtype=self.autocast, enabled=False)
+
     def _head_in_compute_dtype(self, head: torch.Tensor) -> torch.Tensor | None:
         """``head`` ``[V, D]`` in the autocast dtype, cast at most once per weight update; None
         when there is nothing to cast (no autocast, or the weight already in that dtype)."""

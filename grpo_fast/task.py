@@ -102,8 +102,10 @@ def load_task(cfg: Config, tokenizer=None) -> Task:
     if d.task == "tiny":
         # Local files override the built-in problems: JSONL/Parquet with question and a bare answer
         # (which is also the worked solution, unless data.solution_field names one).
-        train = _tiny_file(d.train_path, fields) if d.train_path else tiny.examples("train")
-        evals = _tiny_file(d.eval_path, fields) if d.eval_path else tiny.examples("eval")
+        train = (
+            _tiny_file(d.train_path, fields) if d.train_path else _tiny_builtin("train", d.difficulty_field)
+        )
+        evals = _tiny_file(d.eval_path, fields) if d.eval_path else _tiny_builtin("eval", d.difficulty_field)
     else:
         common = dict(**fields, hub_name=d.hub_name)
         train = load_examples(d.task, d.train_path, split="train", **common)
@@ -133,6 +135,19 @@ def load_task(cfg: Config, tokenizer=None) -> Task:
         tokenizer=tokenizer,
         max_prompt_tokens=cfg.rollout.max_prompt_tokens,
     )
+
+
+def _tiny_builtin(split: str, difficulty_field: str | None) -> list[Example]:
+    """The built-in problems; their one difficulty field is ``carries`` (0-2 carries)."""
+    examples = tiny.examples(split)
+    if difficulty_field is None:
+        return [dataclasses.replace(ex, difficulty=None) for ex in examples]
+    if difficulty_field != tiny.DIFFICULTY_FIELD:
+        raise ConfigError(
+            f"data.difficulty_field={difficulty_field!r}: the built-in tiny task's difficulty field is "
+            f"{tiny.DIFFICULTY_FIELD!r} (the number of carries)"
+        )
+    return examples
 
 
 def _tiny_file(path: str, fields: dict) -> list[Example]:

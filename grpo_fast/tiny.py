@@ -80,8 +80,22 @@ def examples(split: str) -> list[Example]:
     pairs = [(a, b) for a in range(100) for b in range(100)]
     random.Random(TASK_SEED).shuffle(pairs)
     chosen = pairs[:EVAL_SIZE] if split == "eval" else pairs[EVAL_SIZE:]
-    # the worked solution (sft.mix_coef's target) is the answer itself: the reward wants digits only
-    return [Example(question=f"{a}+{b}=", answer=str(a + b), solution=str(a + b)) for a, b in chosen]
+    # the worked solution (sft.mix_coef's target) is the answer itself: the reward wants digits only;
+    # the difficulty (data.difficulty_field=carries) is the number of carries, 0-2
+    return [
+        Example(question=f"{a}+{b}=", answer=str(a + b), solution=str(a + b), difficulty=float(carries(a, b)))
+        for a, b in chosen
+    ]
+
+
+DIFFICULTY_FIELD = "carries"
+
+
+def carries(a: int, b: int) -> int:
+    """Carries in the column addition of ``a + b`` (0 ≤ a, b ≤ 99): ``carries(37, 45) == 1``
+    (7 + 5 = 12), ``carries(95, 17) == 2``, ``carries(12, 30) == 0``."""
+    ones = (a % 10 + b % 10) >= 10
+    return int(ones) + int((a // 10 + b // 10 + ones) >= 10)
 
 
 @register_reward("tiny")

@@ -38,7 +38,7 @@ import signal
 import sys
 import tempfile
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -50,17 +50,21 @@ from grpo_fast.batch import Sequence, build_sequences, make_microbatches
 from grpo_fast.config import Config, load_config, to_yaml
 from grpo_fast.core import (
     AdaptiveKLController,
-    compute_group_normalized_rewards,
     entropy_threshold,
+    informative_groups,
     kl_early_stop,
     kl_penalty,
+    normalize_group_rewards,
+    overlong_penalty,
     sequence_mean,
 )
+from grpo_fast.difficulty import PassRateTable
 from grpo_fast.errors import ConfigError, Preempted, TrainingStopped, cli_errors
 from grpo_fast.evaluate import evaluate
 from grpo_fast.health import HealthMonitor, HealthThresholds
 from grpo_fast.metrics import MetricsLogger, PhaseProgress, gpu_stats, peak_memory_gb, reset_peak_memory
 from grpo_fast.model import (
+    PolicyLoss,
     autocast_dtype,
     build_policy_loss,
     load_policy,
@@ -69,7 +73,14 @@ from grpo_fast.model import (
     resolve_device,
 )
 from grpo_fast.optim import PromptSampler, build_optimizer, build_scheduler
-from grpo_fast.rollout import SamplingParams, make_backend, vllm_dtype, weight_sync_tolerance
+from grpo_fast.rollout import (
+    Rollout,
+    SamplingParams,
+    generate_groups,
+    make_backend,
+    vllm_dtype,
+    weight_sync_tolerance,
+)
 from grpo_fast.rollout.vllm import WeightSyncProbe, step_seed
 from grpo_fast.sampler_correction import sampler_importance_weights
 from grpo_fast.sft import sft_warm_start
@@ -167,17 +178,175 @@ def check_output_dir(out: Path) -> None:
         raise ConfigError(f"output_dir={str(out)!r} is not writable: {exc.strerror or exc}") from None
 
 
+@dataclass
+class Trainer:
+    """What the optimization phase works with: the loss module (``PolicyLoss``, DDP-wrapped when
+    data parallel), the optimizer and its trainable parameters, and where it runs."""
+
+    policy: torch.nn.Module
+    optimizer: torch.optim.Optimizer
+    params: list[torch.nn.Parameter]
+    cfg: Config
+    world: dist.DistInfo = field(default_factory=dist.DistInfo)
+    device: torch.device = field(default_factory=lambda: torch.device("cpu"))
+    # sft.mix_coef > 0: the plain NLL module on the same model (the supervised microbatches)
+    sft_loss: torch.nn.Module | None = None
+
+
+@dataclass
+class Run:
+    """One training run from setup to the final model: what it loaded and built (fixed after
+    ``setup``) and what changes from step to step (``state``, the sampler, the controllers)."""
+
+    cfg: Config
+    device: torch.device
+    world: dist.DistInfo
+    out: Path
+    logger: MetricsLogger
+    task: Task
+    tokenizer: object
+    model: torch.nn.Module
+    amp: torch.dtype | None
+    trainer: Trainer
+    scheduler: torch.optim.lr_scheduler.LRScheduler
+    policy_loss: torch.nn.Module  # PolicyLoss itself (no DDP): the no-grad passes and the probe
+    ref_model: torch.nn.Module | None
+    ref_loss: torch.nn.Module | None
+    backend: object
+    sampler: PromptSampler
+    health: HealthMonitor
+    kl_ctl: AdaptiveKLController | None
+    state: TrainState
+    eval_subset: list
+    pass_rates: PassRateTable | None = None  # per-prompt pass rates, when an option uses them
+    sft_steps: int = 0
+    local_prompts: int = 0  # prompts per step on this rank
+    nonfinite_run: int = 0  # consecutive steps not applied (train.max_nonfinite_steps stops the run)
+
+    @property
+    def ckpt_root(self) -> Path:
+        return self.out / "checkpoints"
+
+    def save_checkpoint(self, step: int) -> None:
+        """Everything an exact resume needs, written atomically by rank 0 (every rank's RNG)."""
+        rngs = dist.all_gather_objects(ckpt.rng_state())
+        if self.world.is_main:
+            extra = {
+                "train_state": {"step": self.state.step, "beta": self.state.beta},
+                "optimizer": self.trainer.optimizer.state_dict(),
+                "scheduler": self.scheduler.state_dict(),
+                "sampler": self.sampler.state_dict(),
+                "health": self.health.state_dict(),
+                "rng": rngs,
+                "world_size": self.world.world_size,
+            }
+            if self.kl_ctl is not None:
+                extra["kl_controller"] = self.kl_ctl.state_dict()
+            if self.pass_rates is not None:
+                extra["pass_rates"] = self.pass_rates.state_dict()
+            if self.ref_model is not None:
+                extra["ref_model"] = self.ref_model.state_dict()
+            ckpt.save_checkpoint(
+                self.ckpt_root, step, self.model, self.tokenizer, extra, keep=self.cfg.keep_checkpoints
+            )
+        dist.barrier()
+
+    def restore(self, path: Path) -> None:
+        saved = ckpt.load_state(path)
+        if saved["world_size"] != self.world.world_size:
+            raise ConfigError(
+                f"resume=true: {path} was written by {saved['world_size']} rank(s); "
+                f"resume with the same number of ranks (now {self.world.world_size})"
+            )
+        ckpt.load_model_weights(self.model, path)
+        if self.ref_model is not None:
+            self.ref_model.load_state_dict(saved["ref_model"])
+        self.trainer.optimizer.load_state_dict(saved["optimizer"])
+        self.scheduler.load_state_dict(saved["scheduler"])
+        self.sampler.load_state_dict(saved["sampler"])
+        self.health.load_state_dict(saved["health"])
+        if self.kl_ctl is not None:
+            self.kl_ctl.load_state_dict(saved["kl_controller"])
+        if self.pass_rates is not None and "pass_rates" in saved:
+            self.pass_rates.load_state_dict(saved["pass_rates"])
+        self.state = TrainState(**saved["train_state"])
+        ckpt.set_rng_state(saved["rng"][self.world.rank])
+
+    def evaluate(self, step: int, full: bool, progress: PhaseProgress | None = None) -> dict[str, float]:
+        """Greedy accuracy on the eval subset (``full``: the whole eval set), split over ranks."""
+        examples = self.task.eval if full else self.eval_subset
+        if progress is not None:
+            progress.phase("eval", len(examples[self.world.rank :: self.world.world_size]))
+        advance = progress.advance_phase if progress is not None else None
+        metrics, records = evaluate(
+            self.backend, self.task, examples, self.cfg, self.device, world=self.world, progress=advance
+        )
+        if self.world.is_main:
+            n = self.cfg.logging.samples_per_dump
+            _dump_samples(self.out / "samples" / f"eval_step_{step}.jsonl", records[:n])
+        prefix = "eval_full/" if full else "eval/"
+        return {prefix + k: v for k, v in metrics.items()}
+
+
+@dataclass
+class RolloutBatch:
+    """The rollout phase's result on this rank: P prompts, G responses each (R = P·G)."""
+
+    examples: list  # [P] task examples
+    rollout: Rollout  # [R] responses
+    temperature: float  # what they were sampled at (the trainer's log-probs use the same)
+    advantages: torch.Tensor  # [R] fp32
+    raw_rewards: torch.Tensor  # [R] fp32
+    reward_meta: dict
+    reward_fn: object  # this step's reward function (counts reward errors)
+    scores: list[dict] = field(default_factory=list)  # [R] what the reward functions returned
+    extra: dict[str, float] = field(default_factory=dict)  # rollout/ metrics (dynamic sampling, shaping)
+    seconds: float = 0.0
+
+
+@dataclass
+class OptimizationResult:
+    """The optimization phase's result: the first epoch's statistics and the step's counts."""
+
+    stats: _Stats
+    counts: dict[str, float]  # global: trained/all sequences and tokens
+    skipped_tokens: int
+    extra: dict[str, float]  # sampler-correction metrics
+    lr: float
+    seconds: float = 0.0
+
+
 def _train(cfg: Config, device: torch.device, world: dist.DistInfo, out: Path, engine) -> Path:
+    """Setup, then per step: rollout phase → optimization phase → metrics, eval, checkpoint."""
     t_start = time.perf_counter()
+    run = setup(cfg, device, world, out, engine)
+    cfg = run.cfg  # with the planner's "auto" values resolved
+    with PhaseProgress(cfg.logging.progress and world.is_main, cfg.steps, run.state.step) as progress:
+        for step in range(run.state.step + 1, cfg.steps + 1):
+            t0 = time.perf_counter()
+            reset_peak_memory(device)
+            batch = rollout_phase(run, step, progress)
+            result = optimization_phase(run, step, batch, progress)
+            row = step_metrics(run, step, batch, result, time.perf_counter() - t0)
+            end_of_step(run, step, batch, result, row, progress)
+    finish(run, t_start)
+    return out
+
+
+# ---------------------------------------------------------------- setup
+
+
+def setup(cfg: Config, device: torch.device, world: dist.DistInfo, out: Path, engine) -> Run:
+    """Data, tokenizer, policy, memory plan, optional SFT warm start, KL reference, optimizer,
+    resume, rollout backend; then the step-0 evaluation."""
     # Every rank starts from the same seed (same init, same prompts); each rank's rollout
-    # sampling gets its own seed (sampling_rng below).
+    # sampling gets its own seed (sampling_rng).
     seed_everything(cfg.seed)
     if world.is_main:
         out.mkdir(parents=True, exist_ok=True)
     dist.barrier()
     logger = MetricsLogger(cfg, out, enabled=world.is_main)
 
-    # ---------------------------------------------------------------- setup
     task: Task = load_task(cfg)  # the data first: a bad file fails in seconds, before any model loads
     tokenizer = load_tokenizer(cfg.model.name_or_path)
     task.tokenizer = tokenizer
@@ -186,21 +355,13 @@ def _train(cfg: Config, device: torch.device, world: dist.DistInfo, out: Path, e
     cfg = plan.resolve_auto(cfg, model.config, device, world.world_size)
     if world.is_main:
         (out / "config.yaml").write_text(to_yaml(cfg))
-    r = cfg.rollout
-    n_prompts = r.batch_size // r.group_size
+    n_prompts = cfg.rollout.batch_size // cfg.rollout.group_size
     if n_prompts % world.world_size:
         raise ConfigError(
             f"rollout.batch_size / rollout.group_size = {n_prompts} prompts per step do not split "
             f"evenly over {world.world_size} ranks"
         )
-    local_prompts = n_prompts // world.world_size
-
-    state = TrainState(beta=cfg.loss.beta)
-    sampler = PromptSampler(len(task.train), cfg.seed)
     kl_ctl = AdaptiveKLController(cfg.loss.beta, cfg.loss.target_kl) if cfg.loss.target_kl else None
-    health = HealthMonitor(
-        HealthThresholds(**{**cfg.health.thresholds, "auto_temperature_boost": cfg.health.auto_temperature})
-    )
     ckpt_root = out / "checkpoints"
     resume_from = ckpt.latest_checkpoint(ckpt_root) if cfg.resume else None
     if cfg.resume and resume_from is None:
@@ -219,311 +380,455 @@ def _train(cfg: Config, device: torch.device, world: dist.DistInfo, out: Path, e
         if amp is not None:
             ref_model.to(amp)
     optimizer = build_optimizer(cfg, model.parameters())
-    scheduler = build_scheduler(cfg, optimizer)
-
-    if resume_from is not None:
-        saved = ckpt.load_state(resume_from)
-        if saved["world_size"] != world.world_size:
-            raise ConfigError(
-                f"resume=true: {resume_from} was written by {saved['world_size']} rank(s); "
-                f"resume with the same number of ranks (now {world.world_size})"
-            )
-        ckpt.load_model_weights(model, resume_from)
-        if ref_model is not None:
-            ref_model.load_state_dict(saved["ref_model"])
-        optimizer.load_state_dict(saved["optimizer"])
-        scheduler.load_state_dict(saved["scheduler"])
-        sampler.load_state_dict(saved["sampler"])
-        health.load_state_dict(saved["health"])
-        if kl_ctl is not None:
-            kl_ctl.load_state_dict(saved["kl_controller"])
-        state = TrainState(**saved["train_state"])
-        ckpt.set_rng_state(saved["rng"][world.rank])
-        logger.truncate_after(state.step)
-        logger.event(f"resumed from {resume_from} at step {state.step}")
-
     policy_loss = build_policy_loss(cfg, model, amp)
-    ref_loss = build_policy_loss(cfg, ref_model, amp) if ref_model is not None else None
     policy = policy_loss
     if world.enabled:
         from torch.nn.parallel import DistributedDataParallel as DDP
 
         policy = DDP(policy_loss, device_ids=[device.index] if device.type == "cuda" else None)
-    backend = _make_backend(
-        cfg, model, tokenizer, task, policy_loss, device, amp, out, world, engine, sft_steps
+    pass_rates, sampler = _prompt_sampler(cfg, task)
+    sft_loss = None
+    if cfg.sft.mix_coef > 0:  # the GRPO loss options off: advantage 1, on-policy = plain NLL
+        sft_loss = PolicyLoss(model, autocast=amp, loss_options={"backend": cfg.loss.kernel_backend})
+    trainer = Trainer(
+        policy, optimizer, [p for p in model.parameters() if p.requires_grad], cfg, world, device, sft_loss
     )
-    eval_subset = task.eval_subset(cfg.data.eval_subset_size, cfg.seed)
-
-    def run_eval(step: int, full: bool, progress: PhaseProgress | None = None) -> dict[str, float]:
-        examples = task.eval if full else eval_subset
-        if progress is not None:
-            progress.phase("eval", len(examples[world.rank :: world.world_size]))
-        advance = progress.advance_phase if progress is not None else None
-        metrics, records = evaluate(backend, task, examples, cfg, device, world=world, progress=advance)
-        prefix = "eval_full/" if full else "eval/"
-        if world.is_main:
-            _dump_samples(
-                out / "samples" / f"eval_step_{step}.jsonl", records[: cfg.logging.samples_per_dump]
+    run = Run(
+        cfg=cfg,
+        device=device,
+        world=world,
+        out=out,
+        logger=logger,
+        task=task,
+        tokenizer=tokenizer,
+        model=model,
+        amp=amp,
+        trainer=trainer,
+        scheduler=build_scheduler(cfg, optimizer),
+        policy_loss=policy_loss,
+        ref_model=ref_model,
+        ref_loss=build_policy_loss(cfg, ref_model, amp) if ref_model is not None else None,
+        backend=None,
+        sampler=sampler,
+        health=HealthMonitor(
+            HealthThresholds(
+                **{**cfg.health.thresholds, "auto_temperature_boost": cfg.health.auto_temperature}
             )
-        return {prefix + k: v for k, v in metrics.items()}
+        ),
+        kl_ctl=kl_ctl,
+        state=TrainState(beta=cfg.loss.beta),
+        eval_subset=task.eval_subset(cfg.data.eval_subset_size, cfg.seed),
+        sft_steps=sft_steps,
+        local_prompts=n_prompts // world.world_size,
+        pass_rates=pass_rates,
+    )
+    if resume_from is not None:
+        run.restore(resume_from)
+        logger.truncate_after(run.state.step)
+        logger.event(f"resumed from {resume_from} at step {run.state.step}")
+    run.backend = _make_backend(run, engine)
 
-    if state.step == 0 and cfg.eval_every and eval_subset:
-        row = run_eval(0, full=False)
+    if run.state.step == 0 and cfg.eval_every and run.eval_subset:
+        row = run.evaluate(0, full=False)
         logger.log(0, {**row, "sft/steps": sft_steps, "world_size": world.world_size})
         logger.event(f"step 0 (before GRPO): eval/accuracy {row['eval/accuracy']:.3f}")
+    return run
 
-    def save_checkpoint(at_step: int) -> None:
-        _save_checkpoint(
-            cfg, ckpt_root, at_step, model, ref_model, tokenizer, optimizer, scheduler, sampler, health,
-            kl_ctl, state, world,
-        )  # fmt: skip
 
-    # ---------------------------------------------------------------- the loop
-    params = [p for p in model.parameters() if p.requires_grad]
-    nonfinite_run = 0  # consecutive steps not applied (train.max_nonfinite_steps stops the run)
-    with PhaseProgress(cfg.logging.progress and world.is_main, cfg.steps, state.step) as progress:
-        for step in range(state.step + 1, cfg.steps + 1):
-            t0 = time.perf_counter()
-            reset_peak_memory(device)
+def _prompt_sampler(cfg: Config, task: Task) -> tuple[PassRateTable | None, PromptSampler]:
+    """The prompt sampler and, when an option needs one, the per-prompt pass-rate table
+    (``rollout.difficulty_filter``, ``rollout.adaptive_group_size``, ``rollout.curriculum``
+    without ``data.difficulty_field``); both are checkpointed."""
+    r = cfg.rollout
+    difficulty = None
+    if cfg.data.difficulty_field is not None:
+        difficulty = [ex.difficulty for ex in task.train]
+    by_rate = r.curriculum == "easy_first" and difficulty is None
+    table = None
+    if r.difficulty_filter is not None or r.adaptive_group_size or by_rate:
+        table = PassRateTable(len(task.train))
+    band = None if r.difficulty_filter is None else list(r.difficulty_filter)
+    sampler = PromptSampler(
+        len(task.train),
+        cfg.seed,
+        table=table,
+        difficulty_filter=band,
+        curriculum=r.curriculum,
+        difficulty=difficulty if r.curriculum == "easy_first" else None,
+    )
+    return table, sampler
 
-            # ---- rollout phase: prompts → G responses each → rewards → group advantages
-            idx = sampler.next(n_prompts)[world.rank * local_prompts : (world.rank + 1) * local_prompts]
-            examples = [task.train[i] for i in idx]
-            prompt_ids = [task.prompt_ids(e) for e in examples]
-            temperature = r.temperature + health.shared_temperature_boost(step)  # rank 0's, on every rank
-            params_s = SamplingParams(
-                n=r.group_size,
-                temperature=temperature,
-                top_p=r.top_p,
-                max_tokens=r.max_tokens,
-                min_tokens=r.min_tokens,
-                stop=tuple(task.stop),
-                seed=step_seed(cfg.seed, step, world.rank),  # the same samples after a resume
-            )
-            progress.phase("rollout", len(prompt_ids))
-            with sampling_rng(params_s.seed if world.enabled else None, device):
-                rollout = backend.generate(prompt_ids, params_s, progress=progress.advance_phase)
-            backend.sleep()
-            gts = [e.answer for e in examples for _ in range(r.group_size)]
-            reward_fn = task.reward_fn.for_batch(step)  # numbers the responses, counts reward errors
-            advantages, raw_rewards, reward_meta = compute_group_normalized_rewards(
-                reward_fn,
-                rollout.response_text,
-                gts,
-                r.group_size,
-                cfg.loss.advantage_eps,
-                scale_rewards=cfg.loss.scale_rewards,
-                reduce_sums=lambda sums: dist.all_reduce_sum(sums, device),  # batch: std over all ranks
-            )
-            if cfg.loss.type == "no_baseline":  # REINFORCE without a baseline: A = the raw reward
-                advantages = raw_rewards
-            t_rollout = time.perf_counter() - t0
 
-            # ---- optimization phase
-            t1 = time.perf_counter()
-            # loss.mask_truncated: responses that hit max_tokens leave the loss and its normalizers
-            keep = [not (cfg.loss.mask_truncated and f == "length") for f in rollout.finish_reason]
-            lengths = [len(x) for x, k in zip(rollout.response_ids, keep) if k]
-            all_tokens = sum(len(x) for x in rollout.response_ids)
-            # one collective for the global counts (token_mean needs Σ tokens over all ranks)
-            g_seqs, g_tokens, g_all_seqs, g_all_tokens = dist.all_reduce_sum(
-                [len(lengths), sum(lengths), len(keep), all_tokens], device
-            )
-            seqs = build_sequences(
-                rollout.prompt_ids,
-                rollout.response_ids,
-                advantages,
-                length_norm=cfg.loss.length_norm,
-                max_length=r.max_tokens,
-                num_sequences=int(g_seqs),
-                num_tokens=g_tokens,
-                sampler_logprobs=rollout.sampler_logprobs,
-                keep=keep,
-            )
-            if (
-                not seqs
-            ):  # all left out (loss.mask_truncated): one zero-weight response keeps the step's shape
-                g = r.group_size
-                i = next(i for i, x in enumerate(rollout.response_ids) if x)
-                p = rollout.prompt_ids[i // g]
-                seqs = [Sequence(list(p) + list(rollout.response_ids[i]), len(p), 0.0, 0.0)]
-            trained = _sequences_with_gradient(cfg, seqs, state.beta)
-            skipped_tokens = sum(s.n_response for s in seqs) - sum(s.n_response for s in trained)
-            mbs = [
-                mb.to(device)
-                for mb in make_microbatches(
-                    trained, int(cfg.train.micro_batch_size), tokenizer.pad_token_id, cfg.train.packing
-                )
-            ]
-            extra = _prepare_old_and_ref(cfg, mbs, policy_loss, ref_loss, temperature)
-            progress.phase("train", cfg.train.epochs_per_rollout_batch * len(mbs))
-            stats = optimize_on_rollout(
-                policy,
-                optimizer,
-                params,
-                mbs,
-                cfg,
-                world,
-                device,
-                state.beta,
-                temperature,
-                logger,
-                step,
-                on_microbatch=progress.advance_phase,
-            )
-            lr = scheduler.get_last_lr()[0]
-            scheduler.step()
-            backend.update_weights(model, step=step)  # vllm: push + weight-sync probe (may stop the run)
-            t_train = time.perf_counter() - t1
+# ---------------------------------------------------------------- rollout phase
 
-            # ---- metrics (one all-reduce for the token-level sums across ranks)
-            totals = stats.global_totals(world, device, raw_rewards, rollout, reward_meta, skipped_tokens)
-            if kl_ctl is not None:
-                state.beta = kl_ctl.update(totals["kl"], int(g_seqs))
-            state.step = step
-            step_s = time.perf_counter() - t0
-            row = {
-                "train/loss": totals["loss"],
-                "train/reward_mean": totals["reward_mean"],
-                "train/reward_std": totals["reward_std"],
-                "train/accuracy": totals["accuracy"],
-                "train/format_rate": totals["format_rate"],
-                "train/entropy_mean": totals["entropy"],
-                "train/response_length_mean": g_all_tokens / max(g_all_seqs, 1),
-                "train/truncated_fraction": totals["truncated"],
-                "train/zero_variance_fraction": totals["zero_variance"],
-                "train/skipped_fraction": totals["skipped"],
-                **_reward_errors(cfg, reward_fn, device),
-                "train/grad_norm": stats.grad_norm,
-                "train/clip_fraction": totals["clip_fraction"],
-                "train/clip_fraction_low": totals["clip_fraction_low"],  # clipped with r < 1
-                "train/clip_fraction_high": totals["clip_fraction_high"],  # clipped with r > 1
-                "train/loss_pg": totals["loss_pg"],  # train/loss = loss_pg + loss_kl + loss_entropy
-                "train/loss_kl": totals["loss_kl"],
-                "train/loss_entropy": totals["loss_entropy"],
-                # the top_entropy_quantile threshold, mean over microbatches (0 when off)
-                "train/entropy_threshold": totals["entropy_threshold"],
-                "train/kl": totals["kl"],
-                "train/beta": state.beta,
-                "train/lr": lr,
-                "train/temperature": temperature,
-                "time/rollout_s": t_rollout,
-                "time/train_s": t_train,
-                "time/step_s": step_s,
-                "memory/peak_gb": peak_memory_gb(device),
-                "throughput/tokens_per_s": (
-                    g_all_tokens + sum(map(len, rollout.prompt_ids)) * r.group_size * world.world_size
-                )
-                / step_s,
-                "world_size": world.world_size,
-                **_rollout_metrics(backend, totals),
-                **extra,
-                **gpu_stats(device),
-            }
-            if cfg.health.enabled:
-                for ev in health.update(step, row, rollout.response_text):
-                    row[f"health/{ev.kind}"] = ev.value
-                    logger.event(f"[health] step {step} {ev.severity}: {ev.message} — {ev.suggestion}")
-                    if world.is_main:
-                        with open(out / "health.jsonl", "a") as fh:
-                            fh.write(json.dumps(ev.to_dict()) + "\n")
-            if cfg.eval_every and (step % cfg.eval_every == 0 or step == cfg.steps) and eval_subset:
-                row.update(run_eval(step, full=False, progress=progress))
-            if cfg.full_eval_every and (step % cfg.full_eval_every == 0 or step == cfg.steps):
-                row.update(run_eval(step, full=True, progress=progress))
-            if world.is_main and cfg.logging.sample_every and step % cfg.logging.sample_every == 0:
-                _dump_samples(
-                    out / "samples" / f"step_{step}.jsonl", _sample_records(task, examples, rollout, cfg)
-                )
-            logger.log(step, row)
-            logger.summary(step, cfg.steps, row)
-            progress.step_done()
 
-            nonfinite_run = nonfinite_run + 1 if stats.nonfinite else 0
-            if nonfinite_run >= cfg.train.max_nonfinite_steps:
-                latest = ckpt.latest_checkpoint(ckpt_root)
-                first = step - nonfinite_run + 1
-                raise TrainingStopped(
-                    f"steps {first}-{step}: {nonfinite_run} steps in a row with a non-finite "
-                    f"{stats.nonfinite} (train.max_nonfinite_steps={cfg.train.max_nonfinite_steps}), none "
-                    f"applied (the weights are step {first - 1}'s); "
-                    + (f"{latest} is intact" if latest else "no checkpoint was written yet")
-                    + ": lower train.lr or train.grad_clip, or check the rewards, then resume=true"
-                )
-            signum = preempt.pending(world, device)  # SIGTERM/SIGINT during this step
-            due = cfg.checkpoint_every and step % cfg.checkpoint_every == 0 and step < cfg.steps
-            if due or signum is not None:
-                save_checkpoint(step)
-            if signum is not None:
-                where = ckpt_root / ckpt.step_dir_name(step)
-                raise Preempted(
-                    f"{signal.Signals(signum).name} during step {step}: checkpoint {where} written "
-                    "after it; resume=true continues from there",
-                    signum,
-                )
+def rollout_phase(run: Run, step: int, progress: PhaseProgress) -> RolloutBatch:
+    """This rank's prompts → G responses each → rewards → group-normalized advantages.
 
-    # ---------------------------------------------------------------- the final model
-    # With checkpoints on, the last step leaves one too (the loop skips it), so that
-    # `resume=true steps=N` extends a finished run from its final step.
-    last = ckpt.latest_checkpoint(ckpt_root)
-    if cfg.checkpoint_every and (last is None or last.name != ckpt.step_dir_name(state.step)):
-        save_checkpoint(state.step)
-    if world.is_main:
-        save_dtype = None if cfg.train.save_dtype == "auto" else getattr(torch, cfg.train.save_dtype)
-        ckpt.save_pretrained_atomic(model, tokenizer, out / "final", dtype=save_dtype)
-        logger.event(
-            f"done: {cfg.steps} steps in {time.perf_counter() - t_start:.1f}s; model in {out / 'final'}"
+    With ``rollout.dynamic_sampling`` (DAPO) the groups whose task rewards are all equal are
+    dropped and more prompts are drawn, for at most ``rollout.max_sampling_rounds`` rounds, until
+    every rank has its share of ``rollout.batch_size`` responses from informative groups (the
+    reward shaping terms, overlong and KL, do not count: they would make every group look
+    informative). With ``rollout.adaptive_group_size`` each prompt's group size comes from its
+    pass rate. The shaping terms are added to the kept responses' rewards, then the advantages
+    are normalized over the kept groups.
+    """
+    t0 = time.perf_counter()
+    cfg, r = run.cfg, run.cfg.rollout
+    temperature = r.temperature + run.health.shared_temperature_boost(step)  # rank 0's, on every rank
+    reward_fn = run.task.reward_fn.for_batch(step)  # numbers the responses, counts reward errors
+    target = run.local_prompts * r.group_size  # responses this rank trains on
+    rounds = r.max_sampling_rounds if r.dynamic_sampling else 1
+    kept: list[_Groups] = []
+    have = generated_groups = dropped_groups = 0
+    for round_ in range(rounds):
+        part = _generate_round(run, step, round_, temperature, reward_fn, progress)
+        generated_groups += len(part.examples)
+        informative = informative_groups(part.rewards, part.rollout.sizes)
+        for g, ok in enumerate(informative):
+            if r.dynamic_sampling and not ok:
+                dropped_groups += 1
+            elif have < target:  # whole groups, in order, up to this rank's share
+                kept.append(part.group(g))
+                have += part.rollout.sizes[g]
+        if not r.dynamic_sampling or not dist.all_reduce_sum([float(have < target)], run.device)[0]:
+            break
+    if r.dynamic_sampling and not kept:  # nothing informative at all: train on the last round (A = 0)
+        kept = [part.group(g) for g in range(len(part.examples))]
+    groups = _Groups.concat(kept)
+    sampling_meta = {}
+    if r.dynamic_sampling:
+        g_have, g_target, g_gen, g_drop = dist.all_reduce_sum(
+            [float(have), float(target), float(generated_groups), float(dropped_groups)], run.device
         )
-    dist.barrier()
-    logger.close()
-    return out
+        sampling_meta = {
+            "rollout/sampling_rounds": float(round_ + 1),
+            "rollout/dropped_group_fraction": g_drop / max(g_gen, 1.0),
+            "rollout/informative_fraction_of_batch": g_have / max(g_target, 1.0),
+        }
+        if g_have < g_target:
+            run.logger.event(
+                f"step {step}: dynamic sampling found {int(g_have)} of {int(g_target)} responses in "
+                f"informative groups after {round_ + 1} rounds (rollout.max_sampling_rounds="
+                f"{r.max_sampling_rounds}): training on what it has"
+            )
+
+    if run.pass_rates is not None:
+        table = run.pass_rates.summary()
+        sampling_meta["rollout/prompts_seen_fraction"] = table["seen_fraction"]
+        sampling_meta["rollout/pass_rate_mean"] = table["pass_rate_mean"]
+    if r.difficulty_filter is not None:  # prompts the current pass over the data leaves out
+        sampling_meta["rollout/filtered_prompts"] = float(run.sampler.skipped)
+    rollout = groups.rollout
+    rewards = groups.rewards
+    if r.adaptive_group_size:
+        sizes = dist.all_gather_objects(rollout.sizes)
+        sampling_meta["rollout/group_size_min"] = float(min(min(x) for x in sizes))
+        sampling_meta["rollout/group_size_max"] = float(max(max(x) for x in sizes))
+    if cfg.data.overlong_buffer > 0:  # DAPO's soft overlong punishment
+        penalty = overlong_penalty(
+            [len(x) for x in rollout.response_ids],
+            r.max_tokens,
+            cfg.data.overlong_buffer,
+            cfg.data.overlong_penalty,
+        )
+        sampling_meta["rollout/overlong_penalty_mean"] = penalty.mean().item()
+        rewards = rewards + penalty
+    kl_tokens = None
+    if cfg.loss.kl_in_reward:  # β·Σ k1 of each response leaves its reward (verl's use_kl_in_reward)
+        kl_sums, kl_tokens = _response_kl_k1(run, rollout, temperature)
+        rewards = rewards - run.state.beta * kl_sums
+    advantages, norm_meta = normalize_group_rewards(
+        rewards,
+        rollout.sizes,
+        cfg.loss.advantage_eps,
+        scale_rewards=cfg.loss.scale_rewards,
+        reduce_sums=lambda sums: dist.all_reduce_sum(sums, run.device),  # batch: std over all ranks
+    )
+    if cfg.loss.type == "no_baseline":  # REINFORCE without a baseline: A = the raw reward
+        advantages = rewards
+    reward_meta = {**norm_meta, **_score_means(groups.scores)}
+    if kl_tokens is not None:
+        reward_meta["kl_reward_sum"], reward_meta["kl_reward_tokens"] = kl_tokens
+    return RolloutBatch(
+        examples=groups.examples,
+        rollout=rollout,
+        temperature=temperature,
+        advantages=advantages,
+        raw_rewards=rewards,
+        reward_meta=reward_meta,
+        reward_fn=reward_fn,
+        scores=groups.scores,
+        extra=sampling_meta,
+        seconds=time.perf_counter() - t0,
+    )
+
+
+@dataclass
+class _Groups:
+    """Generated groups with their task rewards (before any shaping), kept together as they are
+    selected and concatenated: P prompts, R responses."""
+
+    indices: list[int]  # [P] into task.train
+    examples: list  # [P]
+    rollout: Rollout  # [R]
+    rewards: torch.Tensor  # [R] the reward functions' rewards
+    scores: list[dict]  # [R] what the reward functions returned
+
+    def group(self, g: int) -> _Groups:
+        start = sum(self.rollout.sizes[:g])
+        rows = slice(start, start + self.rollout.sizes[g])
+        return _Groups(
+            [self.indices[g]],
+            [self.examples[g]],
+            self.rollout.select_groups([g]),
+            self.rewards[rows],
+            self.scores[rows],
+        )
+
+    @staticmethod
+    def concat(parts: list[_Groups]) -> _Groups:
+        return _Groups(
+            [i for p in parts for i in p.indices],
+            [e for p in parts for e in p.examples],
+            Rollout.concat([p.rollout for p in parts]),
+            torch.cat([p.rewards for p in parts]),
+            [s for p in parts for s in p.scores],
+        )
+
+
+def _generate_round(
+    run: Run, step: int, round_: int, temperature: float, reward_fn, progress: PhaseProgress
+) -> _Groups:
+    """One round of the rollout phase on this rank: draw prompts, generate their groups, score
+    them; the pass-rate table (when one is kept) sees every scored group."""
+    cfg, world, r = run.cfg, run.world, run.cfg.rollout
+    n = run.local_prompts
+    idx = run.sampler.next(n * world.world_size)[world.rank * n : (world.rank + 1) * n]
+    examples = [run.task.train[i] for i in idx]
+    prompt_ids = [run.task.prompt_ids(e) for e in examples]
+    sizes = [r.group_size] * len(idx)
+    if r.adaptive_group_size:  # by pass rate, this rank's total kept: n·G responses
+        sizes = run.pass_rates.group_sizes(
+            idx, r.group_size, r.min_group_size, r.max_group_size, n * r.group_size
+        )
+    params = SamplingParams(
+        n=r.group_size,
+        temperature=temperature,
+        top_p=r.top_p,
+        max_tokens=r.max_tokens,
+        min_tokens=r.min_tokens,
+        stop=tuple(run.task.stop),
+        seed=step_seed(cfg.seed, step, world.rank, round=round_),  # the same samples after a resume
+    )
+    progress.phase("rollout" if round_ == 0 else f"rollout {round_ + 1}", len(prompt_ids))
+    with sampling_rng(params.seed if world.enabled else None, run.device):
+        rollout = generate_groups(run.backend, prompt_ids, sizes, params, progress=progress.advance_phase)
+    run.backend.sleep()
+    gts = [e.answer for e, k in zip(examples, sizes) for _ in range(k)]
+    scores = [reward_fn(text, gt) for text, gt in zip(rollout.response_text, gts)]
+    rewards = torch.tensor([float(s["reward"]) for s in scores], dtype=torch.float32)
+    if run.pass_rates is not None:  # every rank's groups, on every rank: the tables stay equal
+        correct = [_correct(s) for s in scores]
+        groups = [correct[sum(sizes[:j]) : sum(sizes[: j + 1])] for j in range(len(sizes))]
+        for rank_idx, rank_groups in dist.all_gather_objects((list(idx), groups)):
+            run.pass_rates.update(rank_idx, rank_groups)
+    return _Groups(list(idx), examples, rollout, rewards, scores)
+
+
+def _correct(score: dict) -> float:
+    """Whether a response solved its problem, for the pass rates: the answer reward when the
+    reward function reports one, else a positive reward."""
+    return float(score["answer_reward"]) if "answer_reward" in score else float(score["reward"] > 0)
+
+
+def _score_means(scores: list[dict]) -> dict[str, float]:
+    """``{KEY_mean: mean}`` of every numeric key but ``reward`` the reward functions returned
+    (``answer_reward``, ``format_reward``, ``reward/NAME``), over this rank's responses."""
+    if not scores:
+        return {}
+    keys = [k for k, v in scores[0].items() if k != "reward" and isinstance(v, (int, float, bool))]
+    return {f"{k}_mean": sum(float(s[k]) for s in scores) / len(scores) for k in keys}
+
+
+def _response_kl_k1(
+    run: Run, rollout: Rollout, temperature: float
+) -> tuple[torch.Tensor, tuple[float, float]]:
+    """``loss.kl_in_reward``: each response's Σ_t k1_t = Σ_t (log π − log π_ref) of its sampled
+    tokens, ``[R]`` fp32 on the CPU, from no-grad passes of the fused op (the policy's and the
+    reference's); and (Σ k1, tokens) over this rank, for the metrics. Each scoring sequence
+    carries its response's index in the advantage slot (these passes compute no loss), so the
+    sums land on the right response whatever the microbatch order or packing."""
+    cfg = run.cfg
+    seqs = [
+        Sequence(list(p) + list(resp), len(p), advantage=float(i), weight=0.0)
+        for i, (p, resp) in enumerate(zip(rollout.response_prompt_ids(), rollout.response_ids))
+        if resp
+    ]
+    sums = torch.zeros(len(rollout.response_ids), dtype=torch.float64, device=run.device)
+    mbs = make_microbatches(
+        seqs, int(cfg.train.micro_batch_size), run.tokenizer.pad_token_id, cfg.train.packing
+    )
+    with torch.no_grad():
+        for mb in mbs:
+            mb = mb.to(run.device)
+            k1 = run.policy_loss(mb, 0.0, temperature).logprobs - run.ref_loss(mb, 0.0, temperature).logprobs
+            sums.index_add_(0, mb.advantages.long(), k1.double())
+    sums = sums.float().cpu()  # host-device sync, once per step
+    return sums, (sums.sum().item(), float(sum(s.n_response for s in seqs)))
+
+
+# ---------------------------------------------------------------- optimization phase
+
+
+def optimization_phase(
+    run: Run, step: int, batch: RolloutBatch, progress: PhaseProgress
+) -> OptimizationResult:
+    """Sequences → microbatches → π_old/π_ref → the epochs of optimizer steps → LR step → weight
+    push to the rollout engine."""
+    t0 = time.perf_counter()
+    cfg, rollout = run.cfg, batch.rollout
+    # loss.mask_truncated: responses that hit max_tokens leave the loss and its normalizers
+    keep = [not (cfg.loss.mask_truncated and f == "length") for f in rollout.finish_reason]
+    lengths = [len(x) for x, k in zip(rollout.response_ids, keep) if k]
+    # one collective for the global counts (token_mean needs Σ tokens over all ranks)
+    g_seqs, g_tokens, g_all_seqs, g_all_tokens = dist.all_reduce_sum(
+        [len(lengths), sum(lengths), len(keep), rollout.num_response_tokens], run.device
+    )
+    seqs = build_sequences(
+        rollout.prompt_ids,
+        rollout.response_ids,
+        batch.advantages,
+        length_norm=cfg.loss.length_norm,
+        max_length=cfg.rollout.max_tokens,
+        num_sequences=int(g_seqs),
+        num_tokens=g_tokens,
+        sampler_logprobs=rollout.sampler_logprobs,
+        keep=keep,
+    )
+    if not seqs:  # all left out (loss.mask_truncated): one zero-weight response keeps the step's shape
+        i = next(i for i, x in enumerate(rollout.response_ids) if x)
+        p = rollout.prompt_ids[i // rollout.group_size]
+        seqs = [Sequence(list(p) + list(rollout.response_ids[i]), len(p), 0.0, 0.0)]
+    beta = 0.0 if cfg.loss.kl_in_reward else run.state.beta  # kl_in_reward: the KL is in the rewards
+    trained = _sequences_with_gradient(cfg, seqs, beta)
+    skipped_tokens = sum(s.n_response for s in seqs) - sum(s.n_response for s in trained)
+    mbs = [
+        mb.to(run.device)
+        for mb in make_microbatches(
+            trained, int(cfg.train.micro_batch_size), run.tokenizer.pad_token_id, cfg.train.packing
+        )
+    ]
+    ref_loss = None if cfg.loss.kl_in_reward else run.ref_loss
+    extra = _prepare_old_and_ref(cfg, mbs, run.policy_loss, ref_loss, batch.temperature)
+    sft_mbs = _sft_microbatches(run, batch.examples) if cfg.sft.mix_coef > 0 else []
+    progress.phase("train", cfg.train.epochs_per_rollout_batch * (len(mbs) + len(sft_mbs)))
+    stats = optimize_on_rollout(
+        run.trainer,
+        mbs,
+        sft_mbs=sft_mbs,
+        beta=beta,
+        temperature=batch.temperature,
+        logger=run.logger,
+        step=step,
+        on_microbatch=progress.advance_phase,
+    )
+    lr = run.scheduler.get_last_lr()[0]
+    run.scheduler.step()
+    run.backend.update_weights(run.model, step=step)  # vllm: push + weight-sync probe (may stop the run)
+    counts = {"seqs": g_seqs, "tokens": g_tokens, "all_seqs": g_all_seqs, "all_tokens": g_all_tokens}
+    return OptimizationResult(stats, counts, skipped_tokens, extra, lr, seconds=time.perf_counter() - t0)
+
+
+def _sft_microbatches(run: Run, examples: list) -> list:
+    """``sft.mix_coef``: microbatches of the step's prompts + their ground-truth solutions (those
+    that have one), each token weighted ``mix_coef / N`` with N the solution tokens over all
+    ranks, so their loss gradient is ``mix_coef`` × ∇(per-token mean NLL)."""
+    cfg, tok = run.cfg, run.tokenizer
+    pairs = []
+    for ex in examples:
+        text = run.task.solution_text(ex)
+        if text is not None:
+            ids = tok(text, add_special_tokens=False)["input_ids"][: cfg.rollout.max_tokens - 1]
+            pairs.append((run.task.prompt_ids(ex), [*ids, tok.eos_token_id]))
+    (total,) = dist.all_reduce_sum([float(sum(len(s) for _, s in pairs))], run.device)
+    w = cfg.sft.mix_coef / max(total, 1.0)
+    seqs = [Sequence(list(p) + list(s), len(p), advantage=1.0, weight=w) for p, s in pairs]
+    mb_size = int(cfg.train.micro_batch_size)
+    return [mb.to(run.device) for mb in make_microbatches(seqs, mb_size, tok.pad_token_id, cfg.train.packing)]
+
+
+def _step_cast_cache(trainer: Trainer):
+    """``PolicyLoss.step_cast_cache`` of the trainer's loss module (DDP: the wrapped module)."""
+    return getattr(trainer.policy, "module", trainer.policy).step_cast_cache(trainer.device)
+
+
+def _accumulate_gradients(
+    trainer: Trainer, mbs, sft_mbs, epoch_stats, beta, temperature, on_microbatch
+) -> None:
+    """Forward and backward of every microbatch of one optimizer step (the supervised ones
+    first); under DDP the gradients are all-reduced once, on the last microbatch."""
+    cfg, world, lo = trainer.cfg, trainer.world, trainer.cfg.loss
+    for mb in sft_mbs:
+        sync = trainer.policy.no_sync() if world.enabled else contextlib.nullcontext()
+        with sync:
+            out_mb = trainer.sft_loss(mb, 0.0, 1.0)
+            (out_mb.loss * world.world_size).backward()
+        epoch_stats.add_sft(out_mb, mb, cfg.sft.mix_coef)
+        if on_microbatch is not None:
+            on_microbatch(1)
+    for i, mb in enumerate(mbs):
+        last = i == len(mbs) - 1
+        sync = trainer.policy.no_sync() if world.enabled and not last else contextlib.nullcontext()
+        with sync:
+            out_mb = trainer.policy(mb, beta, temperature)
+            # DDP averages gradients over ranks; the weights already hold global
+            # normalizers, so scale by the world size to recover the sum.
+            (out_mb.loss * world.world_size).backward()
+        epoch_stats.add(
+            out_mb, mb, beta, lo.entropy_coef, lo.importance_sampling_level, lo.top_entropy_quantile
+        )
+        if on_microbatch is not None:
+            on_microbatch(1)
 
 
 def optimize_on_rollout(
-    policy,
-    optimizer,
-    params,
-    mbs,
-    cfg: Config,
-    world,
-    device,
+    trainer: Trainer,
+    mbs: list,
+    *,
+    sft_mbs: list = (),
     beta: float,
     temperature: float,
-    logger=None,
+    logger: MetricsLogger | None = None,
     step: int = 0,
     on_microbatch=None,
-):
+) -> _Stats:
     """The optimization phase on one rollout batch: ``train.epochs_per_rollout_batch`` passes,
     each one optimizer step over all microbatches (gradients accumulated; under DDP synced once,
     on the last microbatch), stopping early once KL(π_old ‖ π) exceeds ``loss.kl_early_stop``.
+
+    ``sft_mbs`` (``sft.mix_coef``): supervised microbatches, run first in every epoch through
+    ``trainer.sft_loss`` (temperature 1, no KL): their gradient adds ``mix_coef`` × ∇NLL to the
+    GRPO gradient. Under DDP they run before the synced microbatch, which all-reduces the
+    gradients accumulated so far, theirs included.
 
     The gradients are freed (set to None) after every optimizer step, so none are allocated
     while the next rollout runs. Returns the first epoch's token-level statistics (what the
     step's metrics report).
     """
+    cfg, world, device, optimizer = trainer.cfg, trainer.world, trainer.device, trainer.optimizer
+    lo = cfg.loss
     epochs = cfg.train.epochs_per_rollout_batch
     stats = _Stats()
     for epoch in range(epochs):
         optimizer.zero_grad(set_to_none=True)  # no-op unless the SFT warm start left gradients
         epoch_stats = _Stats()
-        for i, mb in enumerate(mbs):
-            last = i == len(mbs) - 1
-            sync = policy.no_sync() if world.enabled and not last else contextlib.nullcontext()
-            with sync:
-                out_mb = policy(mb, beta, temperature)
-                # DDP averages gradients over ranks; the weights already hold global
-                # normalizers, so scale by the world size to recover the sum.
-                (out_mb.loss * world.world_size).backward()
-            lo = cfg.loss
-            epoch_stats.add(
-                out_mb, mb, beta, lo.entropy_coef, lo.importance_sampling_level, lo.top_entropy_quantile
-            )
-            if on_microbatch is not None:
-                on_microbatch(1)
-        grad_norm = torch.nn.utils.clip_grad_norm_(params, cfg.train.grad_clip or float("inf"))
+        with _step_cast_cache(trainer):  # under autocast: each weight cast once per step
+            _accumulate_gradients(trainer, mbs, sft_mbs, epoch_stats, beta, temperature, on_microbatch)
+        grad_norm = torch.nn.utils.clip_grad_norm_(trainer.params, cfg.train.grad_clip or float("inf"))
         # host-device sync, once per optimizer step: a NaN/inf loss or gradient norm must not
         # reach the weights (nor AdamW's moments), so it is checked before the step.
-        loss_v, norm_v = torch.stack([epoch_stats.sums[0], grad_norm.float()]).tolist()
+        loss_v, norm_v = torch.stack([epoch_stats.sums["loss"], grad_norm.float()]).tolist()
         bad = [not math.isfinite(loss_v), not math.isfinite(norm_v)]
         if world.enabled:  # a rank's loss is its own: every rank skips together
             bad = [b > 0 for b in dist.all_reduce_sum([float(b) for b in bad], device)]
@@ -547,26 +852,164 @@ def optimize_on_rollout(
             break
         if epoch + 1 < epochs:
             approx_kl = epoch_stats.kl_to_old(world, device)
-            if kl_early_stop(approx_kl, cfg.loss.kl_early_stop):
+            if kl_early_stop(approx_kl, lo.kl_early_stop):
                 if logger is not None:
                     logger.event(
-                        f"step {step}: KL(π_old ‖ π) {approx_kl:.3f} > loss.kl_early_stop={cfg.loss.kl_early_stop}, "
+                        f"step {step}: KL(π_old ‖ π) {approx_kl:.3f} > loss.kl_early_stop={lo.kl_early_stop}, "
                         f"stopping after epoch {epoch + 1}"
                     )
                 break
     return stats
 
 
-class _Stats:
-    """Token-level sums over the microbatches of one epoch (kept on the device until the end)."""
+# ---------------------------------------------------------------- metrics, eval, checkpoint
 
-    # [loss, entropy, clipped, kl_ref, kl_old, tokens, Σ |log p_trainer − log p_sampler|,
-    #  clipped with r < 1, clipped with r > 1, Σ w·pg, Σ w·β·KL, −Σ w·c·H,
-    #  Σ entropy thresholds (loss.top_entropy_quantile < 1), microbatches]
-    WIDTH = 14
+
+def step_metrics(
+    run: Run, step: int, batch: RolloutBatch, result: OptimizationResult, step_s: float
+) -> dict[str, float]:
+    """The step's metrics row (one all-reduce for the token-level sums across ranks); updates
+    the adaptive β and the step counter."""
+    cfg, world, device = run.cfg, run.world, run.device
+    totals = result.stats.global_totals(
+        world, device, batch.raw_rewards, batch.rollout, batch.reward_meta, result.skipped_tokens
+    )
+    if run.kl_ctl is not None:  # adapts β to the KL it penalizes (in the loss, or in the rewards)
+        run.state.beta = run.kl_ctl.update(totals["kl"], int(result.counts["seqs"]))
+    run.state.step = step
+    c = result.counts
+    prompt_tokens = sum(map(len, batch.rollout.prompt_ids)) * batch.rollout.group_size * world.world_size
+    return {
+        "train/loss": totals["loss"],
+        "train/reward_mean": totals["reward_mean"],
+        "train/reward_std": totals["reward_std"],
+        "train/accuracy": totals["accuracy"],
+        "train/format_rate": totals["format_rate"],
+        "train/entropy_mean": totals["entropy"],
+        "train/response_length_mean": c["all_tokens"] / max(c["all_seqs"], 1),
+        "train/truncated_fraction": totals["truncated"],
+        "train/zero_variance_fraction": totals["zero_variance"],
+        "train/skipped_fraction": totals["skipped"],
+        **_reward_errors(cfg, batch.reward_fn, device),
+        "train/grad_norm": result.stats.grad_norm,
+        "train/clip_fraction": totals["clip_fraction"],
+        "train/clip_fraction_low": totals["clip_fraction_low"],  # clipped with r < 1
+        "train/clip_fraction_high": totals["clip_fraction_high"],  # clipped with r > 1
+        "train/loss_pg": totals["loss_pg"],  # train/loss = loss_pg + loss_kl + loss_entropy
+        "train/loss_kl": totals["loss_kl"],
+        "train/loss_entropy": totals["loss_entropy"],
+        # the top_entropy_quantile threshold, mean over microbatches (0 when off)
+        "train/entropy_threshold": totals["entropy_threshold"],
+        "train/kl": totals["kl"],
+        "train/beta": run.state.beta,
+        "train/lr": result.lr,
+        "train/temperature": batch.temperature,
+        "time/rollout_s": batch.seconds,
+        "time/train_s": result.seconds,
+        "time/step_s": step_s,
+        "memory/peak_gb": peak_memory_gb(device),
+        "throughput/tokens_per_s": (c["all_tokens"] + prompt_tokens) / step_s,
+        "world_size": world.world_size,
+        **totals["reward_parts"],
+        **totals["sft"],  # sft.mix_coef: the supervised term's per-token NLL (not in train/loss)
+        **_rollout_metrics(run.backend, totals),
+        **batch.extra,
+        **result.extra,
+        **gpu_stats(device),
+    }
+
+
+def end_of_step(
+    run: Run, step: int, batch: RolloutBatch, result: OptimizationResult, row: dict, progress: PhaseProgress
+) -> None:
+    """Health checks, evaluation, samples and the metrics line; then the stops (non-finite
+    steps in a row, a pending SIGTERM/SIGINT) and the periodic checkpoint."""
+    cfg, out = run.cfg, run.out
+    if cfg.health.enabled:
+        for ev in run.health.update(step, row, batch.rollout.response_text):
+            row[f"health/{ev.kind}"] = ev.value
+            run.logger.event(f"[health] step {step} {ev.severity}: {ev.message} — {ev.suggestion}")
+            if run.world.is_main:
+                with open(out / "health.jsonl", "a") as fh:
+                    fh.write(json.dumps(ev.to_dict()) + "\n")
+    if cfg.eval_every and (step % cfg.eval_every == 0 or step == cfg.steps) and run.eval_subset:
+        row.update(run.evaluate(step, full=False, progress=progress))
+    if cfg.full_eval_every and (step % cfg.full_eval_every == 0 or step == cfg.steps):
+        row.update(run.evaluate(step, full=True, progress=progress))
+    if run.world.is_main and cfg.logging.sample_every and step % cfg.logging.sample_every == 0:
+        records = _sample_records(run.task, batch.examples, batch.rollout, cfg)
+        _dump_samples(out / "samples" / f"step_{step}.jsonl", records)
+    run.logger.log(step, row)
+    run.logger.summary(step, cfg.steps, row)
+    progress.step_done()
+
+    nonfinite = result.stats.nonfinite
+    run.nonfinite_run = run.nonfinite_run + 1 if nonfinite else 0
+    if run.nonfinite_run >= cfg.train.max_nonfinite_steps:
+        latest = ckpt.latest_checkpoint(run.ckpt_root)
+        first = step - run.nonfinite_run + 1
+        raise TrainingStopped(
+            f"steps {first}-{step}: {run.nonfinite_run} steps in a row with a non-finite "
+            f"{nonfinite} (train.max_nonfinite_steps={cfg.train.max_nonfinite_steps}), none "
+            f"applied (the weights are step {first - 1}'s); "
+            + (f"{latest} is intact" if latest else "no checkpoint was written yet")
+            + ": lower train.lr or train.grad_clip, or check the rewards, then resume=true"
+        )
+    signum = preempt.pending(run.world, run.device)  # SIGTERM/SIGINT during this step
+    due = cfg.checkpoint_every and step % cfg.checkpoint_every == 0 and step < cfg.steps
+    if due or signum is not None:
+        run.save_checkpoint(step)
+    if signum is not None:
+        where = run.ckpt_root / ckpt.step_dir_name(step)
+        raise Preempted(
+            f"{signal.Signals(signum).name} during step {step}: checkpoint {where} written "
+            "after it; resume=true continues from there",
+            signum,
+        )
+
+
+def finish(run: Run, t_start: float) -> None:
+    """The final checkpoint and model. With checkpoints on, the last step leaves one too (the
+    loop skips it), so that ``resume=true steps=N`` extends a finished run from its final step."""
+    cfg = run.cfg
+    last = ckpt.latest_checkpoint(run.ckpt_root)
+    if cfg.checkpoint_every and (last is None or last.name != ckpt.step_dir_name(run.state.step)):
+        run.save_checkpoint(run.state.step)
+    if run.world.is_main:
+        save_dtype = None if cfg.train.save_dtype == "auto" else getattr(torch, cfg.train.save_dtype)
+        ckpt.save_pretrained_atomic(run.model, run.tokenizer, run.out / "final", dtype=save_dtype)
+        run.logger.event(
+            f"done: {cfg.steps} steps in {time.perf_counter() - t_start:.1f}s; model in {run.out / 'final'}"
+        )
+    dist.barrier()
+    run.logger.close()
+
+
+class _Stats:
+    """Token-level sums over the microbatches of one epoch, by name (kept on the device until the
+    end of the step; ``global_totals`` all-reduces them in one collective)."""
+
+    FIELDS = (
+        "loss",
+        "entropy",
+        "clipped",
+        "kl_ref",  # Σ KL(π ‖ π_ref) per token, when there is a reference
+        "kl_old",  # Σ k3 of KL(π_old ‖ π), when there is a π_old
+        "tokens",
+        "sampler_gap",  # Σ |log p_trainer − log p_sampler|
+        "clip_low",  # clipped with r < 1
+        "clip_high",  # clipped with r > 1
+        "loss_pg",  # Σ w·pg
+        "loss_kl",  # Σ w·β·KL
+        "loss_entropy",  # −Σ w·c·H
+        "entropy_threshold",  # Σ over microbatches (loss.top_entropy_quantile < 1)
+        "microbatches",
+        "sft_nll",  # sft.mix_coef: Σ of −log p / N over the solution tokens (N: over all ranks)
+        "sft_tokens",
+    )
 
     def __init__(self):
-        self.sums: torch.Tensor | None = None
+        self.sums: dict[str, torch.Tensor] | None = None
         self.grad_norm = float("nan")
         self.has_ref = False
         self.nonfinite = ""  # "loss" / "grad_norm" / both: that step's optimizer step was skipped
@@ -580,128 +1023,123 @@ class _Stats:
         level: str = "token",
         top_entropy_quantile: float = 1.0,
     ) -> None:
-        n = torch.tensor(float(mb.labels.numel()), device=out.entropy.device)
-        zero = torch.zeros((), device=n.device)
+        zero = torch.zeros((), device=out.entropy.device)
         self.has_ref = out.kl is not None
-        kl = out.kl.sum() if out.kl is not None else torch.zeros((), device=n.device)
-        kl_old = torch.zeros((), device=n.device)
+        row = dict.fromkeys(self.FIELDS, zero)
+        row["tokens"] = torch.tensor(float(mb.labels.numel()), device=zero.device)
+        row["microbatches"] = torch.ones((), device=zero.device)
+        row["loss"] = loss = out.loss.detach().float()
+        row["entropy"] = out.entropy.sum()
+        row["clipped"] = out.clipped.float().sum()
+        if out.kl is not None:
+            row["kl_ref"] = out.kl.sum()
         if mb.old_logprobs is not None:
             # KL(π_old ‖ π) from samples of π_old: k3 with d = log π_old − log π is e^(−d) − 1 + d
-            kl_old = kl_penalty(mb.old_logprobs, out.logprobs.detach(), "k3").sum()
-        # the trainer-vs-sampler gap on the sampled tokens, from this forward's log-probs: no extra pass
-        sampler_gap = torch.zeros((), device=n.device)
-        if mb.sampler_logprobs is not None:
-            sampler_gap = (out.logprobs - mb.sampler_logprobs).abs().sum()
-        # the side of the range a clipped ratio left it on (on-policy nothing is clipped)
-        clip_low = clip_high = zero
-        if mb.old_logprobs is not None:
+            row["kl_old"] = kl_penalty(mb.old_logprobs, out.logprobs.detach(), "k3").sum()
+            # the side of the range a clipped ratio left it on (on-policy nothing is clipped)
             log_ratio = out.logprobs.detach() - mb.old_logprobs
             if level == "sequence":  # GSPO clips the response's ratio
                 log_ratio = sequence_mean(log_ratio, mb.sequence_ids)
-            clip_low = (out.clipped & (log_ratio < 0)).float().sum()
-            clip_high = (out.clipped & (log_ratio > 0)).float().sum()
+            row["clip_low"] = (out.clipped & (log_ratio < 0)).float().sum()
+            row["clip_high"] = (out.clipped & (log_ratio > 0)).float().sum()
+        # the trainer-vs-sampler gap on the sampled tokens, from this forward's log-probs: no extra pass
+        if mb.sampler_logprobs is not None:
+            row["sampler_gap"] = (out.logprobs - mb.sampler_logprobs).abs().sum()
         # the loss split: Σ w·(pg + β·KL − c·H), each term from the op's per-token values
-        kl_term = beta * (mb.loss_weights * out.kl).sum() if beta != 0 and out.kl is not None else zero
-        entropy_term = -entropy_coef * (mb.loss_weights * out.entropy).sum() if entropy_coef != 0 else zero
-        loss = out.loss.detach().float()
-        threshold = zero  # the op's own: the same quantile of the same entropies
-        if top_entropy_quantile < 1:
-            threshold = entropy_threshold(out.entropy, mb.loss_weights != 0, top_entropy_quantile).float()
-        row = torch.stack(
-            [
-                loss,
-                out.entropy.sum(),
-                out.clipped.float().sum(),
-                kl,
-                kl_old,
-                n,
-                sampler_gap,
-                clip_low,
-                clip_high,
-                loss - kl_term - entropy_term,
-                kl_term,
-                entropy_term,
-                threshold,
-                torch.ones((), device=n.device),
-            ]
-        )
-        self.sums = row if self.sums is None else self.sums + row
+        if beta != 0 and out.kl is not None:
+            row["loss_kl"] = beta * (mb.loss_weights * out.kl).sum()
+        if entropy_coef != 0:
+            row["loss_entropy"] = -entropy_coef * (mb.loss_weights * out.entropy).sum()
+        row["loss_pg"] = loss - row["loss_kl"] - row["loss_entropy"]
+        if top_entropy_quantile < 1:  # the op's own: the same quantile of the same entropies
+            row["entropy_threshold"] = entropy_threshold(
+                out.entropy, mb.loss_weights != 0, top_entropy_quantile
+            ).float()
+        if self.sums is None:
+            self.sums = row
+        else:
+            self.sums = {k: self.sums[k] + row[k] for k in self.FIELDS}
+
+    def add_sft(self, out, mb, mix_coef: float) -> None:
+        """A supervised microbatch: its weights are mix_coef / N, so −Σ w·log p / mix_coef is its
+        share of the per-token mean NLL."""
+        zero = torch.zeros((), device=out.logprobs.device)
+        row = dict.fromkeys(self.FIELDS, zero)
+        row["sft_nll"] = -(mb.loss_weights * out.logprobs.detach()).sum() / mix_coef
+        row["sft_tokens"] = torch.tensor(float(mb.labels.numel()), device=zero.device)
+        self.sums = row if self.sums is None else {k: self.sums[k] + row[k] for k in self.FIELDS}
+
+    def _values(self) -> dict[str, float]:
+        if self.sums is None:
+            return dict.fromkeys(self.FIELDS, 0.0)
+        return dict(zip(self.FIELDS, torch.stack([self.sums[k] for k in self.FIELDS]).tolist()))  # sync
 
     def kl_to_old(self, world: dist.DistInfo, device: torch.device) -> float:
-        s = dist.all_reduce_sum(self.sums.tolist(), device)  # host-device sync
-        return s[4] / max(s[5], 1.0)
+        s = dict(zip(self.FIELDS, dist.all_reduce_sum(list(self._values().values()), device)))
+        return s["kl_old"] / max(s["tokens"], 1.0)
 
     def global_totals(
         self, world, device, raw_rewards, rollout, reward_meta, skipped_tokens: int = 0
     ) -> dict[str, float]:
-        s = self.sums.tolist() if self.sums is not None else [0.0] * self.WIDTH  # host-device sync
+        """The step's totals over all ranks (one all-reduce), as means where they are means."""
         r = raw_rewards.double()
-        truncated = sum(f == "length" for f in rollout.finish_reason)
-        acc = reward_meta.get("answer_reward_mean", float((raw_rewards == 1).float().mean().item()))
-        fmt = reward_meta.get("format_reward_mean", float("nan"))
         n = len(raw_rewards)
-        local = [
-            *s,
-            r.sum().item(),
-            (r * r).sum().item(),
-            acc * n,
-            fmt * n,
-            truncated,
-            n,
-            reward_meta["zero_variance_groups"],
-            reward_meta["num_groups"],
-            skipped_tokens,
-        ]
-        g = dist.all_reduce_sum(local, device)
-        (
-            loss,
-            ent,
-            clipped,
-            kl,
-            kl_old,
-            tokens,
-            gap,
-            clip_low,
-            clip_high,
-            loss_pg,
-            loss_kl,
-            loss_entropy,
-            threshold_sum,
-            microbatches,
-            rsum,
-            rsq,
-            accn,
-            fmtn,
-            trunc,
-            nseq,
-            zv,
-            ngroups,
-            skipped,
-        ) = g
-        skipped_fraction = skipped / max(tokens + skipped, 1.0)  # tokens: the trained ones
-        tokens = max(tokens, 1.0)
-        mean = rsum / nseq
-        var = max(rsq / nseq - mean * mean, 0.0) * nseq / max(nseq - 1, 1)  # unbiased, as torch.std
+        acc = reward_meta.get("answer_reward_mean", float((raw_rewards == 1).float().mean().item()))
+        local = {
+            **self._values(),
+            "reward_sum": r.sum().item(),
+            "reward_sq": (r * r).sum().item(),
+            "correct": acc * n,
+            "formatted": reward_meta.get("format_reward_mean", float("nan")) * n,
+            "truncated": sum(f == "length" for f in rollout.finish_reason),
+            "sequences": n,
+            "zero_variance_groups": reward_meta["zero_variance_groups"],
+            "groups": reward_meta["num_groups"],
+            "skipped": skipped_tokens,
+            "kl_reward_sum": reward_meta.get("kl_reward_sum", 0.0),
+            "kl_reward_tokens": reward_meta.get("kl_reward_tokens", 0.0),
+        }
+        # a weighted reward's parts (data.reward a list): "reward/NAME_mean" on this rank's responses
+        parts = sorted(
+            k[: -len("_mean")] for k in reward_meta if k.startswith("reward/") and k.endswith("_mean")
+        )
+        local.update({f"part:{p}": reward_meta[f"{p}_mean"] * n for p in parts})
+        g = dict(zip(local, dist.all_reduce_sum(list(local.values()), device)))
+        tokens = max(g["tokens"], 1.0)  # the trained ones
+        nseq = g["sequences"]
+        mean = g["reward_sum"] / nseq
+        var = (
+            max(g["reward_sq"] / nseq - mean * mean, 0.0) * nseq / max(nseq - 1, 1)
+        )  # unbiased, as torch.std
         return {
-            "loss": loss,
-            "entropy": ent / tokens,
-            "clip_fraction": clipped / tokens,
-            "clip_fraction_low": clip_low / tokens,
-            "clip_fraction_high": clip_high / tokens,
-            "loss_pg": loss_pg,
-            "loss_kl": loss_kl,
-            "loss_entropy": loss_entropy,
-            "entropy_threshold": threshold_sum / max(microbatches, 1.0),
-            # KL to the reference policy when there is one, else to π_old (0 when on-policy)
-            "kl": (kl if self.has_ref else kl_old) / tokens,
+            "loss": g["loss"],
+            "entropy": g["entropy"] / tokens,
+            "clip_fraction": g["clipped"] / tokens,
+            "clip_fraction_low": g["clip_low"] / tokens,
+            "clip_fraction_high": g["clip_high"] / tokens,
+            "loss_pg": g["loss_pg"],
+            "loss_kl": g["loss_kl"],
+            "loss_entropy": g["loss_entropy"],
+            "entropy_threshold": g["entropy_threshold"] / max(g["microbatches"], 1.0),
+            # KL to the reference policy: in the loss, or (loss.kl_in_reward) k1 per sampled token
+            # in the rollout phase; else to π_old (0 when on-policy)
+            "kl": (
+                g["kl_reward_sum"] / max(g["kl_reward_tokens"], 1.0)
+                if "kl_reward_sum" in reward_meta
+                else (g["kl_ref"] if self.has_ref else g["kl_old"]) / tokens
+            ),
+            "reward_parts": {f"train/{p}": g[f"part:{p}"] / nseq for p in parts},
+            "sft": {"train/sft_loss": g["sft_nll"], "train/sft_tokens": g["sft_tokens"]}
+            if g["sft_tokens"]
+            else {},
             "reward_mean": mean,
             "reward_std": math.sqrt(var),
-            "accuracy": accn / nseq,
-            "format_rate": fmtn / nseq,
-            "truncated": trunc / nseq,
-            "zero_variance": zv / max(ngroups, 1),
-            "sampler_gap": gap / tokens if rollout.sampler_logprobs is not None else None,
-            "skipped": skipped_fraction,
+            "accuracy": g["correct"] / nseq,
+            "format_rate": g["formatted"] / nseq,
+            "truncated": g["truncated"] / nseq,
+            "zero_variance": g["zero_variance_groups"] / max(g["groups"], 1),
+            "sampler_gap": g["sampler_gap"] / tokens if rollout.sampler_logprobs is not None else None,
+            "skipped": g["skipped"] / max(g["tokens"] + g["skipped"], 1.0),
         }
 
 
@@ -771,7 +1209,7 @@ def _prepare_old_and_ref(cfg, mbs, policy_loss, ref_loss, temperature) -> dict[s
     }
 
 
-def _make_backend(cfg, model, tokenizer, task, policy_loss, device, amp, out, world, engine, sft_steps):
+def _make_backend(run: Run, engine):
     """The rollout backend; for vllm, the folder the engine starts from and the weight-sync probe.
 
     vLLM loads a Hugging Face folder: ``model.name_or_path`` itself, unless the policy exists only
@@ -779,11 +1217,14 @@ def _make_backend(cfg, model, tokenizer, task, policy_loss, device, amp, out, wo
     ``output_dir/rollout_init`` first. Either way the current policy is pushed before the first
     rollout, and probed after every push.
     """
+    cfg, model, tokenizer, task, device, amp, world = (
+        run.cfg, run.model, run.tokenizer, run.task, run.device, run.amp, run.world
+    )  # fmt: skip
     if cfg.rollout.backend != "vllm":
         return make_backend(cfg, model, tokenizer, device, amp)
     model_path = None
-    if engine is None and (cfg.model.name_or_path.startswith("builtin:") or sft_steps > 0):
-        model_path = out / "rollout_init"
+    if engine is None and (cfg.model.name_or_path.startswith("builtin:") or run.sft_steps > 0):
+        model_path = run.out / "rollout_init"
         if world.is_main:
             ckpt.save_pretrained_atomic(model, tokenizer, model_path, dtype=vllm_dtype(model, amp))
         dist.barrier()
@@ -796,7 +1237,7 @@ def _make_backend(cfg, model, tokenizer, task, policy_loss, device, amp, out, wo
         seq = Sequence(tokens=list(token_ids), n_prompt=1, advantage=0.0, weight=0.0)
         mb = make_microbatches([seq], 1, tokenizer.pad_token_id, packing=False)[0].to(device)
         with torch.no_grad():
-            return policy_loss(mb, 0.0, 1.0).logprobs  # the fused op, as the loss computes them
+            return run.policy_loss(mb, 0.0, 1.0).logprobs  # the fused op, as the loss computes them
 
     probe = WeightSyncProbe(probe_ids, trainer_logprobs, weight_sync_tolerance(cfg, model, amp))
     return make_backend(cfg, model, tokenizer, device, amp, engine=engine, model_path=model_path, probe=probe)
@@ -844,28 +1285,6 @@ def _dump_samples(path: Path, records: list[dict]) -> None:
     with open(path, "w") as fh:
         for rec in records:
             fh.write(json.dumps(rec) + "\n")
-
-
-def _save_checkpoint(
-    cfg, root, step, model, ref_model, tokenizer, optimizer, scheduler, sampler, health, kl_ctl, state, world
-) -> None:
-    rngs = dist.all_gather_objects(ckpt.rng_state())  # every rank's RNG, for an exact resume
-    if world.is_main:
-        extra = {
-            "train_state": {"step": state.step, "beta": state.beta},
-            "optimizer": optimizer.state_dict(),
-            "scheduler": scheduler.state_dict(),
-            "sampler": sampler.state_dict(),
-            "health": health.state_dict(),
-            "rng": rngs,
-            "world_size": world.world_size,
-        }
-        if kl_ctl is not None:
-            extra["kl_controller"] = kl_ctl.state_dict()
-        if ref_model is not None:
-            extra["ref_model"] = ref_model.state_dict()
-        ckpt.save_checkpoint(root, step, model, tokenizer, extra, keep=cfg.keep_checkpoints)
-    dist.barrier()
 
 
 if __name__ == "__main__":

@@ -54,9 +54,9 @@ def test_scale_rewards_reaches_the_advantages(tmp_path, monkeypatch):
 
     def spy(*args, **kwargs):
         seen.append(kwargs["scale_rewards"])
-        return core.compute_group_normalized_rewards(*args, **kwargs)
+        return core.normalize_group_rewards(*args, **kwargs)
 
-    monkeypatch.setattr(train_mod, "compute_group_normalized_rewards", spy)
+    monkeypatch.setattr(train_mod, "normalize_group_rewards", spy)
     quick = ["steps=1", "sft.steps=0", "eval_every=0", "checkpoint_every=0", "rollout.batch_size=8",
              "logging.progress=false", "logging.sample_every=0", f"output_dir={tmp_path}"]  # fmt: skip
     train_mod.run(load_config("tiny", overrides=[*quick, "loss.scale_rewards=batch"]))

@@ -16,7 +16,7 @@ from grpo_fast.batch import build_sequences, make_microbatches
 from grpo_fast.config import load_config
 from grpo_fast.model import PolicyLoss
 from grpo_fast.optim import build_optimizer
-from grpo_fast.train import optimize_on_rollout
+from grpo_fast.train import Trainer, optimize_on_rollout
 
 GROUP = 4
 PROMPTS = 4  # 16 responses: each of 2 ranks takes 2 whole groups
@@ -77,9 +77,7 @@ def _one_step(cfg, rank: int, world_size: int, separated: bool = False) -> dict[
         return real_step(*a, **k)
 
     optimizer.step = recording_step
-    optimize_on_rollout(
-        policy, optimizer, params, mbs, cfg, world, torch.device("cpu"), beta=0.0, temperature=1.0
-    )
+    optimize_on_rollout(Trainer(policy, optimizer, params, cfg, world), mbs, beta=0.0, temperature=1.0)
     return {**{k: v.detach().clone() for k, v in model.state_dict().items()}, **grads}
 
 

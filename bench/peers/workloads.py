@@ -280,7 +280,7 @@ class GrpoFastStepper:
     name = "grpo_fast"
 
     def __init__(self, problem: Problem, device: torch.device):
-        from grpo_fast.train import _sequences_with_gradient, optimize_on_rollout
+        from grpo_fast.train import Trainer, _sequences_with_gradient, optimize_on_rollout
 
         self._with_gradient, self._optimize = _sequences_with_gradient, optimize_on_rollout
         case = problem.case
@@ -293,6 +293,7 @@ class GrpoFastStepper:
         self.policy = build_policy_loss(cfg, self.model, self.amp)
         self.optimizer = build_optimizer(cfg, self.model.parameters())
         self.params = [p for p in self.model.parameters() if p.requires_grad]
+        self.trainer = Trainer(self.policy, self.optimizer, self.params, cfg, dist.DistInfo(), device)
         self.prompt_ids = [
             problem.tokenizer(p, add_special_tokens=False)["input_ids"] for p in problem.prompts
         ]
@@ -335,15 +336,10 @@ class GrpoFastStepper:
             )
         ]
         self._optimize(
-            self.policy,
-            self.optimizer,
-            self.params,
+            self.trainer,
             mbs,
-            cfg,
-            dist.DistInfo(),
-            self.device,
-            cfg.loss.beta,
-            r.temperature,
+            beta=cfg.loss.beta,
+            temperature=r.temperature,
         )  # ends with grad_norm.item(): a host-device sync
         t2 = time.perf_counter()
         rec = StepRecord(t2 - t0, t1 - t0, t2 - t1, float(raw.mean()))
