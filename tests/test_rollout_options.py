@@ -358,3 +358,48 @@ def test_every_rollout_option_at_once_trains_and_resumes_exactly(tmp_path):
                 "rollout/group_size_min", "rollout/group_size_max", "train/sft_loss", "train/kl"):  # fmt: skip
         assert key in last, key
     assert last["rollout/prompts_seen_fraction"] > 0 and last["train/sft_loss"] > 0
+
+
+def test_sft_mix_gradient_is_mix_coef_times_the_per_token_mean_nll_gradient():
+    """sft.mix_coef=0.5: the supervised microbatches (2 rows each, 3 examples) give the gradient
+    of 0.5 × the mean over all solution tokens (+ EOS) of −log p, computed here from full logits."""
+    from grpo_fast.model import PolicyLoss
+    from grpo_fast.task import load_task
+
+    tok, policy, _ = _tiny_models()
+    policy.train()
+    cfg = load_config("tiny", overrides=["sft.mix_coef=0.5", "train.micro_batch_size=2"])
+    task = load_task(cfg)
+    task.tokenizer = tok
+    examples = [task.train[i] for i in (0, 1, 2)]
+    run = SimpleNamespace(cfg=cfg, tokenizer=tok, task=task, device=torch.device("cpu"))
+    mbs = train_mod._sft_microbatches(run, examples)
+    assert len(mbs) == 2
+    loss = PolicyLoss(policy, autocast=None, loss_options={"backend": "torch_chunked"})
+    for mb in mbs:
+        loss(mb, 0.0, 1.0).loss.backward()
+    got = {n: p.grad.clone() for n, p in policy.named_parameters()}
+    policy.zero_grad(set_to_none=True)
+
+    nll, tokens = 0.0, 0
+    for ex in examples:
+        prompt = task.prompt_ids(ex)
+        target = tok(task.solution_text(ex), add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
+        logp = policy(torch.tensor([prompt + target])).logits[0].log_softmax(-1)[len(prompt) - 1 : -1]
+        nll = nll - logp.gather(1, torch.tensor(target)[:, None]).sum()
+        tokens += len(target)
+    (0.5 * nll / tokens).backward()
+    for n, p in policy.named_parameters():
+        assert torch.allclose(got[n], p.grad, rtol=1e-4, atol=1e-7), n
+
+
+def test_solution_field_names_the_worked_solution_in_a_data_file(tmp_path):
+    """data.solution_field: the tiny task read from a file takes each example's solution from
+    that field (without it, the bare answer); sft.mix_coef trains on it."""
+    from grpo_fast.task import load_task
+
+    path = tmp_path / "train.jsonl"
+    path.write_text('{"question": "1+2=", "answer": "3", "worked": "1 plus 2 is 3"}\n')
+    task = load_task(load_config("tiny", overrides=[f"data.train_path={path}", "data.solution_field=worked"]))
+    assert task.train[0].solution == "1 plus 2 is 3"
+    assert load_task(load_config("tiny", overrides=[f"data.train_path={path}"])).train[0].solution == "3"
