@@ -41,7 +41,7 @@ import torch
 from grpo_fast import dist, plan
 from grpo_fast.batch import build_sequences, make_microbatches
 from grpo_fast.config import Config, load_config
-from grpo_fast.core import compute_group_normalized_rewards
+from grpo_fast.course import compute_group_normalized_rewards
 from grpo_fast.memory import peak_cuda_memory, peak_rss_growth
 from grpo_fast.model import autocast_dtype, build_policy_loss, load_policy, load_tokenizer
 from grpo_fast.optim import PromptSampler, build_optimizer

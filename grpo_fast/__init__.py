@@ -1,25 +1,28 @@
 """grpo_fast: performance-first GRPO training.
 
-The algorithm core (``grpo_fast.core``) is re-exported here with the Stanford CS336
-assignment-5 helper names, so course code can ``from grpo_fast import compute_grpo_clip_loss``.
-Fused ops live in ``grpo_fast.ops``; the training loop in ``grpo_fast.train``.
+The Stanford CS336 assignment-5 helper API (``grpo_fast.course``) is re-exported here, so course
+code can ``from grpo_fast import compute_grpo_clip_loss``, together with the engine's GRPO family
+from the algorithm core (``grpo_fast.core``). Fused ops live in ``grpo_fast.ops``; the training
+loop in ``grpo_fast.train``.
 """
 
 from grpo_fast.core import (
     AdaptiveKLController,
     GRPOLossOutput,
+    grpo_clip_loss,
+    grpo_token_loss,
+    kl_early_stop,
+    kl_penalty,
+    length_norm_weights,
+)
+from grpo_fast.course import (
     compute_entropy,
     compute_group_normalized_rewards,
     compute_grpo_clip_loss,
     compute_naive_policy_gradient_loss,
     compute_policy_gradient_loss,
     get_response_log_probs,
-    grpo_clip_loss,
     grpo_microbatch_train_step,
-    grpo_token_loss,
-    kl_early_stop,
-    kl_penalty,
-    length_norm_weights,
     masked_mean,
     masked_normalize,
     sft_microbatch_train_step,

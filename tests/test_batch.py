@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from grpo_fast import core, tiny
+from grpo_fast import course, tiny
 from grpo_fast.batch import build_sequences, make_microbatches
 from grpo_fast.model import PolicyLoss, response_hidden_states
 
@@ -95,12 +95,12 @@ def test_policy_loss_equals_the_eager_course_loss():
     for i, s in enumerate(seqs):
         ids[i, : len(s.tokens)] = torch.tensor(s.tokens)
         mask[i, s.n_prompt : len(s.tokens)] = True
-    lp = core.get_response_log_probs(model, ids[:, :-1], ids[:, 1:])["log_probs"]
+    lp = course.get_response_log_probs(model, ids[:, :-1], ids[:, 1:])["log_probs"]
     a = torch.tensor([s.advantage for s in seqs])[:, None]
-    per_token, _ = core.compute_policy_gradient_loss(
+    per_token, _ = course.compute_policy_gradient_loss(
         lp, "grpo_clip", advantages=a, old_log_probs=lp.detach(), cliprange=0.2
     )
-    eager = core.masked_mean(per_token, mask[:, 1:], dim=-1).mean()
+    eager = course.masked_mean(per_token, mask[:, 1:], dim=-1).mean()
     eager.backward()
     # fp32 both ways: the same sums in a different order
     torch.testing.assert_close(total, eager, rtol=1e-5, atol=1e-6)

@@ -33,7 +33,7 @@ import torch
 from grpo_fast import dist, plan
 from grpo_fast.batch import build_sequences, make_microbatches
 from grpo_fast.config import Config, load_config
-from grpo_fast.core import compute_group_normalized_rewards
+from grpo_fast.course import compute_group_normalized_rewards
 from grpo_fast.model import autocast_dtype, build_policy_loss
 from grpo_fast.optim import PromptSampler, build_optimizer
 from grpo_fast.rollout import SamplingParams
