@@ -46,7 +46,7 @@ def test_normalize_by_std_is_replaced_by_scale_rewards(tmp_path):
 
 def test_scale_rewards_reaches_the_advantages(tmp_path, monkeypatch):
     """The training loop hands ``loss.scale_rewards`` to the advantage computation (what each value
-    does to the advantages: tests/test_core.py; to a run: tests/test_sweep.py)."""
+    does to the advantages: tests/test_course.py; to a run: tests/test_sweep.py)."""
     from grpo_fast import core
     from grpo_fast import train as train_mod
 
