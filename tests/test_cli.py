@@ -101,6 +101,7 @@ def test_subcommand_equals_its_module_form():
     assert bad.returncode == 2 and "did you mean 'train.lr'" in bad.stderr and "Traceback" not in bad.stderr
 
 
+@pytest.mark.xdist_group("finished_run")  # one run for the three (make test: -n 2)
 def test_evaluate_sweep_and_report_run(finished_run, tmp_path, capsys):
     out, _ = finished_run
     assert cli.main(["evaluate", "--model", str(out / "final"), "--preset", "tiny", "--limit", "16"]) == 0
@@ -218,6 +219,7 @@ def test_bad_override_in_dry_run_is_one_line_exit_2(capsys):
 # ----------------------------------------------------------------------------------------------
 
 
+@pytest.mark.xdist_group("finished_run")  # one run for the three (make test: -n 2)
 def test_finished_run_leaves_a_checkpoint_of_its_final_step(finished_run):
     out, rows = finished_run
     assert [r["step"] for r in rows] == [0, 1, 2, 3, 4]
@@ -229,6 +231,7 @@ def test_finished_run_leaves_a_checkpoint_of_its_final_step(finished_run):
     assert {t.dtype for t in final.values()} == {torch.float32}  # train.save_dtype=auto: as trained
 
 
+@pytest.mark.xdist_group("finished_run")  # one run for the three (make test: -n 2)
 def test_resume_extends_a_finished_run_from_its_final_step_and_saves_bf16(finished_run, tmp_path, capsys):
     out, rows = finished_run
     run = tmp_path / "extended"

@@ -40,12 +40,14 @@ def served(tmp_path_factory):
     return engine, model, tok
 
 
+@pytest.mark.xdist_group("served")
 def test_extra_engine_arguments_reach_vllm(served):
     engine, _, _ = served
     assert engine.llm.llm_engine.model_config.enforce_eager is True
     assert engine.llm.llm_engine.model_config.logprobs_mode == "processed_logprobs"
 
 
+@pytest.mark.xdist_group("served")
 def test_push_reaches_the_engine_and_restoring_gives_the_old_logprobs_back(served):
     engine, model, tok = served
     ids = tok(PROBE)["input_ids"]
@@ -70,6 +72,7 @@ def test_push_reaches_the_engine_and_restoring_gives_the_old_logprobs_back(serve
     assert torch.equal(restored, before)  # bitwise: the reload replaced every weight
 
 
+@pytest.mark.xdist_group("served")
 def test_backend_probe_passes_real_pushes_and_stops_on_stale_weights(served, monkeypatch):
     engine, model, tok = served
     ids = tok(PROBE)["input_ids"]
@@ -91,6 +94,7 @@ def test_backend_probe_passes_real_pushes_and_stops_on_stale_weights(served, mon
                 p.div_(1.2)
 
 
+@pytest.mark.xdist_group("served")
 def test_seeded_sampling_is_reproducible_and_logprobs_match_the_trainer(served):
     engine, model, tok = served
     engine.load_weights((k, v.detach()) for k, v in model.state_dict().items())
