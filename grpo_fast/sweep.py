@@ -4,7 +4,7 @@ Usage::
 
     python -m grpo_fast.sweep --preset NAME [--config FILE]... --sweep {lr,baseline,length_norm,scale_rewards,loss_type,delta,
         importance_sampling_level,top_entropy_quantile,dynamic_sampling,curriculum,adaptive_group_size,
-        overlong_buffer,sft_mix}
+        overlong_buffer,sft_mix,difficulty_filter}
         [--values V ...] [--lr-range LOW HIGH] [--num N] [--out DIR] [--dry-run] [--plot-only]
         [key=value ...]
 
@@ -24,7 +24,8 @@ GSPO); ``top_entropy_quantile`` → ``loss.top_entropy_quantile`` (1 vs 0.2, the
 ``dynamic_sampling`` → ``rollout.dynamic_sampling`` (false vs true, DAPO); ``curriculum`` →
 ``rollout.curriculum`` (``none`` vs ``easy_first``); ``adaptive_group_size`` →
 ``rollout.adaptive_group_size`` (false vs true); ``overlong_buffer`` → ``data.overlong_buffer``
-(0 vs 2: the tiny preset's 4-token responses); ``sft_mix`` → ``sft.mix_coef`` (0 vs 0.1). Extra
+(0 vs 2: the tiny preset's 4-token responses); ``sft_mix`` → ``sft.mix_coef`` (0 vs 0.1);
+``difficulty_filter`` → ``rollout.difficulty_filter`` (``null`` vs ``[0,0.9]``; values ``[lo,hi]``). Extra
 ``key=value`` words are OmegaConf dot-list overrides passed to every run; they may appear
 anywhere on the command line (even after ``--values``).
 
@@ -90,7 +91,8 @@ class SweepSpec:
 
     ``choices`` empty means a positive float (a learning rate; ``defaults`` empty: ``LRGrid``),
     or ``null`` too where ``nullable`` (an option that is off by default), or 0 too where
-    ``allow_zero`` (an option whose 0 is off).
+    ``allow_zero`` (an option whose 0 is off); ``band``: ``[lo,hi]`` with 0 ≤ lo ≤ hi ≤ 1, or
+    ``null`` (``rollout.difficulty_filter``).
     """
 
     key: str
@@ -98,6 +100,7 @@ class SweepSpec:
     choices: tuple[str, ...] = ()
     nullable: bool = False
     allow_zero: bool = False
+    band: bool = False
 
 
 _OFF_ON = ("false", "true")
@@ -124,6 +127,10 @@ SWEEPS: dict[str, SweepSpec] = {
     # the tiny preset's responses are at most 4 tokens: a buffer of 2 shapes its last two
     "overlong_buffer": SweepSpec(key="data.overlong_buffer", defaults=("0", "2"), allow_zero=True),
     "sft_mix": SweepSpec(key="sft.mix_coef", defaults=("0", "0.1"), allow_zero=True),
+    # off, then the prompts already solved 90% of the time or more left out of later passes
+    "difficulty_filter": SweepSpec(
+        key="rollout.difficulty_filter", defaults=("null", "[0,0.9]"), nullable=True, band=True
+    ),
 }
 
 
@@ -191,7 +198,7 @@ def plan_sweep(
         base += ["--config", config]
     runs = []
     for value in values:
-        name = f"{sweep}_{value}"
+        name = f"{sweep}_{value}".translate(str.maketrans({"[": "", "]": "", ",": "-"}))  # [0,0.9] -> 0-0.9
         run_dir = out_dir / name
         command = (*base, *overrides, f"{spec.key}={value}", f"output_dir={run_dir}")
         runs.append(SweepRun(name=name, value=value, out_dir=run_dir, command=command))
@@ -321,6 +328,8 @@ def _check_value(sweep: str, spec: SweepSpec, value: str) -> str:
         return value
     if spec.nullable and value == "null":
         return value
+    if spec.band:
+        return _check_band(sweep, spec, value)
     try:
         lr = float(value)
     except ValueError:
@@ -334,6 +343,21 @@ def _check_value(sweep: str, spec: SweepSpec, value: str) -> str:
             what = f"a positive number for {spec.key} (or null)"
         raise ConfigError(f"--values: {value!r} is not {what} ({sweep} sweep)")
     return f"{lr:.3g}"
+
+
+def _check_band(sweep: str, spec: SweepSpec, value: str) -> str:
+    """``[lo,hi]`` (0 ≤ lo ≤ hi ≤ 1), written back as ``[lo,hi]`` with ``%g`` numbers."""
+    inner = value.strip()
+    parts = inner[1:-1].split(",") if inner.startswith("[") and inner.endswith("]") else []
+    try:
+        lo, hi = (float(x) for x in parts)
+    except ValueError:
+        lo = hi = math.nan
+    if not 0 <= lo <= hi <= 1:
+        raise ConfigError(
+            f"--values: {value!r} is not [lo,hi] with 0 <= lo <= hi <= 1 for {spec.key} ({sweep} sweep)"
+        )
+    return f"[{lo:g},{hi:g}]"
 
 
 def _plot_against_step(metrics: dict[str, list[dict[str, Any]]], key: str, title: str, path: Path) -> bool:

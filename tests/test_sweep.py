@@ -68,6 +68,28 @@ def test_plan_the_rollout_side_sweeps():
         plan_sweep("tiny", "dynamic_sampling", ["yes"])
 
 
+def test_difficulty_filter_sweep_takes_bands():
+    """``[lo,hi]`` values (written back with %g numbers) or null; a bad band is one line."""
+    runs = plan_sweep("tiny", "difficulty_filter")
+    assert [r.command[-2] for r in runs] == [
+        "rollout.difficulty_filter=null",
+        "rollout.difficulty_filter=[0,0.9]",
+    ]
+    assert [r.command[-2] for r in plan_sweep("tiny", "difficulty_filter", ["[0.10, 0.80]"])] == [
+        "rollout.difficulty_filter=[0.1,0.8]"
+    ]
+    from grpo_fast.config import load_config
+
+    assert runs[1].name == "difficulty_filter_0-0.9"  # a plain folder name
+    cfg = load_config("tiny", overrides=list(runs[1].command[-2:]))  # the planned command is a valid config
+    assert list(cfg.rollout.difficulty_filter) == [0.0, 0.9]
+    for bad in ("0.9", "[0.9,0.1]", "[0,2]", "[a,b]"):
+        with pytest.raises(
+            ConfigError, match=r"is not \[lo,hi\] with 0 <= lo <= hi <= 1 for rollout\.difficulty_filter"
+        ):
+            plan_sweep("tiny", "difficulty_filter", [bad])
+
+
 @pytest.mark.parametrize(
     ("sweep", "values", "overrides", "match"),
     [
