@@ -63,42 +63,8 @@ VARIANTS = {
 
 def build_variant_step(variant: str, n: int, d: int, v: int, dtype: torch.dtype, device: str):
     """One fused fwd+bwd (``triton``) with a ``VARIANTS`` loss on responses of 64 tokens, off-policy."""
-    from grpo_fast.ops import fused_linear_grpo_loss
-
-    options, _ = VARIANTS[variant]
-    g = torch.Generator(device).manual_seed(0)
-    hidden = torch.randn(n, d, generator=g, device=device).to(dtype).requires_grad_()
-    weight = (torch.randn(v, d, generator=g, device=device) / math.sqrt(d)).to(dtype).requires_grad_()
-    labels = torch.randint(0, v, (n,), generator=g, device=device)
-    advantages = torch.randn(n, generator=g, device=device)
-    loss_weights = torch.full((n,), 1.0 / n, device=device)
-    old = torch.randn(n, generator=g, device=device) - math.log(v)
-    extra = (
-        {"sequence_ids": torch.arange(n, device=device) // 64}
-        if "importance_sampling_level" in options
-        else {}
-    )
     backend = "triton" if device == "cuda" else "torch_chunked"
-
-    def step() -> None:
-        out = fused_linear_grpo_loss(
-            hidden,
-            weight,
-            labels,
-            advantages,
-            loss_weights,
-            old_logprobs=old,
-            backend=backend,
-            **options,
-            **extra,
-        )
-        out.loss.backward()
-        hidden.grad = None
-        weight.grad = None
-        if hidden.is_cuda:
-            torch.cuda.synchronize()  # sync point: the timer stops after the kernels
-
-    return step
+    return fused_linear_workload(backend, n, d, v, dtype, device, **VARIANTS[variant][0])
 
 
 @pytest.mark.gpu
@@ -159,29 +125,8 @@ GPU_CHUNKS = [384, 1024, 2048, 4096]
 def build_chunk_step(chunk_size: int, n: int, d: int, v: int, dtype: torch.dtype, device: str):
     """One fused fwd+bwd (``triton`` on CUDA, ``torch_chunked`` on CPU) with ``chunk_size`` rows
     per chunk, on-policy with old log-probs, as ``grpo_fast.testing.fused_linear_workload``."""
-    from grpo_fast.ops import fused_linear_grpo_loss
-
-    g = torch.Generator(device).manual_seed(0)
-    hidden = torch.randn(n, d, generator=g, device=device).to(dtype).requires_grad_()
-    weight = (torch.randn(v, d, generator=g, device=device) / math.sqrt(d)).to(dtype).requires_grad_()
-    labels = torch.randint(0, v, (n,), generator=g, device=device)
-    advantages = torch.randn(n, generator=g, device=device)
-    loss_weights = torch.full((n,), 1.0 / n, device=device)
-    old = torch.randn(n, generator=g, device=device) - math.log(v)
     backend = "triton" if device == "cuda" else "torch_chunked"
-
-    def step() -> None:
-        out = fused_linear_grpo_loss(
-            hidden, weight, labels, advantages, loss_weights, old_logprobs=old,
-            backend=backend, chunk_size=chunk_size,
-        )  # fmt: skip
-        out.loss.backward()
-        hidden.grad = None
-        weight.grad = None
-        if hidden.is_cuda:
-            torch.cuda.synchronize()  # sync point: the timer stops after the kernels
-
-    return step
+    return fused_linear_workload(backend, n, d, v, dtype, device, chunk_size=chunk_size)
 
 
 @pytest.mark.parametrize("chunk_size", CPU_CHUNKS, ids=lambda c: f"chunk{c}")

@@ -31,6 +31,7 @@ __all__ = [
     "SCALE_REWARDS",
     "AdaptiveKLController",
     "GRPOLossOutput",
+    "check_importance_sampling_level",
     "compute_entropy",
     "eager_grpo_loss_from_logits",
     "eager_token_logprobs_and_entropy",
@@ -223,6 +224,18 @@ def _check_group_sizes(group_size: int | Sequence[int], n: int) -> list[int] | N
 # ----------------------------------------------------------------------------------------------
 
 
+def check_importance_sampling_level(importance_sampling_level: str, sequence_ids) -> None:
+    """``ValueError`` unless the level is ``token`` or ``sequence`` and ``sequence_ids`` is given
+    exactly for ``sequence`` (GSPO: each row's ratio is its sequence's)."""
+    if importance_sampling_level not in IMPORTANCE_SAMPLING_LEVELS:
+        raise ValueError(
+            f"unknown importance_sampling_level {importance_sampling_level!r}; "
+            f"expected one of {', '.join(IMPORTANCE_SAMPLING_LEVELS)}"
+        )
+    if (importance_sampling_level == "sequence") != (sequence_ids is not None):
+        raise ValueError("sequence_ids is needed with importance_sampling_level='sequence', and only then")
+
+
 def grpo_clip_loss(
     advantages: torch.Tensor,
     policy_log_probs: torch.Tensor,
@@ -407,13 +420,7 @@ def grpo_token_loss(
         ``(loss [...], {"clipped": bool [...], "kl": [...] or None})``.
     """
     old = log_probs.detach() if old_log_probs is None else old_log_probs
-    if importance_sampling_level not in IMPORTANCE_SAMPLING_LEVELS:
-        raise ValueError(
-            f"unknown importance_sampling_level {importance_sampling_level!r}; "
-            f"expected one of {', '.join(IMPORTANCE_SAMPLING_LEVELS)}"
-        )
-    if (importance_sampling_level == "sequence") != (sequence_ids is not None):
-        raise ValueError("sequence_ids is needed with importance_sampling_level='sequence', and only then")
+    check_importance_sampling_level(importance_sampling_level, sequence_ids)
     if loss_type not in LOSS_TYPES:
         raise ValueError(f"unknown loss_type {loss_type!r}; expected one of {', '.join(LOSS_TYPES)}")
     if dual_clip is not None and loss_type != "grpo_clip":

@@ -204,8 +204,12 @@ def fused_linear_workload(
     dtype: torch.dtype = torch.float32,
     device: str = "cpu",
     seed: int = 0,
+    **options,
 ) -> Callable[[], None]:
     """Build inputs for one GRPO fwd+bwd through an lm_head on ``device``; return the step.
+
+    ``options``: more ``fused_linear_grpo_loss`` arguments (``chunk_size``, a loss variant's
+    keys); ``importance_sampling_level="sequence"`` gets ``sequence_ids`` of 64-token responses.
 
     ``impl``: a ``backend`` of ``fused_linear_grpo_loss`` (default chunking; ``"eager"``
     materializes ``hidden @ weightᵀ`` and calls ``eager_grpo_loss_from_logits``), or
@@ -226,15 +230,39 @@ def fused_linear_workload(
         loss_fn = torch.compile(functools.partial(fused_linear_grpo_loss, backend="eager"))
     else:
         loss_fn = functools.partial(fused_linear_grpo_loss, backend=impl)
+    if options.get("importance_sampling_level") == "sequence":
+        options = {**options, "sequence_ids": torch.arange(n, device=device) // 64}
 
     def step() -> None:
-        loss_fn(hidden, weight, labels, advantages, loss_weights, old_logprobs=old).loss.backward()
+        loss_fn(hidden, weight, labels, advantages, loss_weights, old_logprobs=old, **options).loss.backward()
         hidden.grad = None
         weight.grad = None
         if hidden.is_cuda:
             torch.cuda.synchronize()  # sync point: the timer stops after the kernels
 
     return step
+
+
+def join_cpu_ranks(rank: int, world_size: int, port: int):
+    """Join a ``world_size``-rank gloo group on this machine as ``rank`` (the environment torchrun
+    would set, one OpenMP thread per rank); returns ``grpo_fast.dist.init``'s ``DistInfo``. What the
+    multi-rank tests' spawned workers call first."""
+    import os
+
+    from grpo_fast import dist
+
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        RANK=str(rank),
+        WORLD_SIZE=str(world_size),
+        LOCAL_RANK=str(rank),
+        OMP_NUM_THREADS="1",
+    )
+    torch.set_num_threads(1)
+    info = dist.init("cpu")
+    assert info.world_size == world_size
+    return info
 
 
 def tiny_vllm_engine(model, tokenizer, folder):

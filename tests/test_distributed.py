@@ -16,6 +16,7 @@ from grpo_fast.batch import build_sequences, make_microbatches
 from grpo_fast.config import load_config
 from grpo_fast.model import PolicyLoss
 from grpo_fast.optim import build_optimizer
+from grpo_fast.testing import join_cpu_ranks
 from grpo_fast.train import Trainer, optimize_on_rollout
 
 GROUP = 4
@@ -82,17 +83,7 @@ def _one_step(cfg, rank: int, world_size: int, separated: bool = False) -> dict[
 
 
 def _worker(rank, world_size, port, overrides, out_path, separated=False):
-    os.environ.update(
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(port),
-        RANK=str(rank),
-        WORLD_SIZE=str(world_size),
-        LOCAL_RANK=str(rank),
-        OMP_NUM_THREADS="1",
-    )
-    torch.set_num_threads(1)
-    info = dist.init("cpu")
-    assert info.world_size == world_size
+    join_cpu_ranks(rank, world_size, port)
     cfg = load_config("tiny", overrides=overrides)
     state = _one_step(cfg, rank, world_size, separated)
     if rank == 0:

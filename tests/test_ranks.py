@@ -1,7 +1,6 @@
 """What must agree across data-parallel ranks and what must differ, on 2 CPU ranks (gloo): the
 health monitor's temperature boost agrees, the hf sampling streams differ."""
 
-import os
 import socket
 
 import torch
@@ -12,6 +11,7 @@ from grpo_fast.health import HealthMonitor, HealthThresholds
 from grpo_fast.rollout.base import SamplingParams
 from grpo_fast.rollout.hf import HFBackend
 from grpo_fast.rollout.vllm import step_seed
+from grpo_fast.testing import join_cpu_ranks
 from grpo_fast.train import sampling_rng, seed_everything
 
 LOOP = "the answer is 5 " * 20  # a repetition loop: arms the boost
@@ -24,21 +24,8 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _join(rank: int, world_size: int, port: int) -> None:
-    os.environ.update(
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(port),
-        RANK=str(rank),
-        WORLD_SIZE=str(world_size),
-        LOCAL_RANK=str(rank),
-        OMP_NUM_THREADS="1",
-    )
-    torch.set_num_threads(1)
-    assert dist.init("cpu").world_size == world_size
-
-
 def _boost_worker(rank, world_size, port, looping_rank, out_path):
-    _join(rank, world_size, port)
+    join_cpu_ranks(rank, world_size, port)
     mon = HealthMonitor(HealthThresholds(auto_temperature_boost=True))
     responses = [LOOP] * 4 if rank == looping_rank else [PROSE] * 4  # each rank sees its own share
     mon.update(5, {}, responses)
@@ -88,7 +75,7 @@ def _sample(seed: int | None):
 
 
 def _sampling_worker(rank, world_size, port, out_path):
-    _join(rank, world_size, port)
+    join_cpu_ranks(rank, world_size, port)
     plain, _ = _sample(None)  # every rank seeded alike, as seed_everything(cfg.seed) leaves them
     own, restored = _sample(step_seed(0, 1, rank))  # what the loop passes on step 1
     gathered = dist.all_gather_objects((plain, own, restored))

@@ -23,7 +23,11 @@ from types import ModuleType
 
 import torch
 
-from grpo_fast.core import IMPORTANCE_SAMPLING_LEVELS, KL_ESTIMATORS, LOSS_TYPES
+from grpo_fast.core import (
+    KL_ESTIMATORS,
+    LOSS_TYPES,
+    check_importance_sampling_level,
+)
 
 __all__ = [
     "BACKENDS",
@@ -114,13 +118,7 @@ def check_sequence_ids(
 ) -> None:
     """``ValueError`` unless ``sequence_ids`` is an ``[N]`` integer tensor on the labels' device,
     given exactly when ``importance_sampling_level == "sequence"``."""
-    if importance_sampling_level not in IMPORTANCE_SAMPLING_LEVELS:
-        raise ValueError(
-            f"unknown importance_sampling_level {importance_sampling_level!r}; "
-            f"expected one of {', '.join(IMPORTANCE_SAMPLING_LEVELS)}"
-        )
-    if (importance_sampling_level == "sequence") != (sequence_ids is not None):
-        raise ValueError("sequence_ids is needed with importance_sampling_level='sequence', and only then")
+    check_importance_sampling_level(importance_sampling_level, sequence_ids)
     if sequence_ids is None:
         return
     n = labels.shape[0]
