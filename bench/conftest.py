@@ -2,7 +2,7 @@
 
 Run: ``python -m pytest bench/ --benchmark-json=bench.json`` (add ``-m "not slow"`` for the quick
 CPU set). Each case records in ``extra_info``: ``peak_memory_bytes`` (CUDA: ``max_memory_allocated``
-over one step; CPU: peak RSS growth of one step in a fresh process, ``grpo_fast.memory``) and, on
+over one step; CPU: peak RSS growth of one step in a fresh process, ``grpo_fast.obs.memory``) and, on
 CUDA, ``gb_per_s`` over the op's traffic floor and ``copy_fraction``, that figure over a plain
 device copy measured in the same session (or ``tflops`` for the matmul-bound fused-linear op).
 """
@@ -17,7 +17,7 @@ from collections.abc import Callable
 import pytest
 import torch
 
-from grpo_fast.memory import copy_bandwidth_gbps, peak_cuda_memory, peak_rss_growth
+from grpo_fast.obs.memory import copy_bandwidth_gbps, peak_cuda_memory, peak_rss_growth
 from grpo_fast.testing import skip_unrunnable_items
 
 
@@ -27,7 +27,7 @@ def pytest_collection_modifyitems(config, items):
 
 @pytest.fixture(scope="session")
 def copy_bandwidth() -> float | None:
-    """GB/s of a 1 GiB device copy (``grpo_fast.memory.copy_bandwidth_gbps``), or None without CUDA."""
+    """GB/s of a 1 GiB device copy (``grpo_fast.obs.memory.copy_bandwidth_gbps``), or None without CUDA."""
     return copy_bandwidth_gbps() if torch.cuda.is_available() else None
 
 

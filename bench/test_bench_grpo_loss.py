@@ -12,7 +12,7 @@ import math
 import pytest
 import torch
 
-from grpo_fast.core import eager_grpo_loss_from_logits
+from grpo_fast.algo.core import eager_grpo_loss_from_logits
 from grpo_fast.ops import grpo_loss_from_logits
 
 CPU_SHAPES = [pytest.param(512, 32768, id="N512-V32768"), pytest.param(128, 151936, id="N128-V151936")]

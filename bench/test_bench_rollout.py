@@ -17,9 +17,9 @@ import pytest
 import torch
 import transformers
 
-from grpo_fast import tiny
 from grpo_fast.rollout.base import SamplingParams
 from grpo_fast.rollout.hf import HFBackend
+from grpo_fast.task import tiny
 
 PROMPTS, GROUP, TOKENS, ROUNDS = 32, 8, 16, 5
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from grpo_fast.core import eager_token_logprobs_and_entropy
+from grpo_fast.algo.core import eager_token_logprobs_and_entropy
 from grpo_fast.ops import token_logprobs_and_entropy
 
 CPU_SHAPES = [pytest.param(512, 32768, id="N512-V32768"), pytest.param(128, 151936, id="N128-V151936")]

@@ -4,19 +4,19 @@
     python -m pytest -m gpu bench/test_bench_train_step.py                     # GPU set (CUDA)
 
 GPU (``gpu`` mark, skipped without CUDA): the ``rtx4090`` preset with a random-init
-Qwen2.5-Math-1.5B architecture (``grpo_fast.plan.KNOWN_ARCHS``: no weights, no tokenizer), on a
+Qwen2.5-Math-1.5B architecture (``grpo_fast.tools.plan.KNOWN_ARCHS``: no weights, no tokenizer), on a
 card capped at 24 GB (``set_per_process_memory_fraction``) to stand in for an RTX 4090:
 
 - rollout: transformers ``generate`` through ``grpo_fast.rollout.hf.HFBackend`` on random prompts;
 - optimization: a synthetic rollout batch through ``build_sequences`` → ``make_microbatches`` →
   ``PolicyLoss`` → backward → grad clip → 8-bit AdamW step (gradient checkpointing, bf16 autocast),
   with the fused lm_head + loss (``loss.kernel_backend=triton``) and the eager reference (``eager``:
-  ``[n, V]`` logits + ``grpo_fast.core.eager_grpo_loss_from_logits``) at the same shapes. Eager may
+  ``[n, V]`` logits + ``grpo_fast.algo.core.eager_grpo_loss_from_logits``) at the same shapes. Eager may
   run out of memory under the cap: that is recorded as its result (``extra_info["status"] = "oom"``).
 
 CPU: the same optimization phase on the ``tiny`` preset's model (fused = ``torch_chunked``, eager),
 and one whole ``tiny`` step (rollout + optimization), with peak memory measured as resident-set
-growth in a fresh process (``grpo_fast.memory.peak_rss_growth``).
+growth in a fresh process (``grpo_fast.obs.memory.peak_rss_growth``).
 
 Every number goes into ``benchmark.extra_info`` (see ``_describe``); ``tools/bench_report.py`` turns
 the JSON into ``BENCHMARKS.md``. ``tools/profile.py`` profiles ``OptimizationPhase`` from this file.
@@ -38,16 +38,17 @@ from dataclasses import dataclass
 import pytest
 import torch
 
-from grpo_fast import dist, plan
-from grpo_fast.batch import build_sequences, make_microbatches
+from grpo_fast import dist
+from grpo_fast.algo.course import compute_group_normalized_rewards
 from grpo_fast.config import Config, load_config
-from grpo_fast.course import compute_group_normalized_rewards
-from grpo_fast.memory import peak_cuda_memory, peak_rss_growth
-from grpo_fast.model import autocast_dtype, build_policy_loss, load_policy, load_tokenizer
-from grpo_fast.optim import PromptSampler, build_optimizer
+from grpo_fast.loop.optim import PromptSampler, build_optimizer
+from grpo_fast.obs.memory import peak_cuda_memory, peak_rss_growth
+from grpo_fast.policy.batch import build_sequences, make_microbatches
+from grpo_fast.policy.model import autocast_dtype, build_policy_loss, load_policy, load_tokenizer
 from grpo_fast.rollout import SamplingParams, make_backend
 from grpo_fast.rollout.hf import HFBackend
-from grpo_fast.task import load_task
+from grpo_fast.task.loader import load_task
+from grpo_fast.tools import plan
 from grpo_fast.train import Trainer, optimize_on_rollout
 
 GPU_ARCH = "Qwen/Qwen2.5-Math-1.5B"
@@ -307,7 +308,7 @@ class TinyTrainStep:
         return {"rollout_s": t1 - t0, "train_s": time.perf_counter() - t1, "tokens": batch.tokens}
 
 
-# Builders for grpo_fast.memory.peak_rss_growth (top-level: they run in a spawned process).
+# Builders for grpo_fast.obs.memory.peak_rss_growth (top-level: they run in a spawned process).
 
 
 def build_optimization_step(preset: str, backend: str) -> Callable[[], float]:

@@ -1,12 +1,12 @@
 """grpo_fast: performance-first GRPO training.
 
-The Stanford CS336 assignment-5 helper API (``grpo_fast.course``) is re-exported here, so course
+The Stanford CS336 assignment-5 helper API (``grpo_fast.algo.course``) is re-exported here, so course
 code can ``from grpo_fast import compute_grpo_clip_loss``, together with the engine's GRPO family
-from the algorithm core (``grpo_fast.core``). Fused ops live in ``grpo_fast.ops``; the training
+from the algorithm core (``grpo_fast.algo.core``). Fused ops live in ``grpo_fast.ops``; the training
 loop in ``grpo_fast.train``.
 """
 
-from grpo_fast.core import (
+from grpo_fast.algo.core import (
     AdaptiveKLController,
     GRPOLossOutput,
     grpo_clip_loss,
@@ -15,7 +15,7 @@ from grpo_fast.core import (
     kl_penalty,
     length_norm_weights,
 )
-from grpo_fast.course import (
+from grpo_fast.algo.course import (
     compute_entropy,
     compute_group_normalized_rewards,
     compute_grpo_clip_loss,

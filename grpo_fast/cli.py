@@ -26,11 +26,11 @@ from grpo_fast.errors import ConfigError, UserError
 
 COMMANDS = {
     "train": ("grpo_fast.train", "GRPO training (--dry-run: resolve and print, load no model)"),
-    "evaluate": ("grpo_fast.evaluate", "zero-shot accuracy of a checkpoint or hub model"),
-    "plan": ("grpo_fast.plan", "the memory budget of a preset on a GPU"),
-    "report": ("grpo_fast.report", "plots and a summary of a run directory"),
-    "sweep": ("grpo_fast.sweep", "ablation runs plotted together"),
-    "doctor": ("grpo_fast.doctor", "this machine: versions, CUDA, presets that fit, Triton"),
+    "evaluate": ("grpo_fast.tools.evaluate", "zero-shot accuracy of a checkpoint or hub model"),
+    "plan": ("grpo_fast.tools.plan", "the memory budget of a preset on a GPU"),
+    "report": ("grpo_fast.obs.report", "plots and a summary of a run directory"),
+    "sweep": ("grpo_fast.obs.sweep", "ablation runs plotted together"),
+    "doctor": ("grpo_fast.tools.doctor", "this machine: versions, CUDA, presets that fit, Triton"),
 }
 
 WITH_PRESETS = ("evaluate", "plan", "sweep")  # the other commands that take --preset and key=value
@@ -99,7 +99,7 @@ def dry_run(preset: str, config_files: list[str], overrides: list[str]) -> int:
     """
     import torch
 
-    from grpo_fast.model import quiet_transformers
+    from grpo_fast.policy.model import quiet_transformers
 
     quiet_transformers()
     sources = config_sources(preset, config_files, overrides, check_device=False)
@@ -120,7 +120,7 @@ def dry_run(preset: str, config_files: list[str], overrides: list[str]) -> int:
 
     print("\ndata:")
     try:
-        from grpo_fast.task import load_task
+        from grpo_fast.task.loader import load_task
 
         task = load_task(cfg)
     except UserError as exc:
@@ -146,7 +146,7 @@ def dry_run(preset: str, config_files: list[str], overrides: list[str]) -> int:
 
 def _plan_text(cfg: Config, torch) -> str:
     """The planner's table for the run's GPU, or what ``auto`` resolves to on a CPU."""
-    from grpo_fast import plan
+    from grpo_fast.tools import plan
 
     device = cfg.device if cfg.device != AUTO else ("cuda" if torch.cuda.is_available() else "cpu")
     if not device.startswith("cuda"):
@@ -195,8 +195,8 @@ def _offline_arch(cfg: Config, plan):
 
 
 def _offline_tokenizer(name: str):
-    from grpo_fast import tiny
-    from grpo_fast.model import load_tokenizer
+    from grpo_fast.policy.model import load_tokenizer
+    from grpo_fast.task import tiny
 
     if name == tiny.BUILTIN_NAME or Path(name).expanduser().is_dir():
         return load_tokenizer(name)

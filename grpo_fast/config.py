@@ -8,7 +8,7 @@
 
 ``load_config`` validates the result and raises ``ConfigError`` with one line naming the key
 at fault (an unknown key comes with the nearest valid name). ``"auto"`` values are resolved
-at run time by the memory planner (``grpo_fast.plan``) or by the device.
+at run time by the memory planner (``grpo_fast.tools.plan``) or by the device.
 """
 
 from __future__ import annotations
@@ -24,10 +24,16 @@ import yaml
 from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from grpo_fast.core import IMPORTANCE_SAMPLING_LEVELS, KL_ESTIMATORS, LENGTH_NORMS, LOSS_TYPES, SCALE_REWARDS
-from grpo_fast.difficulty import CURRICULA
+from grpo_fast.algo.core import (
+    IMPORTANCE_SAMPLING_LEVELS,
+    KL_ESTIMATORS,
+    LENGTH_NORMS,
+    LOSS_TYPES,
+    SCALE_REWARDS,
+)
+from grpo_fast.algo.difficulty import CURRICULA
+from grpo_fast.algo.sampler_correction import IS_LEVELS, IS_MODES
 from grpo_fast.errors import ConfigError
-from grpo_fast.sampler_correction import IS_LEVELS, IS_MODES
 
 AUTO = "auto"
 
@@ -53,8 +59,8 @@ class DataConfig:
     question_field: str | None = None  # None = the task's default field names
     answer_field: str | None = None
     prompt_template: str = "r1_zero"  # r1_zero | question_only | a string holding {question}
-    # A name in grpo_fast.rewards.REWARD_FNS, package.module:function, or auto (the task's own);
-    # or a list of them: the reward is then Σ_k w_k·reward_k (grpo_fast.rewards.WeightedReward),
+    # A name in grpo_fast.task.rewards.REWARD_FNS, package.module:function, or auto (the task's own);
+    # or a list of them: the reward is then Σ_k w_k·reward_k (grpo_fast.task.rewards.WeightedReward),
     # each part logged as train/reward/NAME.
     reward: str | list[str] = AUTO
     # One weight per data.reward entry (a list); None = every weight 1.
@@ -63,7 +69,7 @@ class DataConfig:
     # A reward function that raises or returns a non-number: raise (stop the run, one line naming
     # the function, the exception and the response) | zero (score it 0, count train/reward_errors)
     reward_errors: str = "raise"
-    # DAPO's soft overlong punishment (grpo_fast.core.overlong_penalty): over the last
+    # DAPO's soft overlong punishment (grpo_fast.algo.core.overlong_penalty): over the last
     # overlong_buffer tokens before rollout.max_tokens the reward falls linearly from 0 to
     # −overlong_penalty (reached at max_tokens); added to the reward before the advantage. 0 = off.
     overlong_buffer: int = 0
@@ -113,11 +119,11 @@ class RolloutConfig:
     # max_sampling_rounds generation rounds (then it trains on what it has, and says so).
     dynamic_sampling: bool = False
     max_sampling_rounds: int = 3
-    # [lo, hi]: after a prompt's first visit, skip it while its pass rate (grpo_fast.difficulty)
+    # [lo, hi]: after a prompt's first visit, skip it while its pass rate (grpo_fast.algo.difficulty)
     # is outside [lo, hi], e.g. [0.0, 0.9] drops the prompts already solved; None = off.
     difficulty_filter: list[float] | None = None
     # none | easy_first: each pass over the data goes from the easiest prompt to the hardest
-    # (data.difficulty_field when set, else the pass rates; grpo_fast.optim.PromptSampler).
+    # (data.difficulty_field when set, else the pass rates; grpo_fast.loop.optim.PromptSampler).
     curriculum: str = "none"
     # Group size per prompt by its pass rate, between min_group_size (solved) and max_group_size
     # (never solved); unseen prompts get group_size; each step still has batch_size responses.
@@ -222,7 +228,7 @@ class LoggingConfig:
 class HealthConfig:
     enabled: bool = True
     auto_temperature: bool = False  # temporarily raise the temperature on repetition loops
-    # Overrides of grpo_fast.health.HealthThresholds fields (their defaults live there), e.g.
+    # Overrides of grpo_fast.obs.health.HealthThresholds fields (their defaults live there), e.g.
     # {entropy_warn_low: 0.1} for a task whose answers are short and nearly deterministic.
     thresholds: dict[str, float] = field(default_factory=dict)
 
@@ -250,7 +256,7 @@ class Config:
 
 # Presets hold only what differs from the defaults above.
 PRESETS: dict[str, dict[str, Any]] = {
-    # CPU, built-in model, tokenizer and task (grpo_fast.tiny): what a newcomer runs first.
+    # CPU, built-in model, tokenizer and task (grpo_fast.task.tiny): what a newcomer runs first.
     # Two-digit addition. An SFT warm start stops once the model solves 25% of training
     # problems (a "base model"); then 500 GRPO steps. Measured on 2 cores (seeds 0-3): greedy
     # eval 0.25-0.32 → 0.72-0.78 in ~70 s.
@@ -684,7 +690,7 @@ def validate(cfg: Config, preset: str | None = None, check_device: bool = True) 
     positive("data.eval_subset_size", cfg.data.eval_subset_size, allow_zero=True)
     positive("logging.sample_every", cfg.logging.sample_every, allow_zero=True)
     positive("logging.samples_per_dump", cfg.logging.samples_per_dump, allow_zero=True)
-    from grpo_fast.health import HealthThresholds
+    from grpo_fast.obs.health import HealthThresholds
 
     valid = {f.name for f in dataclasses.fields(HealthThresholds)}
     for key in cfg.health.thresholds:
@@ -712,7 +718,7 @@ def validate(cfg: Config, preset: str | None = None, check_device: bool = True) 
 
 def _check_reward(d: DataConfig) -> None:
     """``data.reward``: a non-empty name or a list of distinct ones; ``data.reward_weights``: one
-    number per listed reward. Whether each name exists is checked by ``grpo_fast.task.load_task``
+    number per listed reward. Whether each name exists is checked by ``grpo_fast.task.loader.load_task``
     (the registry fills as modules import)."""
     names = d.reward if isinstance(d.reward, list) else [d.reward]
     if not names or not all(isinstance(n, str) and n.strip() for n in names):

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-from grpo_fast.core import eager_token_logprobs_and_entropy
+from grpo_fast.algo.core import eager_token_logprobs_and_entropy
 
 __all__ = [
     "GRPOInputs",
@@ -215,7 +215,7 @@ def fused_linear_workload(
     materializes ``hidden @ weightᵀ`` and calls ``eager_grpo_loss_from_logits``), or
     ``"compiled"``: ``torch.compile`` of the ``"eager"`` path. The step clears ``.grad`` after its backward, so it can run again from the
     same state, and synchronizes on CUDA. A top-level function, so that
-    ``grpo_fast.memory.peak_rss_growth`` can rebuild it in a fresh process.
+    ``grpo_fast.obs.memory.peak_rss_growth`` can rebuild it in a fresh process.
     """
     from grpo_fast.ops import fused_linear_grpo_loss
 

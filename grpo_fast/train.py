@@ -19,7 +19,7 @@ Dr. GRPO); with one epoch per rollout batch (the default) the importance ratio i
 is never computed — the loss is the on-policy policy gradient and its clipping never triggers.
 With ``rollout.backend=vllm`` the samples come from vLLM's copy of the weights; their small
 log-prob gap to the trainer is logged (``rollout/logprob_abs_diff``) and corrected only with
-``rollout.is_correction=true`` (truncated importance sampling, ``grpo_fast.sampler_correction``).
+``rollout.is_correction=true`` (truncated importance sampling, ``grpo_fast.algo.sampler_correction``).
 
 Each step reads top to bottom: rollout phase (sample prompts → generate → rewards →
 advantages), then optimization phase (microbatches → fused lm_head + loss → backward →
@@ -44,11 +44,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from grpo_fast import checkpoint as ckpt
-from grpo_fast import dist, plan, preempt
-from grpo_fast.batch import Sequence, build_sequences, make_microbatches
-from grpo_fast.config import Config, load_config, to_yaml
-from grpo_fast.core import (
+from grpo_fast import dist
+from grpo_fast.algo.core import (
     AdaptiveKLController,
     entropy_threshold,
     informative_groups,
@@ -58,12 +55,18 @@ from grpo_fast.core import (
     overlong_penalty,
     sequence_mean,
 )
-from grpo_fast.difficulty import PassRateTable
+from grpo_fast.algo.difficulty import PassRateTable
+from grpo_fast.algo.sampler_correction import sampler_importance_weights
+from grpo_fast.config import Config, load_config, to_yaml
 from grpo_fast.errors import ConfigError, Preempted, TrainingStopped, cli_errors
-from grpo_fast.evaluate import evaluate
-from grpo_fast.health import HealthMonitor, HealthThresholds
-from grpo_fast.metrics import MetricsLogger, PhaseProgress, gpu_stats, peak_memory_gb, reset_peak_memory
-from grpo_fast.model import (
+from grpo_fast.loop import preempt
+from grpo_fast.loop.optim import PromptSampler, build_optimizer, build_scheduler
+from grpo_fast.loop.sft import sft_warm_start
+from grpo_fast.obs.health import HealthMonitor, HealthThresholds
+from grpo_fast.obs.metrics import MetricsLogger, PhaseProgress, gpu_stats, peak_memory_gb, reset_peak_memory
+from grpo_fast.policy import checkpoint as ckpt
+from grpo_fast.policy.batch import Sequence, build_sequences, make_microbatches
+from grpo_fast.policy.model import (
     PolicyLoss,
     autocast_dtype,
     build_policy_loss,
@@ -72,7 +75,6 @@ from grpo_fast.model import (
     quiet_transformers,
     resolve_device,
 )
-from grpo_fast.optim import PromptSampler, build_optimizer, build_scheduler
 from grpo_fast.rollout import (
     Rollout,
     SamplingParams,
@@ -82,9 +84,9 @@ from grpo_fast.rollout import (
     weight_sync_tolerance,
 )
 from grpo_fast.rollout.vllm import WeightSyncProbe, step_seed
-from grpo_fast.sampler_correction import sampler_importance_weights
-from grpo_fast.sft import sft_warm_start
-from grpo_fast.task import Task, load_task
+from grpo_fast.task.loader import Task, load_task
+from grpo_fast.tools import plan
+from grpo_fast.tools.evaluate import evaluate
 
 
 @dataclass

@@ -3,9 +3,10 @@
 import pytest
 import torch
 
-from grpo_fast import course, tiny
-from grpo_fast.batch import build_sequences, make_microbatches
-from grpo_fast.model import PolicyLoss, response_hidden_states
+from grpo_fast.algo import course
+from grpo_fast.policy.batch import build_sequences, make_microbatches
+from grpo_fast.policy.model import PolicyLoss, response_hidden_states
+from grpo_fast.task import tiny
 
 
 def _rollout():

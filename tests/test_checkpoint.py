@@ -13,9 +13,9 @@ import numpy as np
 import pytest
 import torch
 
-from grpo_fast import checkpoint as ckpt
-from grpo_fast import tiny
 from grpo_fast.errors import CheckpointError
+from grpo_fast.policy import checkpoint as ckpt
+from grpo_fast.task import tiny
 from grpo_fast.train import main
 
 QUICK = [

@@ -14,8 +14,8 @@ import pytest
 import torch
 
 from grpo_fast import cli
-from grpo_fast import model as model_mod
 from grpo_fast.config import PRESETS
+from grpo_fast.policy import model as model_mod
 from grpo_fast.train import parse_args
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -88,7 +88,7 @@ def test_subcommand_equals_its_module_form():
     args = ["plan", "--preset", "rtx4090", "--gpu-mem-gb", "24", "train.micro_batch_size=auto"]
     via_cli = _grpo_fast(*args)
     via_module = subprocess.run(
-        [sys.executable, "-m", "grpo_fast.plan", *args[1:]],
+        [sys.executable, "-m", "grpo_fast.tools.plan", *args[1:]],
         capture_output=True,
         text=True,
         cwd=ROOT,

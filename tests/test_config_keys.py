@@ -47,8 +47,8 @@ def test_normalize_by_std_is_replaced_by_scale_rewards(tmp_path):
 def test_scale_rewards_reaches_the_advantages(tmp_path, monkeypatch):
     """The training loop hands ``loss.scale_rewards`` to the advantage computation (what each value
     does to the advantages: tests/test_course.py; to a run: tests/test_sweep.py)."""
-    from grpo_fast import core
     from grpo_fast import train as train_mod
+    from grpo_fast.algo import core
 
     seen = []
 
@@ -69,7 +69,7 @@ def test_build_policy_loss_passes_every_loss_option():
     rollout)."""
     import torch
 
-    from grpo_fast.model import build_policy_loss
+    from grpo_fast.policy.model import build_policy_loss
 
     cfg = load_config(
         "tiny",
@@ -107,7 +107,7 @@ def test_policy_loss_hands_sequence_ids_only_at_sequence_level(monkeypatch):
     ``sequence_ids`` to the fused op (GSPO); at token level it passes None."""
     import torch
 
-    from grpo_fast import model as model_mod
+    from grpo_fast.policy import model as model_mod
 
     seen = []
     monkeypatch.setattr(model_mod, "fused_linear_grpo_loss", lambda *a, **kw: seen.append(kw["sequence_ids"]))

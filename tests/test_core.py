@@ -1,4 +1,4 @@
-"""The algorithm core (grpo_fast.core): hand-worked values (arithmetic in comments) and properties
+"""The algorithm core (grpo_fast.algo.core): hand-worked values (arithmetic in comments) and properties
 (hypothesis). The course API built on it is tested in tests/test_course.py, which also holds the
 hand-worked advantages of ``normalize_group_rewards`` (through ``compute_group_normalized_rewards``)."""
 
@@ -10,7 +10,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from grpo_fast import core, course
+from grpo_fast.algo import core, course
 
 # ---------------------------------------------------------------------------- entropy
 

@@ -1,4 +1,4 @@
-"""The CS336 course API (grpo_fast.course): hand-worked values (arithmetic in comments) and properties
+"""The CS336 course API (grpo_fast.algo.course): hand-worked values (arithmetic in comments) and properties
 (hypothesis)."""
 
 import math
@@ -13,7 +13,7 @@ from tokenizers.pre_tokenizers import Whitespace
 from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
 
 import grpo_fast
-from grpo_fast import core, course
+from grpo_fast.algo import core, course
 
 
 @pytest.fixture
@@ -44,11 +44,11 @@ def test_public_api_is_exported():
 
 
 def test_each_course_name_has_one_home():
-    """``grpo_fast`` re-exports ``grpo_fast.course``; only ``compute_entropy`` (which the eager
-    reference of the fused ops uses) is defined in ``grpo_fast.core``, the rest only in the course module."""
+    """``grpo_fast`` re-exports ``grpo_fast.algo.course``; only ``compute_entropy`` (which the eager
+    reference of the fused ops uses) is defined in ``grpo_fast.algo.core``, the rest only in the course module."""
     for name in course.__all__:
         assert getattr(grpo_fast, name) is getattr(course, name), name
-        home = "grpo_fast.core" if name == "compute_entropy" else "grpo_fast.course"
+        home = "grpo_fast.algo.core" if name == "compute_entropy" else "grpo_fast.algo.course"
         assert getattr(course, name).__module__ == home, name
         assert hasattr(core, name) == (name == "compute_entropy"), name
 

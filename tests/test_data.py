@@ -5,9 +5,9 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from grpo_fast import data
-from grpo_fast.data import TASKS, Example, load_examples, write_jsonl
 from grpo_fast.errors import ConfigError, DataError, cli_errors
+from grpo_fast.task.data import TASKS, Example, load_examples, write_jsonl
+from grpo_fast.task import data
 
 # ----------------------------------------------------------------------------------------------
 # Good data
@@ -104,7 +104,7 @@ def test_write_jsonl_creates_folders(tmp_path):
 
 
 def test_task_specs_name_their_fields_and_a_registered_reward():
-    from grpo_fast.rewards import REWARD_FNS
+    from grpo_fast.task.rewards import REWARD_FNS
 
     assert TASKS["math"].question_fields[0] == "problem"
     assert TASKS["gsm8k"].question_fields[0] == "question"
@@ -251,7 +251,7 @@ def test_cli_prints_one_line_and_exits_2(tmp_path, capsys):
 
 def test_extraction_uses_the_reward_modules_box_parser():
     # One box parser for data and rewards: the data module must not grow its own.
-    from grpo_fast import rewards
+    from grpo_fast.task import rewards
 
     assert data.extract_boxed is rewards.extract_boxed
 
@@ -285,8 +285,8 @@ def test_gsm8k_solution_drops_the_calculator_annotations(tmp_path):
 
 def test_task_solution_text_in_the_reward_format():
     from grpo_fast.config import load_config
-    from grpo_fast.rewards import r1_zero_reward_fn
-    from grpo_fast.task import load_task
+    from grpo_fast.task.loader import load_task
+    from grpo_fast.task.rewards import r1_zero_reward_fn
 
     tiny_task = load_task(load_config("tiny"))
     ex = tiny_task.train[0]
@@ -302,7 +302,7 @@ def test_task_solution_text_in_the_reward_format():
 
 def test_sft_mix_needs_solutions(tmp_path):
     from grpo_fast.config import load_config
-    from grpo_fast.task import load_task
+    from grpo_fast.task.loader import load_task
 
     path = write_jsonl(tmp_path / "bare.jsonl", [{"question": "1+2=", "answer": "3"}])
     overrides = ["sft.mix_coef=0.1", f"data.train_path={path}", f"data.eval_path={path}"]

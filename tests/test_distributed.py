@@ -11,11 +11,12 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
-from grpo_fast import dist, tiny
-from grpo_fast.batch import build_sequences, make_microbatches
+from grpo_fast import dist
 from grpo_fast.config import load_config
-from grpo_fast.model import PolicyLoss
-from grpo_fast.optim import build_optimizer
+from grpo_fast.loop.optim import build_optimizer
+from grpo_fast.policy.batch import build_sequences, make_microbatches
+from grpo_fast.policy.model import PolicyLoss
+from grpo_fast.task import tiny
 from grpo_fast.testing import join_cpu_ranks
 from grpo_fast.train import Trainer, optimize_on_rollout
 

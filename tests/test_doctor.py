@@ -6,8 +6,8 @@ import importlib.metadata as metadata
 import pytest
 import torch
 
-from grpo_fast import doctor
 from grpo_fast.config import PRESETS
+from grpo_fast.tools import doctor
 
 
 def _rows(text: str) -> dict[str, str]:

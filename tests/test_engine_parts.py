@@ -5,13 +5,14 @@ import re
 import pytest
 import torch
 
-from grpo_fast import checkpoint as ckpt
-from grpo_fast import plan, tiny
 from grpo_fast.config import load_config
 from grpo_fast.errors import ConfigError
-from grpo_fast.optim import PromptSampler, build_optimizer, lr_factor
+from grpo_fast.loop.optim import PromptSampler, build_optimizer, lr_factor
+from grpo_fast.policy import checkpoint as ckpt
 from grpo_fast.rollout.base import SamplingParams
 from grpo_fast.rollout.hf import HFBackend
+from grpo_fast.task import tiny
+from grpo_fast.tools import plan
 
 # ---------------------------------------------------------------------------- checkpoints
 
@@ -193,7 +194,7 @@ def test_tiny_model_matches_the_planner_count():
 
 def test_policy_is_loaded_in_train_mode_with_checkpointing_active():
     """transformers checkpoints only in training mode, and from_pretrained returns eval mode."""
-    from grpo_fast.model import load_policy
+    from grpo_fast.policy.model import load_policy
 
     cfg = load_config("tiny", overrides=["model.gradient_checkpointing=true"])
     tok = tiny.build_tokenizer()
@@ -219,7 +220,7 @@ def test_policy_is_loaded_in_train_mode_with_checkpointing_active():
 
 
 def test_reward_from_a_module_path_and_clear_errors(tmp_path, monkeypatch):
-    from grpo_fast.task import load_task
+    from grpo_fast.task.loader import load_task
 
     (tmp_path / "my_rewards.py").write_text(
         "def exact(response, ground_truth):\n    return {'reward': float(response == ground_truth)}\n"
@@ -237,7 +238,7 @@ def test_reward_from_a_module_path_and_clear_errors(tmp_path, monkeypatch):
 def test_evaluate_cli_on_a_saved_checkpoint(tmp_path, capsys):
     import json
 
-    from grpo_fast import evaluate
+    from grpo_fast.tools import evaluate
 
     tok = tiny.build_tokenizer()
     ckpt.save_pretrained_atomic(tiny.build_model(tok, seed=0), tok, tmp_path / "m")

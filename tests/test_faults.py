@@ -121,7 +121,7 @@ def _adam_steps(folder) -> int:
 def _poison(monkeypatch, steps: set[int], how: str) -> None:
     """Make every microbatch of ``steps`` non-finite: its loss NaN (``loss``), or its loss finite
     and its gradient inf (``grad_norm``: the backward pass multiplies by inf)."""
-    from grpo_fast import model as model_mod
+    from grpo_fast.policy import model as model_mod
 
     current = {}
     real_opt, real_fwd = train_mod.optimize_on_rollout, model_mod.PolicyLoss.forward
@@ -199,7 +199,8 @@ def _comparable(path):
 def test_second_signal_is_not_deferred():
     import signal
 
-    from grpo_fast import dist, preempt
+    from grpo_fast import dist
+    from grpo_fast.loop import preempt
 
     world = dist.DistInfo(rank=0, world_size=1, local_rank=0)
     before = signal.getsignal(signal.SIGINT)  # default_int_handler; SIG_IGN in a pytest-xdist worker
@@ -338,7 +339,7 @@ def test_reward_errors_zero_scores_them_0_and_counts_them(tmp_path):
 
 def test_guarded_reward_names_the_response_and_keeps_the_keys_on_zero():
     from grpo_fast.errors import RewardError
-    from grpo_fast.rewards import GuardedReward
+    from grpo_fast.task.rewards import GuardedReward
 
     CALLS.clear()
     score = GuardedReward(raising_reward, "mine", "zero").for_batch(step=7)

@@ -14,11 +14,11 @@ import math
 import pytest
 import torch
 
-from grpo_fast.batch import Microbatch
-from grpo_fast.core import eager_grpo_loss_from_logits, grpo_token_loss
-from grpo_fast.memory import peak_rss_growth
-from grpo_fast.model import PolicyLoss, response_hidden_states
+from grpo_fast.algo.core import eager_grpo_loss_from_logits, grpo_token_loss
+from grpo_fast.obs.memory import peak_rss_growth
 from grpo_fast.ops import default_chunk_size, fused_linear_grpo_loss, grpo_loss_from_logits
+from grpo_fast.policy.batch import Microbatch
+from grpo_fast.policy.model import PolicyLoss, response_hidden_states
 from grpo_fast.testing import (
     assert_close_to_reference,
     backend_device,
@@ -187,7 +187,7 @@ def test_two_pass_peak_memory_equals_one_pass():
     """One chunk of logits at a time in both modes: the two-pass peak is the one-pass peak plus
     the [N] vectors kept between the passes (measured: + 5,824 bytes = 5.7 fp32 per row at
     N = 256, on 15.8 MB; the module docstring has the figure at N = 1,024, V = 32,768)."""
-    from grpo_fast.memory import tracked_peak_bytes
+    from grpo_fast.obs.memory import tracked_peak_bytes
 
     n, d, v = 256, 32, 8192
     g = torch.Generator().manual_seed(0)
@@ -219,7 +219,7 @@ def test_two_pass_peak_memory_equals_one_pass():
 
 def test_gspo_on_policy_is_sequence_mean_grpo():
     """On-policy GSPO with sequence-mean weights 1/(|i|·B) and one advantage per sequence: the
-    gradients of token-level GRPO (``grpo_fast.core.grpo_token_loss`` has the algebra), through
+    gradients of token-level GRPO (``grpo_fast.algo.core.grpo_token_loss`` has the algebra), through
     the two-pass op with sequences cut across chunks."""
     hidden, weight, inputs = _problem(torch.float32, seed=7)
     ids = GSPO_IDS
@@ -538,7 +538,7 @@ def test_cpu_peak_memory_vs_materialized_logits():
 def test_gpu_peak_memory_does_not_grow_with_n():
     """D = 1536, V = 151,936 bf16: from N = 4,096 to 16,384 the peak grows by the O(N·D) gradient
     of hidden only (12,288 · 1,536 · 2 B = 36 MiB), not by the logits (3.5 GiB more in bf16)."""
-    from grpo_fast.memory import peak_cuda_memory
+    from grpo_fast.obs.memory import peak_cuda_memory
 
     def peak(n: int) -> int:
         torch.manual_seed(0)

@@ -11,7 +11,7 @@ import math
 import pytest
 import torch
 
-from grpo_fast.core import GRPOLossOutput, eager_grpo_loss_from_logits, grpo_token_loss
+from grpo_fast.algo.core import GRPOLossOutput, eager_grpo_loss_from_logits, grpo_token_loss
 from grpo_fast.ops import grpo_loss_from_logits
 from grpo_fast.testing import GRPOInputs, assert_close_to_reference, backend_device, make_grpo_inputs
 
@@ -362,7 +362,7 @@ def test_bad_inputs(override, error):
 @pytest.mark.gpu
 def test_inplace_grad_memory_on_gpu():
     """fwd + bwd with inplace_grad adds ≤ 10 % of the bf16 logits' size (V = 151,936, N = 8,192)."""
-    from grpo_fast.memory import peak_cuda_memory
+    from grpo_fast.obs.memory import peak_cuda_memory
 
     n, v, device = 8192, 151936, torch.device("cuda")
     leaf = torch.randn(n, v, device=device, dtype=torch.bfloat16).requires_grad_()

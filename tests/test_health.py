@@ -7,7 +7,7 @@ import math
 import pytest
 
 from grpo_fast.errors import ConfigError
-from grpo_fast.health import HealthMonitor, HealthThresholds, repeated_ngram_ratio
+from grpo_fast.obs.health import HealthMonitor, HealthThresholds, repeated_ngram_ratio
 
 LOOP = "the answer is 5 " * 20  # 80 words, 4 distinct 4-grams out of 77
 PROSE = "First add the two numbers, then divide the sum by three to get the mean of the values."

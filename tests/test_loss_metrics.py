@@ -12,7 +12,7 @@ import torch
 from grpo_fast import dist
 from grpo_fast import train as train_mod
 from grpo_fast.config import load_config
-from grpo_fast.report import read_metrics
+from grpo_fast.obs.report import read_metrics
 
 
 def test_stats_split_clip_sides_and_loss_terms_hand_values():

@@ -1,5 +1,5 @@
 """The memory planner against measurement: a scaled-down Qwen2 (8 layers, D = 512, V = 32,768,
-tied) on CPU, fp32, every allocation tracked (``grpo_fast.memory.tracked_peak_bytes``).
+tied) on CPU, fp32, every allocation tracked (``grpo_fast.obs.memory.tracked_peak_bytes``).
 
 Each of the planner's per-phase items must be within 15% of what is measured: weights, gradients
 and optimizer state (bytes of the tensors after a real step), activations per token (the growth
@@ -12,13 +12,13 @@ import pytest
 import torch
 from transformers import Qwen2Config
 
-from grpo_fast.batch import build_sequences, make_microbatches
 from grpo_fast.config import load_config
-from grpo_fast.memory import tracked_peak_bytes
-from grpo_fast.model import build_policy_loss, load_policy, response_hidden_states
+from grpo_fast.loop.optim import build_optimizer
+from grpo_fast.obs.memory import tracked_peak_bytes
 from grpo_fast.ops import fused_linear_grpo_loss
-from grpo_fast.optim import build_optimizer
-from grpo_fast.plan import Arch, plan_memory
+from grpo_fast.policy.batch import build_sequences, make_microbatches
+from grpo_fast.policy.model import build_policy_loss, load_policy, response_hidden_states
+from grpo_fast.tools.plan import Arch, plan_memory
 
 HF = Qwen2Config(
     vocab_size=32768,

@@ -9,9 +9,9 @@ import copy
 import pytest
 import torch
 
-from grpo_fast.batch import Microbatch
-from grpo_fast.model import PolicyLoss
 from grpo_fast.ops import fused_linear_grpo_loss
+from grpo_fast.policy.batch import Microbatch
+from grpo_fast.policy.model import PolicyLoss
 
 V, D = 1003, 80  # sizes no other buffer of the one-layer policy shares
 MICROBATCHES = 4
@@ -251,7 +251,7 @@ def test_microbatch_step_issues_no_host_device_sync():
     """
     from types import SimpleNamespace
 
-    from grpo_fast.batch import Sequence, make_microbatches
+    from grpo_fast.policy.batch import Sequence, make_microbatches
 
     class Decoder(torch.nn.Module):
         def __init__(self):

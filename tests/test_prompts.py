@@ -3,7 +3,7 @@
 import pytest
 
 from grpo_fast.errors import ConfigError
-from grpo_fast.prompts import TEMPLATES, format_prompt, get_template, stop_strings
+from grpo_fast.task.prompts import TEMPLATES, format_prompt, get_template, stop_strings
 
 R1_ZERO = (
     "A conversation between User and Assistant. The User asks a question, and the Assistant solves it. "

@@ -6,11 +6,12 @@ import socket
 import torch
 import torch.multiprocessing as mp
 
-from grpo_fast import dist, tiny
-from grpo_fast.health import HealthMonitor, HealthThresholds
+from grpo_fast import dist
+from grpo_fast.obs.health import HealthMonitor, HealthThresholds
 from grpo_fast.rollout.base import SamplingParams
 from grpo_fast.rollout.hf import HFBackend
 from grpo_fast.rollout.vllm import step_seed
+from grpo_fast.task import tiny
 from grpo_fast.testing import join_cpu_ranks
 from grpo_fast.train import sampling_rng, seed_everything
 

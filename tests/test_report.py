@@ -6,7 +6,7 @@ import json
 import pytest
 
 from grpo_fast.errors import DataError, UserError
-from grpo_fast.report import PLOTS, main, read_metrics, series, write_report
+from grpo_fast.obs.report import PLOTS, main, read_metrics, series, write_report
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 

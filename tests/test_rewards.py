@@ -6,9 +6,9 @@ import time
 
 import pytest
 
-from grpo_fast import rewards
 from grpo_fast.errors import ConfigError
-from grpo_fast.rewards import (
+from grpo_fast.task import rewards
+from grpo_fast.task.rewards import (
     REWARD_FNS,
     MathGrader,
     extract_boxed,
@@ -385,7 +385,7 @@ def _short(response, ground_truth):
 
 
 def test_weighted_reward_sums_the_parts_and_reports_each():
-    from grpo_fast.rewards import GuardedReward, WeightedReward
+    from grpo_fast.task.rewards import GuardedReward, WeightedReward
 
     both = WeightedReward([GuardedReward(_exact, "exact"), GuardedReward(_short, "short")], [2.0, -0.5])
     # "42" == "42": 2·1 − 0.5·(1/2) = 1.75; format_reward is exact's (the first part returning it)
@@ -404,7 +404,7 @@ def test_weighted_reward_sums_the_parts_and_reports_each():
 
 def test_weighted_reward_guards_each_part():
     from grpo_fast.errors import RewardError
-    from grpo_fast.rewards import GuardedReward, WeightedReward
+    from grpo_fast.task.rewards import GuardedReward, WeightedReward
 
     tolerant = WeightedReward(
         [GuardedReward(_exact, "exact", "zero"), GuardedReward(_short, "short", "zero")]
@@ -424,7 +424,7 @@ def test_weighted_reward_guards_each_part():
 
 def test_task_builds_the_weighted_reward_from_the_config(tmp_path, monkeypatch):
     from grpo_fast.config import load_config
-    from grpo_fast.task import load_task
+    from grpo_fast.task.loader import load_task
 
     (tmp_path / "bonus_rewards.py").write_text(
         "def short(response, ground_truth):\n    return {'reward': float(len(response) <= 2)}\n"

@@ -13,10 +13,10 @@ import torch
 from grpo_fast import dist
 from grpo_fast import train as train_mod
 from grpo_fast.config import load_config
-from grpo_fast.data import Example
-from grpo_fast.health import HealthMonitor, HealthThresholds
-from grpo_fast.rewards import GuardedReward, WeightedReward
+from grpo_fast.obs.health import HealthMonitor, HealthThresholds
 from grpo_fast.rollout import Rollout
+from grpo_fast.task.data import Example
+from grpo_fast.task.rewards import GuardedReward, WeightedReward
 
 
 class ScriptedBackend:
@@ -97,7 +97,7 @@ def _run(script, *overrides, n_prompts=6, answers=None, difficulty=None, reward=
 
 def _order(seed: int, n: int, k: int) -> list[int]:
     """The plain sampler's first ``k`` prompts (its seeded shuffle; tested in test_core)."""
-    from grpo_fast.optim import PromptSampler
+    from grpo_fast.loop.optim import PromptSampler
 
     return PromptSampler(n, seed).next(k)
 
@@ -244,7 +244,7 @@ def test_curriculum_easy_first_by_difficulty_field():
 
 
 def _tiny_models(seed_ref: int = 0, seed_policy: int = 1):
-    from grpo_fast import tiny
+    from grpo_fast.task import tiny
 
     tok = tiny.build_tokenizer()
     return tok, tiny.build_model(tok, seed=seed_policy).eval(), tiny.build_model(tok, seed=seed_ref).eval()
@@ -264,7 +264,7 @@ def test_kl_in_reward_sums_k1_per_response_whatever_the_microbatch_order(packing
     """Σ_t (log π − log π_ref) of each response, from the fused op's no-grad passes over
     microbatches of 2 (sorted by length, or packed), equals the float64 value from full logits
     for that same response: the sums land on the right response."""
-    from grpo_fast.model import PolicyLoss
+    from grpo_fast.policy.model import PolicyLoss
 
     tok, policy, ref = _tiny_models()
     cfg = load_config("tiny", overrides=["train.micro_batch_size=2", f"train.packing={str(packing).lower()}"])
@@ -363,8 +363,8 @@ def test_every_rollout_option_at_once_trains_and_resumes_exactly(tmp_path):
 def test_sft_mix_gradient_is_mix_coef_times_the_per_token_mean_nll_gradient():
     """sft.mix_coef=0.5: the supervised microbatches (2 rows each, 3 examples) give the gradient
     of 0.5 × the mean over all solution tokens (+ EOS) of −log p, computed here from full logits."""
-    from grpo_fast.model import PolicyLoss
-    from grpo_fast.task import load_task
+    from grpo_fast.policy.model import PolicyLoss
+    from grpo_fast.task.loader import load_task
 
     tok, policy, _ = _tiny_models()
     policy.train()
@@ -396,7 +396,7 @@ def test_sft_mix_gradient_is_mix_coef_times_the_per_token_mean_nll_gradient():
 def test_solution_field_names_the_worked_solution_in_a_data_file(tmp_path):
     """data.solution_field: the tiny task read from a file takes each example's solution from
     that field (without it, the bare answer); sft.mix_coef trains on it."""
-    from grpo_fast.task import load_task
+    from grpo_fast.task.loader import load_task
 
     path = tmp_path / "train.jsonl"
     path.write_text('{"question": "1+2=", "answer": "3", "worked": "1 plus 2 is 3"}\n')

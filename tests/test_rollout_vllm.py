@@ -15,15 +15,15 @@ import re
 import pytest
 import torch
 
-from grpo_fast import tiny
-from grpo_fast.batch import build_sequences, make_microbatches
+from grpo_fast.algo.sampler_correction import sampler_importance_weights
 from grpo_fast.config import load_config
 from grpo_fast.errors import ConfigError
-from grpo_fast.model import build_policy_loss
+from grpo_fast.policy.batch import build_sequences, make_microbatches
+from grpo_fast.policy.model import build_policy_loss
 from grpo_fast.rollout.base import SamplingParams
 from grpo_fast.rollout.hf import HFBackend
 from grpo_fast.rollout.vllm import VLLMBackend, WeightSyncError, WeightSyncProbe, step_seed
-from grpo_fast.sampler_correction import sampler_importance_weights
+from grpo_fast.task import tiny
 from grpo_fast.train import _prepare_old_and_ref, run
 
 
@@ -171,7 +171,7 @@ def _probe_for(model, tok, tolerance=1e-3):
     loss = build_policy_loss(cfg, model, None)
 
     def trainer_logprobs(ids):
-        from grpo_fast.batch import Sequence
+        from grpo_fast.policy.batch import Sequence
 
         mb = make_microbatches([Sequence(list(ids), 1, 0.0, 0.0)], 1, tok.pad_token_id, packing=False)[0]
         with torch.no_grad():

@@ -9,10 +9,10 @@ import sys
 import pytest
 import torch
 
-from grpo_fast.core import LENGTH_NORMS
+from grpo_fast.algo.core import LENGTH_NORMS
 from grpo_fast.errors import ConfigError
-from grpo_fast.rewards import register_reward
-from grpo_fast.sweep import LRGrid, SweepRun, main, plan_sweep, run_sweep, summarize_sweep
+from grpo_fast.obs.sweep import LRGrid, SweepRun, main, plan_sweep, run_sweep, summarize_sweep
+from grpo_fast.task.rewards import register_reward
 
 PY = sys.executable
 
@@ -233,7 +233,7 @@ def test_baseline_sweep_runs_differ(tmp_path):
     from safetensors.torch import load_file
 
     from grpo_fast.config import load_config
-    from grpo_fast.report import read_metrics
+    from grpo_fast.obs.report import read_metrics
     from grpo_fast.train import parse_args, run
 
     quick = ["steps=2", "sft.steps=0", "eval_every=0", "checkpoint_every=0", "rollout.batch_size=32",
@@ -263,7 +263,7 @@ def _run_sweep_in_process(sweep, tmp_path, values=None, extra=()):
     from safetensors.torch import load_file
 
     from grpo_fast.config import load_config
-    from grpo_fast.report import read_metrics
+    from grpo_fast.obs.report import read_metrics
     from grpo_fast.train import parse_args, run
 
     quick = ["steps=2", "sft.steps=0", "eval_every=0", "checkpoint_every=0", "rollout.batch_size=32",

@@ -15,7 +15,7 @@ import textwrap
 import pytest
 import torch
 
-from grpo_fast.core import eager_token_logprobs_and_entropy
+from grpo_fast.algo.core import eager_token_logprobs_and_entropy
 from grpo_fast.ops import token_logprobs_and_entropy
 from grpo_fast.testing import assert_close_to_reference, backend_device
 

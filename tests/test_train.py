@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from grpo_fast import model as model_mod
 from grpo_fast.config import load_config
+from grpo_fast.policy import model as model_mod
 from grpo_fast.train import run
 
 REQUIRED_KEYS = {

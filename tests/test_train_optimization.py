@@ -103,7 +103,7 @@ def test_skipping_zero_advantage_responses_gives_the_same_update(tmp_path):
 def test_nothing_informative_still_steps_every_parameter():
     """All advantages 0: one (zero-gradient) response is kept, so each parameter gets a zero
     gradient and the optimizer steps as without the skip."""
-    from grpo_fast.batch import Sequence
+    from grpo_fast.policy.batch import Sequence
 
     cfg = load_config("tiny", check_device=False)
     seqs = [Sequence([1, 2, 3, 4], 2, 0.0, 0.5), Sequence([1, 2, 3], 2, 0.0, 0.5)]

@@ -15,9 +15,9 @@ import os
 import pytest
 import torch
 
-from grpo_fast import tiny
 from grpo_fast.rollout.base import SamplingParams
 from grpo_fast.rollout.vllm import VLLMBackend, VLLMEngine, WeightSyncError, WeightSyncProbe
+from grpo_fast.task import tiny
 from grpo_fast.testing import tiny_vllm_engine
 
 pytestmark = pytest.mark.vllm

@@ -348,7 +348,7 @@ def render(runs: list[Run], command: str) -> str:
         "",
         "Peak memory: on CUDA the memory one step allocates on top of its inputs (`max_memory_allocated`; "
         "*absolute peak* counts the weights and optimizer state too); on CPU the resident-set growth of one "
-        "step in a fresh process (`grpo_fast.memory.peak_rss_growth`). `× eager`, `× compile`: how many "
+        "step in a fresh process (`grpo_fast.obs.memory.peak_rss_growth`). `× eager`, `× compile`: how many "
         "times faster than eager PyTorch / `torch.compile` on the same case. `GB/s`: the op's traffic floor "
         "over its time; `of copy BW`: that over a plain device copy measured in the same session.",
     ]

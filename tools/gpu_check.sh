@@ -150,7 +150,7 @@ if [[ "$has_cuda" == 1 || "$DRY" == 1 ]]; then
     run_part copy-bandwidth 60 "$OUT/check.log" "$PY" - "$TMP/bandwidth.json" <<'EOF'
 import json, sys
 
-from grpo_fast.memory import copy_bandwidth_gbps  # torch only: runs without transformers
+from grpo_fast.obs.memory import copy_bandwidth_gbps  # torch only: runs without transformers
 
 gbps = copy_bandwidth_gbps("cuda")
 json.dump({"copy_gb_per_s": gbps}, open(sys.argv[1], "w"))

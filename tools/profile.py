@@ -10,7 +10,7 @@ Qwen2.5-Math-1.5B. The fused path is ``loss.kernel_backend=auto`` (``triton`` on
 ``torch_chunked`` on CPU); the reference is ``eager`` (``[n, V]`` logits + ``eager_grpo_loss_from_logits``).
 
 For each path: one warm-up step, ``--steps`` timed steps (wall time; on CUDA the peak memory of
-the steps, ``grpo_fast.memory.peak_cuda_memory``, and the absolute ``max_memory_allocated``), then
+the steps, ``grpo_fast.obs.memory.peak_cuda_memory``, and the absolute ``max_memory_allocated``), then
 ``--steps`` steps under ``torch.profiler`` (on CPU the peak memory is read from its allocation
 events). Writes to ``--out`` (default ``runs/profile``):
 
@@ -46,7 +46,7 @@ from bench.test_bench_train_step import (  # noqa: E402
 )
 from grpo_fast.config import GPU_PRESETS  # noqa: E402
 from grpo_fast.errors import ConfigError, cli_errors  # noqa: E402
-from grpo_fast.memory import peak_cuda_memory  # noqa: E402
+from grpo_fast.obs.memory import peak_cuda_memory  # noqa: E402
 from tools.bench_report import fmt_bytes  # noqa: E402
 
 PRESETS = ("tiny", *GPU_PRESETS)
@@ -156,7 +156,7 @@ def summary_markdown(args, device: torch.device, rows: list[dict]) -> str:
     cap = f", memory capped at {args.memory_cap_gb:g} GB" if args.memory_cap_gb else ""
     peak_kind = (
         "CUDA memory allocated by the timed steps on top of their inputs "
-        "(`grpo_fast.memory.peak_cuda_memory`); absolute: `max_memory_allocated` (weights, "
+        "(`grpo_fast.obs.memory.peak_cuda_memory`); absolute: `max_memory_allocated` (weights, "
         "gradients, optimizer state included)"
         if cuda
         else "tensor memory allocated by the profiled steps on top of their inputs "

@@ -7,7 +7,7 @@
 
 The implementations alternate round by round in one test (``ROUNDS`` each, after one warm-up
 call each, which also runs Liger's ``torch.compile`` of its loss math); peak memory is measured
-per implementation in a fresh process on CPU (``grpo_fast.memory.peak_rss_growth``) and with
+per implementation in a fresh process on CPU (``grpo_fast.obs.memory.peak_rss_growth``) and with
 ``max_memory_allocated`` on CUDA. On CPU, grpo_fast runs its ``torch_chunked`` backend and Liger
 its chunked torch path (``liger_kernel.chunked_loss`` is plain torch + ``torch.compile``, no Triton);
 on CUDA, grpo_fast runs its Triton kernels. Whether each computes the entropy is recorded: ours
@@ -25,7 +25,7 @@ import torch
 
 from bench.peers.workloads import LOSS_ENTROPY, LOSS_WHAT, VERSIONS, build_loss_step, dist_version, median
 from bench.test_bench_train_step import COMMAND_ENV, device_name
-from grpo_fast.memory import peak_cuda_memory, peak_rss_growth
+from grpo_fast.obs.memory import peak_cuda_memory, peak_rss_growth
 
 PEERS_MISSING = (
     "needs the peers extra: pip install -e '.[dev,peers]' in its own environment (liger-kernel, trl)"

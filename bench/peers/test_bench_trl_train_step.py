@@ -40,7 +40,7 @@ from bench.peers.workloads import (
     summarize,
 )
 from bench.test_bench_train_step import COMMAND_ENV, device_name
-from grpo_fast.memory import peak_cuda_memory, process_peak_bytes, reset_process_peak
+from grpo_fast.obs.memory import peak_cuda_memory, process_peak_bytes, reset_process_peak
 
 PEERS_MISSING = (
     "needs the peers extra: pip install -e '.[dev,peers]' in its own environment "

@@ -30,14 +30,15 @@ from dataclasses import dataclass, field
 
 import torch
 
-from grpo_fast import dist, plan
-from grpo_fast.batch import build_sequences, make_microbatches
+from grpo_fast import dist
+from grpo_fast.algo.course import compute_group_normalized_rewards
 from grpo_fast.config import Config, load_config
-from grpo_fast.course import compute_group_normalized_rewards
-from grpo_fast.model import autocast_dtype, build_policy_loss
-from grpo_fast.optim import PromptSampler, build_optimizer
+from grpo_fast.loop.optim import PromptSampler, build_optimizer
+from grpo_fast.policy.batch import build_sequences, make_microbatches
+from grpo_fast.policy.model import autocast_dtype, build_policy_loss
 from grpo_fast.rollout import SamplingParams
 from grpo_fast.rollout.hf import HFBackend
+from grpo_fast.tools import plan
 
 # Distributions whose versions each peer result records (liger_kernel has no __version__).
 VERSIONS = ("torch", "transformers", "trl", "accelerate", "liger-kernel", "triton")
@@ -214,10 +215,9 @@ def make_problem(case_name: str) -> Problem:
     machine), from the preset's seed."""
     case = CASES[case_name]
     if case.name == TINY.name:
-        from grpo_fast import tiny
-        from grpo_fast.model import load_policy, load_tokenizer
-        from grpo_fast.sft import sft_warm_start
-        from grpo_fast.task import load_task
+        from grpo_fast.loop.sft import sft_warm_start
+        from grpo_fast.policy.model import load_policy, load_tokenizer
+        from grpo_fast.task.loader import load_task, tiny
 
         cfg = tiny_config(case)
         tokenizer = load_tokenizer(cfg.model.name_or_path)
@@ -635,7 +635,7 @@ LOSS_ENTROPY = {
 LOSS_WHAT = {
     "grpo_fast": "GRPO loss + log-probs + entropy (torch_chunked on CPU, triton on CUDA; default chunks)",
     "grpo_fast_chunk256": "the same, chunk_size=256 (Liger's chunk here: one sequence of 256 tokens)",
-    "eager": "GRPO loss + entropy from the materialized [N, V] logits (grpo_fast.core reference)",
+    "eager": "GRPO loss + entropy from the materialized [N, V] logits (grpo_fast.algo.core reference)",
     "liger": "GRPO loss + log-probs (LigerFusedLinearGRPOLoss, loss_type=grpo)",
     "torch_linear_cross_entropy": "cross-entropy only (F.linear_cross_entropy, chunked options): not a GRPO loss",
 }

@@ -5,7 +5,7 @@
 - ``fused_linear_grpo_loss(hidden [N, D], weight [V, D], labels, ...) -> GRPOLossOutput``
 
 Every op takes ``backend="auto" | "triton" | "torch_chunked" | "eager"`` (see ``_backend``) and is
-tested against the float64 eager reference in ``grpo_fast.core``.
+tested against the float64 eager reference in ``grpo_fast.algo.core``.
 """
 
 from grpo_fast.ops.fused_linear_grpo_loss import default_chunk_size, fused_linear_grpo_loss

@@ -6,7 +6,7 @@ Three backends compute the same per-row quantities:
   (``TRITON_INTERPRET=1`` set before ``csrc_triton`` is imported: the tests do this).
 - ``torch_chunked``: the same algorithm in plain PyTorch on any device
   (``grpo_fast/ops/_torch_chunked.py``); extra memory is a few 4 MiB tiles, never ``[N, V]``.
-- ``eager``: the ``grpo_fast.core`` reference, which materializes ``[N, V]`` in fp32.
+- ``eager``: the ``grpo_fast.algo.core`` reference, which materializes ``[N, V]`` in fp32.
 
 ``auto`` is ``triton`` on CUDA and ``torch_chunked`` elsewhere, decided per call from the tensors'
 device, never at import. Both kernel backends expose ``token_logprobs_fwd`` / ``token_logprobs_bwd``
@@ -23,7 +23,7 @@ from types import ModuleType
 
 import torch
 
-from grpo_fast.core import (
+from grpo_fast.algo.core import (
     KL_ESTIMATORS,
     LOSS_TYPES,
     check_importance_sampling_level,

@@ -25,7 +25,7 @@ top-entropy threshold needs every row's entropy):
 
 One more lm_head GEMM (3 -> 4 per chunk, with the two gradient GEMMs) and 4 fp32 per row kept
 between the passes; the peak is the one-pass mode's, one chunk of logits at a time, plus those
-few fp32 per row (measured with ``grpo_fast.memory.tracked_peak_bytes``, CPU, N = 1,024, D = 256,
+few fp32 per row (measured with ``grpo_fast.obs.memory.tracked_peak_bytes``, CPU, N = 1,024, D = 256,
 V = 32,768 fp32, chunks of 256 rows, torch_chunked: 93.0 MiB one-pass, two-pass and GSPO alike;
 at N = 256 the two-pass peak is 5,824 bytes, 5.7 fp32 per row, above the one-pass one). The
 gradient pass reuses pass 1's ``(m, log S)``: the recomputed logits are the same product of the
@@ -82,7 +82,7 @@ from __future__ import annotations
 import torch
 from torch.autograd.function import once_differentiable
 
-from grpo_fast.core import GRPOLossOutput, eager_grpo_loss_from_logits
+from grpo_fast.algo.core import GRPOLossOutput, eager_grpo_loss_from_logits
 from grpo_fast.ops._backend import (
     check_backend,
     check_dtype,

@@ -3,7 +3,7 @@
 Split by cost: the vocabulary-sized work (log-softmax of the label, entropy, and their gradient)
 is the ``token_logprobs`` kernel pair, one read of the logits forward and one read + one write
 backward; the per-row GRPO math (ratio, clipping, KL estimator, entropy bonus, weights) is O(N)
-PyTorch on ``[N]`` vectors, ``grpo_fast.core.grpo_token_loss`` itself, whose autograd hands the
+PyTorch on ``[N]`` vectors, ``grpo_fast.algo.core.grpo_token_loss`` itself, whose autograd hands the
 kernel its two per-row upstream gradients (g_lp, g_H). At N = 8,192 that row math is a few dozen
 elementwise ops on 32 KB vectors, against 2.5 GB of bf16 logits (V = 151,936) for the kernels.
 """
@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from grpo_fast.core import GRPOLossOutput, eager_grpo_loss_from_logits, grpo_token_loss
+from grpo_fast.algo.core import GRPOLossOutput, eager_grpo_loss_from_logits, grpo_token_loss
 from grpo_fast.ops._backend import check_loss_options, check_sequence_ids
 from grpo_fast.ops.token_logprobs import apply_token_logprobs, prepare_logits
 
@@ -41,7 +41,7 @@ def grpo_loss_from_logprobs(
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
     """The per-row GRPO math on ``[N]`` fp32 vectors: ``(loss scalar, kl [N] or None, clipped [N] bool)``.
 
-    ``loss = Σ_t w_t·ℓ_t`` with ``ℓ`` from ``grpo_fast.core.grpo_token_loss`` (inputs cast to fp32,
+    ``loss = Σ_t w_t·ℓ_t`` with ``ℓ`` from ``grpo_fast.algo.core.grpo_token_loss`` (inputs cast to fp32,
     as the eager reference does).
     """
     as32 = lambda t: None if t is None else t.float()
@@ -93,14 +93,14 @@ def grpo_loss_from_logits(
     """GRPO loss ``Σ_t w_t·(−min(r_t·A_t, clip(r_t, 1−clip_low, 1+clip_high)·A_t) + β·KL_t − c·H_t)``.
 
     ``r_t = exp(logp_t − old_t)``; ``old_logprobs=None`` is on-policy (old = logp detached: ratio 1,
-    gradient ``−A·∇logp``). Same arguments and output as ``grpo_fast.core.eager_grpo_loss_from_logits``.
+    gradient ``−A·∇logp``). Same arguments and output as ``grpo_fast.algo.core.eager_grpo_loss_from_logits``.
 
     Args:
         logits: ``[N, V]`` fp32/bf16/fp16 (fp64 with ``backend="eager"``), the policy's logits at
             the ``N`` response tokens; ``-inf`` entries have probability 0.
         labels: ``[N]`` int64/int32 token ids in ``[0, V)`` (padding: any valid id, weight 0).
         advantages, loss_weights: ``[N]`` float; the weights carry the mask and the length
-            normalization (``grpo_fast.core.length_norm_weights``).
+            normalization (``grpo_fast.algo.core.length_norm_weights``).
         old_logprobs, ref_logprobs: ``[N]`` float or None. ``beta != 0`` needs ``ref_logprobs``.
         temperature: ``T > 0``; logits are divided by it before the softmax.
         clip_low, clip_high: PPO clip range ``[1 − clip_low, 1 + clip_high]``; ``dual_clip``: c > 1.
@@ -109,17 +109,17 @@ def grpo_loss_from_logits(
         loss_type: ``"grpo_clip"`` (the formula above), ``"reinforce_with_baseline"`` /
             ``"no_baseline"``: ``−r_t·A_t`` in place of the min, never clipped, or ``"cispo"``:
             ``−sg(clip(r_t, 1−clip_low, 1+clip_high))·A_t·logp_t`` (see
-            ``grpo_fast.core.grpo_token_loss``).
+            ``grpo_fast.algo.core.grpo_token_loss``).
         delta: ``δ > 1`` or None: the unclipped term's ratio capped at δ, ``min(r_t, δ)`` (no
             gradient above it; for ``grpo_clip`` with ``δ > 1 + clip_high`` the same as
             ``dual_clip = δ``); ``clipped`` marks the capped tokens.
         importance_sampling_level, sequence_ids: ``"token"`` (``r_t`` per token), or
             ``"sequence"`` (GSPO) with ``sequence_ids [N]`` int64/int32: every row's ratio is its
             sequence's ``exp(mean_{t∈i}(logp_t − old_t))``, the mean over the rows sharing the id
-            (see ``grpo_fast.core.grpo_token_loss``).
+            (see ``grpo_fast.algo.core.grpo_token_loss``).
         top_entropy_quantile: ``ρ ∈ (0, 1]``: the policy-gradient term only on the rows whose
             entropy is in the top ρ of the rows with ``loss_weights != 0`` of this call
-            (``grpo_fast.core.entropy_threshold``); 1 = every row.
+            (``grpo_fast.algo.core.entropy_threshold``); 1 = every row.
         backend: ``"auto"`` (``triton`` on CUDA, else ``torch_chunked``), ``"triton"``,
             ``"torch_chunked"``, ``"eager"``.
         inplace_grad: write ``∂loss/∂logits`` into the logits buffer (no ``[N, V]`` allocation in the

@@ -16,7 +16,7 @@ from types import ModuleType
 import torch
 from torch.autograd.function import once_differentiable
 
-from grpo_fast.core import eager_token_logprobs_and_entropy
+from grpo_fast.algo.core import eager_token_logprobs_and_entropy
 from grpo_fast.ops._backend import (
     check_backend,
     check_label_range,
@@ -137,7 +137,7 @@ def token_logprobs_and_entropy(
         labels: ``[N]`` int64/int32 in ``[0, V)``; out of range is a ``ValueError``.
         temperature: ``T > 0``, a runtime kernel argument (no recompile per value).
         backend: ``"auto"`` (``triton`` on CUDA, else ``torch_chunked``), ``"triton"``,
-            ``"torch_chunked"`` or ``"eager"`` (the ``grpo_fast.core`` reference).
+            ``"torch_chunked"`` or ``"eager"`` (the ``grpo_fast.algo.core`` reference).
         inplace_grad: the backward writes ``∂/∂logits`` into the logits buffer (saves ``[N, V]``
             of memory). The logits must not be read again after the backward, nor be a leaf; a
             second backward raises ``RuntimeError``. Ignored by ``eager``.

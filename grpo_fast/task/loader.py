@@ -1,10 +1,10 @@
 """A task as the loop sees it: train/eval examples, the prompt template, stop strings, the reward.
 
-``data.task`` picks the data (``math``, ``gsm8k`` through ``grpo_fast.data``; ``tiny`` built in),
+``data.task`` picks the data (``math``, ``gsm8k`` through ``grpo_fast.task.data``; ``tiny`` built in),
 ``data.prompt_template`` the prompt, ``data.reward`` the reward function: a registered name
 (``auto`` = the task's own: ``math`` → ``r1_zero``, ``gsm8k`` → ``gsm8k``, ``tiny`` → ``tiny``)
 or ``package.module:function`` for one of your own; or a list of them with
-``data.reward_weights``, summed by ``grpo_fast.rewards.WeightedReward``.
+``data.reward_weights``, summed by ``grpo_fast.task.rewards.WeightedReward``.
 """
 
 from __future__ import annotations
@@ -16,12 +16,12 @@ import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from grpo_fast import tiny
 from grpo_fast.config import AUTO, Config
-from grpo_fast.data import Example, load_examples
 from grpo_fast.errors import ConfigError
-from grpo_fast.prompts import get_template
-from grpo_fast.rewards import GuardedReward, WeightedReward, get_reward_fn
+from grpo_fast.task.data import Example, load_examples
+from grpo_fast.task import tiny
+from grpo_fast.task.prompts import get_template
+from grpo_fast.task.rewards import GuardedReward, WeightedReward, get_reward_fn
 
 DEFAULT_REWARD = {"math": "r1_zero", "gsm8k": "gsm8k", "tiny": "tiny"}
 EVAL_SPLIT = {"math": "test", "gsm8k": "test"}

@@ -49,7 +49,7 @@ from pathlib import Path
 from typing import Any
 
 from grpo_fast.errors import ConfigError, DataError
-from grpo_fast.rewards import extract_boxed
+from grpo_fast.task.rewards import extract_boxed
 
 __all__ = ["SUPPORTED_EXTENSIONS", "TASKS", "Example", "TaskSpec", "load_examples", "write_jsonl"]
 
@@ -70,7 +70,7 @@ class Example:
 @dataclass(frozen=True)
 class TaskSpec:
     """Where a task's data lives by default, which fields hold what (first present wins), and
-    the name of its reward in ``grpo_fast.rewards.REWARD_FNS``."""
+    the name of its reward in ``grpo_fast.task.rewards.REWARD_FNS``."""
 
     hub_name: str
     hub_config: str | None

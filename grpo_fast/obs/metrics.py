@@ -25,7 +25,7 @@ from rich.progress import (
 
 from grpo_fast.config import AUTO, Config, to_dict
 from grpo_fast.errors import ConfigError
-from grpo_fast.memory import process_peak_bytes, reset_process_peak
+from grpo_fast.obs.memory import process_peak_bytes, reset_process_peak
 
 
 def peak_memory_gb(device: torch.device) -> float:

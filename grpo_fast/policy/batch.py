@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
-from grpo_fast.core import length_norm_weights
+from grpo_fast.algo.core import length_norm_weights
 
 
 @dataclass

@@ -8,8 +8,8 @@ from collections.abc import Sequence
 
 import torch
 
+from grpo_fast.algo.difficulty import CURRICULA, PassRateTable, easiness_key, in_band
 from grpo_fast.config import Config
-from grpo_fast.difficulty import CURRICULA, PassRateTable, easiness_key, in_band
 
 
 def build_optimizer(cfg: Config, params) -> torch.optim.Optimizer:
@@ -56,7 +56,7 @@ class PromptSampler:
     keeps its own slice; ``state_dict`` makes resume exact.
 
     A pass's order is fixed when its first prompt is drawn: the seeded shuffle of pass ``e``
-    (``random.Random(seed·100003 + e)``), then, with the options (``grpo_fast.difficulty``):
+    (``random.Random(seed·100003 + e)``), then, with the options (``grpo_fast.algo.difficulty``):
 
     - ``difficulty_filter=[lo, hi]`` (needs ``table``): the prompts already seen whose pass rate
       is outside ``[lo, hi]`` are left out of the pass (``skipped`` counts them); were that every

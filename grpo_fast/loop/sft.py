@@ -23,15 +23,15 @@ from pathlib import Path
 
 import torch
 
-from grpo_fast.batch import build_sequences, make_microbatches
 from grpo_fast.config import Config
-from grpo_fast.model import PolicyLoss
+from grpo_fast.policy.batch import build_sequences, make_microbatches
+from grpo_fast.policy.model import PolicyLoss
 
 
 def sft_warm_start(cfg: Config, model, tokenizer, task, device, amp, out_dir: Path | None, logger) -> int:
     """Run the warm start; returns the number of SFT steps taken."""
-    from grpo_fast.evaluate import evaluate
     from grpo_fast.rollout.hf import HFBackend
+    from grpo_fast.tools.evaluate import evaluate
 
     s = cfg.sft
     rng = random.Random(cfg.seed + 1)

@@ -17,12 +17,12 @@ import torch
 from torch import nn
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
-from grpo_fast import tiny
-from grpo_fast.batch import Microbatch
+from grpo_fast.algo.core import GRPOLossOutput
 from grpo_fast.config import AUTO, Config
-from grpo_fast.core import GRPOLossOutput
 from grpo_fast.errors import ConfigError
 from grpo_fast.ops import fused_linear_grpo_loss
+from grpo_fast.policy.batch import Microbatch
+from grpo_fast.task import tiny
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 

@@ -14,7 +14,7 @@ checkpoints and restored on resume.
 The options (``rollout.*``):
 
 - ``difficulty_filter=[lo, hi]``: a pass over the data leaves out the prompts already seen whose
-  pass rate is outside ``[lo, hi]`` (``in_band``; the sampler, ``grpo_fast.optim.PromptSampler``).
+  pass rate is outside ``[lo, hi]`` (``in_band``; the sampler, ``grpo_fast.loop.optim.PromptSampler``).
 - ``curriculum=easy_first``: each pass visits its prompts from the easiest to the hardest
   (``easiness_key``): by ``Example.difficulty`` when the data has one (lower first), else by pass
   rate (higher first, unseen prompts before every seen one).

@@ -23,8 +23,8 @@ from tokenizers import Regex, Tokenizer, decoders, pre_tokenizers
 from tokenizers.models import WordLevel
 from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
 
-from grpo_fast.data import Example
-from grpo_fast.rewards import register_reward
+from grpo_fast.task.data import Example
+from grpo_fast.task.rewards import register_reward
 
 BUILTIN_NAME = "builtin:tiny"
 SPECIAL_TOKENS = ("<pad>", "<eos>", "<unk>")

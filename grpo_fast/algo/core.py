@@ -7,7 +7,7 @@ early stop, an entropy bonus, three length normalizations expressed as per-token
 and the eager ``[N, V]``-logits reference of the fused ops (``eager_token_logprobs_and_entropy``,
 ``eager_grpo_loss_from_logits``) that ``grpo_fast.ops`` is tested against.
 
-The Stanford CS336 assignment-5 helper API lives in ``grpo_fast.course``, built on this module;
+The Stanford CS336 assignment-5 helper API lives in ``grpo_fast.algo.course``, built on this module;
 of its names only ``compute_entropy`` is defined here, because the eager reference uses it.
 
 Shapes: ``B`` sequences, ``T`` tokens per sequence, ``N`` flattened tokens, ``V`` vocabulary.
@@ -91,7 +91,7 @@ def normalize_group_rewards(
     reduce_sums: Callable[[list[float]], list[float]] | None = None,
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """Group-normalized advantages of rewards already scored (the course's
-    ``grpo_fast.course.compute_group_normalized_rewards`` scores them first, then calls this; the
+    ``grpo_fast.algo.course.compute_group_normalized_rewards`` scores them first, then calls this; the
     training loop calls it directly on a batch assembled from several rounds of dynamic sampling).
 
     ``A_i = r_i − mean(group)``, then divided by a std by ``scale_rewards`` (``loss.scale_rewards``;

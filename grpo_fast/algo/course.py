@@ -1,7 +1,7 @@
 """The Stanford CS336 (Spring 2025) assignment-5 helper API, for course code.
 
 Name for name and signature for signature, so course code can ``from grpo_fast import ...`` (or
-``from grpo_fast.course import ...``) and keep working: ``tokenize_prompt_and_output``,
+``from grpo_fast.algo.course import ...``) and keep working: ``tokenize_prompt_and_output``,
 ``compute_entropy``, ``get_response_log_probs``, ``masked_mean``, ``masked_normalize``,
 ``compute_group_normalized_rewards``, ``compute_naive_policy_gradient_loss``,
 ``compute_grpo_clip_loss``, ``compute_policy_gradient_loss``, ``sft_microbatch_train_step``,
@@ -9,12 +9,12 @@ Name for name and signature for signature, so course code can ``from grpo_fast i
 ``compute_group_normalized_rewards`` adds keyword-only extras (``scale_rewards``,
 ``reduce_sums``, ``reward_shaping``) whose defaults give the course's behaviour.
 
-The training loop does not use this module: it works on the GRPO family in ``grpo_fast.core``
+The training loop does not use this module: it works on the GRPO family in ``grpo_fast.algo.core``
 (per-token losses as ``grpo_token_loss``, length normalization as loss weights). Where a course
 function is that family with the course's defaults it calls it: ``compute_grpo_clip_loss`` is
 ``core.grpo_clip_loss`` with one symmetric clip range, ``compute_group_normalized_rewards``
 scores the responses and hands them to ``core.normalize_group_rewards``. ``compute_entropy`` is
-defined in ``grpo_fast.core`` (the eager reference of the fused ops uses it) and re-exported here.
+defined in ``grpo_fast.algo.core`` (the eager reference of the fused ops uses it) and re-exported here.
 
 Shapes: ``B`` sequences, ``T`` tokens per sequence, ``V`` vocabulary.
 """
@@ -25,7 +25,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from grpo_fast.core import (
+from grpo_fast.algo.core import (
     LOSS_TYPES,
     _check_group_sizes,
     compute_entropy,
@@ -176,7 +176,7 @@ def compute_group_normalized_rewards(
     for group ``j``. ``reward_shaping`` (``[B]``, e.g. ``overlong_penalty``) is added to each
     raw reward first: ``r_i = reward_fn(...)["reward"] + shaping_i`` is the reward returned, the
     one the advantage and the ``reward_*`` statistics use (``metadata["reward_shaping_mean"]``
-    is its mean). The rewards are then normalized by ``grpo_fast.core.normalize_group_rewards``
+    is its mean). The rewards are then normalized by ``grpo_fast.algo.core.normalize_group_rewards``
     (its docstring has the formulas): ``A_i = r_i − mean(group)``, divided by a std chosen by
     ``scale_rewards`` (``group``, ``batch`` or ``none``); ``scale_rewards=None`` keeps the CS336
     flag: ``group`` if ``normalize_by_std`` else ``none``. A zero-variance group gets advantage
@@ -187,7 +187,7 @@ def compute_group_normalized_rewards(
             float keys (``format_reward``, ``answer_reward``) are averaged into the metadata.
         rollout_responses, repeated_ground_truths: ``B = n_prompts · group_size`` strings each.
         group_size, advantage_eps, normalize_by_std, scale_rewards, reduce_sums: as
-            ``grpo_fast.core.normalize_group_rewards``.
+            ``grpo_fast.algo.core.normalize_group_rewards``.
 
     Returns:
         ``(advantages [B] fp32, raw_rewards [B] fp32, metadata)``: ``normalize_group_rewards``'s

@@ -1,0 +1,1 @@
+"""The GRPO algorithm in plain PyTorch: the loss options, the eager reference of every fused op, advantages, KL control, the sampler correction, the prompt-selection algorithm and the CS336 course API."""

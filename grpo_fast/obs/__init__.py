@@ -1,0 +1,1 @@
+"""Observability: metrics, health checks, memory measurement, run reports and sweeps."""

@@ -1,0 +1,425 @@
+"""Post-run report: PNG plots and a markdown summary from a run directory.
+
+Usage::
+
+    python -m grpo_fast.report RUN_DIR [--out DIR]
+
+Reads ``RUN_DIR/metrics.jsonl`` (one JSON object per line with ``step`` and namespaced keys,
+sparse: eval keys only on eval steps), ``RUN_DIR/config.yaml`` and ``RUN_DIR/health.jsonl``
+when present, and writes into ``DIR`` (default ``RUN_DIR/report``) one PNG per entry of
+``PLOTS`` whose keys appear in the metrics (the others are skipped with a note) and
+``summary.md``: config highlights, first/last/best eval accuracy, health events, the final
+value of every metric, and the plots.
+
+A run killed mid-write leaves a partial last line in ``metrics.jsonl``: it is dropped. Any
+other malformed line is an error naming the line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+from collections import Counter
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from matplotlib.figure import Figure
+
+from grpo_fast.errors import DataError, UserError, cli_errors
+from grpo_fast.obs.health import SEVERITIES, HealthThresholds
+
+__all__ = [
+    "PLOTS",
+    "Panel",
+    "PlotSpec",
+    "RunData",
+    "load_run",
+    "main",
+    "read_metrics",
+    "series",
+    "write_report",
+]
+
+METRICS_FILE = "metrics.jsonl"
+CONFIG_FILE = "config.yaml"
+HEALTH_FILE = "health.jsonl"
+SUMMARY_FILE = "summary.md"
+MAX_EVENTS_LISTED = 50
+
+
+@dataclass(frozen=True)
+class Panel:
+    """One subplot: the metric keys drawn on a shared y axis."""
+
+    ylabel: str
+    keys: tuple[str, ...]
+    logy: bool = False
+
+
+@dataclass(frozen=True)
+class PlotSpec:
+    """One PNG (``<name>.png``): a column of panels sharing the step axis."""
+
+    name: str
+    title: str
+    panels: tuple[Panel, ...]
+
+
+PLOTS: tuple[PlotSpec, ...] = (
+    PlotSpec(
+        "reward",
+        "Reward and accuracy",
+        (
+            Panel("reward", ("train/reward_mean",)),
+            Panel("rate", ("train/accuracy", "eval/accuracy", "eval/format_rate")),
+        ),
+    ),
+    PlotSpec("entropy", "Mean token entropy", (Panel("nats / token", ("train/entropy_mean",)),)),
+    PlotSpec(
+        "length",
+        "Response length",
+        (Panel("tokens", ("train/response_length_mean", "eval/response_length_mean")),),
+    ),
+    PlotSpec(
+        "grad_norm", "Gradient norm (before clipping)", (Panel("grad norm", ("train/grad_norm",), logy=True),)
+    ),
+    PlotSpec("clip_fraction", "Clipped-token fraction", (Panel("fraction", ("train/clip_fraction",)),)),
+    PlotSpec("kl", "KL to the reference policy", (Panel("KL", ("train/kl",)),)),
+    PlotSpec("loss", "Loss and learning rate", (Panel("loss", ("train/loss",)), Panel("lr", ("train/lr",)))),
+    PlotSpec(
+        "timings",
+        "Step time and throughput",
+        (
+            Panel("seconds", ("time/rollout_s", "time/train_s")),
+            Panel("tokens / s", ("throughput/tokens_per_s",)),
+        ),
+    ),
+    PlotSpec("memory", "Peak GPU memory", (Panel("GB", ("memory/peak_gb",)),)),
+)
+
+# Config keys shown under "Config highlights": any under a top-level ``model`` section, and any
+# whose last part is one of these (the full config follows, folded).
+HIGHLIGHT_LEAVES = (
+    "preset",
+    "task",
+    "prompt_template",
+    "reward",
+    "group_size",
+    "batch_size",
+    "temperature",
+    "max_tokens",
+    "lr",
+    "grad_clip",
+    "type",
+    "length_norm",
+    "clip_low",
+    "clip_high",
+    "beta",
+    "entropy_coef",
+    "steps",
+    "seed",
+    "world_size",
+)
+
+
+@dataclass
+class RunData:
+    """What a run directory holds: metric rows, flattened config, health events, read notes."""
+
+    run_dir: Path
+    rows: list[dict[str, Any]]
+    config: dict[str, Any] | None = None
+    events: list[dict[str, Any]] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+
+
+def read_metrics(path: Path) -> list[dict[str, Any]]:
+    """Rows of a ``metrics.jsonl`` file (a partial last line is dropped).
+
+    Raises:
+        UserError: the file is missing or holds no rows.
+        DataError: a line other than the last is not a JSON object (names the line).
+    """
+    if not path.is_file():
+        raise UserError(f"{path}: no metrics file (is {path.parent} a run directory?)")
+    lines = path.read_text(encoding="utf-8", errors="replace").splitlines()
+    rows = []
+    for lineno, line in enumerate(lines, start=1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as exc:
+            if lineno == len(lines):  # killed mid-write
+                break
+            raise DataError(f"{path}:{lineno}: not valid JSON ({exc.msg} at column {exc.colno})") from None
+        if not isinstance(row, dict):
+            raise DataError(f"{path}:{lineno}: expected a JSON object, got {type(row).__name__}")
+        rows.append(row)
+    if not rows:
+        raise UserError(f"{path}: empty, nothing to report")
+    return rows
+
+
+def series(rows: Sequence[Mapping[str, Any]], key: str) -> tuple[list[float], list[float]]:
+    """``(steps, values)`` of the rows holding ``key`` with a finite number (and a ``step``)."""
+    steps, values = [], []
+    for row in rows:
+        step, value = row.get("step"), row.get(key)
+        if _is_number(step) and _is_number(value) and math.isfinite(value):
+            steps.append(step)
+            values.append(float(value))
+    return steps, values
+
+
+def load_run(run_dir: Path) -> RunData:
+    """Read ``metrics.jsonl`` (required), ``config.yaml`` and ``health.jsonl`` (optional)."""
+    if not run_dir.is_dir():
+        raise UserError(f"{run_dir}: not a directory")
+    run = RunData(run_dir=run_dir, rows=read_metrics(run_dir / METRICS_FILE))
+    config_path = run_dir / CONFIG_FILE
+    if config_path.is_file():
+        from omegaconf import OmegaConf
+
+        try:
+            run.config = _flatten(OmegaConf.to_container(OmegaConf.load(config_path), resolve=False))
+        except Exception as exc:  # a report is still useful without the config
+            run.notes.append(f"{CONFIG_FILE} could not be read ({type(exc).__name__}: {exc})")
+    run.events = _collect_events(run)
+    return run
+
+
+def write_report(run_dir: str | Path, out_dir: str | Path | None = None) -> Path:
+    """Write the PNGs and ``summary.md`` for ``run_dir``; returns the summary's path."""
+    run = load_run(Path(run_dir))
+    out = Path(out_dir) if out_dir is not None else run.run_dir / "report"
+    out.mkdir(parents=True, exist_ok=True)
+    written, skipped = [], []
+    for spec in PLOTS:
+        if _render(spec, run.rows, out / f"{spec.name}.png"):
+            written.append(spec)
+        else:
+            keys = ", ".join(k for p in spec.panels for k in p.keys)
+            skipped.append(f"{spec.name}.png: none of {keys} in the metrics")
+    summary = out / SUMMARY_FILE
+    summary.write_text(_summary_markdown(run, written, skipped), encoding="utf-8")
+    return summary
+
+
+@cli_errors
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m grpo_fast.report", description="Plots and a markdown summary of a training run."
+    )
+    parser.add_argument("run_dir", metavar="RUN_DIR", help="run directory holding metrics.jsonl")
+    parser.add_argument("--out", metavar="DIR", help="output directory (default: RUN_DIR/report)")
+    args = parser.parse_args(argv)
+    print(write_report(args.run_dir, args.out))
+    return 0
+
+
+# ----------------------------------------------------------------------------------------------
+# Plots
+# ----------------------------------------------------------------------------------------------
+
+
+def _render(spec: PlotSpec, rows: list[dict[str, Any]], path: Path) -> bool:
+    """Draw ``spec`` into ``path``; panels without data are left out. False if none has data."""
+    panels = [(p, [(k, series(rows, k)) for k in p.keys]) for p in spec.panels]
+    panels = [(p, [(k, s) for k, s in data if s[0]]) for p, data in panels]
+    panels = [(p, data) for p, data in panels if data]
+    if not panels:
+        return False
+    # Figure() directly, not pyplot: no global state, no GUI backend; PNGs are drawn with Agg.
+    fig = Figure(figsize=(8, 1.2 + 2.6 * len(panels)), layout="constrained")
+    axes = fig.subplots(len(panels), 1, sharex=True, squeeze=False)[:, 0]
+    for ax, (panel, data) in zip(axes, panels):
+        for key, (steps, values) in data:
+            sparse = key.startswith("eval/") or len(steps) <= 30
+            (line,) = ax.plot(steps, values, marker="o" if sparse else None, markersize=3.5, label=key)
+            if key == "train/reward_mean":
+                _std_band(ax, rows, steps, values, line.get_color())
+        if spec.name == "entropy":
+            t = HealthThresholds()
+            ax.axhspan(t.entropy_healthy_low, t.entropy_healthy_high, color="tab:green", alpha=0.12)
+            ax.axhline(t.entropy_warn_low, color="tab:red", lw=0.8, ls="--")
+            ax.axhline(t.entropy_warn_high, color="tab:red", lw=0.8, ls="--")
+        if panel.logy and all(v > 0 for _, (_, values) in data for v in values):
+            ax.set_yscale("log")
+        ax.set_ylabel(panel.ylabel)
+        ax.grid(alpha=0.3)
+        ax.legend(loc="best", fontsize=8)
+    axes[-1].set_xlabel("step")
+    fig.suptitle(spec.title)
+    fig.savefig(path, dpi=110)
+    return True
+
+
+def _std_band(ax, rows, steps, values, color) -> None:
+    """Shade ``reward_mean ± reward_std`` where both are logged on the same rows."""
+    std = dict(zip(*series(rows, "train/reward_std")))
+    pairs = [(s, v, std[s]) for s, v in zip(steps, values) if s in std]
+    if not pairs:
+        return
+    xs, mean, sd = zip(*pairs)
+    ax.fill_between(
+        xs, [m - d for m, d in zip(mean, sd)], [m + d for m, d in zip(mean, sd)], color=color, alpha=0.15
+    )
+
+
+# ----------------------------------------------------------------------------------------------
+# Summary
+# ----------------------------------------------------------------------------------------------
+
+
+def _summary_markdown(run: RunData, written: list[PlotSpec], skipped: list[str]) -> str:
+    steps = [r["step"] for r in run.rows if _is_number(r.get("step"))]
+    span = f", steps {min(steps):g}–{max(steps):g}" if steps else ""
+    lines = [
+        f"# Run report: {run.run_dir.name}",
+        "",
+        f"From `{run.run_dir / METRICS_FILE}`: {len(run.rows)} rows{span}.",
+        *(f"\n> note: {n}" for n in run.notes),
+        "",
+        "## Config highlights",
+        "",
+    ]
+    if run.config is None:
+        lines.append(f"No readable `{CONFIG_FILE}`.")
+    else:
+        top = {
+            k: v
+            for k, v in run.config.items()
+            if k.split(".", 1)[0] == "model" or k.rsplit(".", 1)[-1] in HIGHLIGHT_LEAVES
+        }
+        lines += _table(("key", "value"), [(f"`{k}`", _fmt(v)) for k, v in top.items()]) or ["(none)"]
+        lines += ["", "<details><summary>full config</summary>", ""]
+        lines += _table(("key", "value"), [(f"`{k}`", _fmt(v)) for k, v in run.config.items()])
+        lines += ["", "</details>"]
+    lines += ["", "## Eval accuracy", ""]
+    eval_steps, eval_acc = series(run.rows, "eval/accuracy")
+    if eval_steps:
+        best = max(range(len(eval_acc)), key=eval_acc.__getitem__)
+        lines += _table(
+            ("", "step", "eval/accuracy"),
+            [
+                (name, f"{eval_steps[i]:g}", _fmt(eval_acc[i]))
+                for name, i in (("first", 0), ("last", -1), ("best", best))
+            ],
+        )
+    else:
+        lines.append("No `eval/accuracy` in the metrics.")
+    lines += ["", "## Health", "", *_health_lines(run.events), "", "## Final metrics", ""]
+    lines += _table(("metric", "step", "last value"), _final_values(run.rows))
+    lines += ["", "## Plots", ""]
+    lines += [f"![{spec.title}]({spec.name}.png)\n" for spec in written]
+    lines += [f"- skipped {s}" for s in skipped]
+    return "\n".join(lines) + "\n"
+
+
+def _health_lines(events: list[dict[str, Any]]) -> list[str]:
+    if not events:
+        return ["No health events."]
+    counts = Counter(str(e.get("kind")) for e in events)
+    serious = [e for e in events if SEVERITIES.index(_severity(e)) >= SEVERITIES.index("warning")]
+    lines = [
+        f"Events: {len(events)}, of which warning or worse: {len(serious)}. By kind: "
+        + ", ".join(f"{kind} ×{n}" for kind, n in counts.most_common())
+        + ".",
+        "",
+    ]
+    rows = [
+        (
+            _fmt(e.get("step")),
+            _severity(e),
+            str(e.get("kind")),
+            str(e.get("message", "")),
+            str(e.get("suggestion", "")),
+        )
+        for e in events[:MAX_EVENTS_LISTED]
+    ]
+    lines += _table(("step", "severity", "kind", "message", "suggestion"), rows)
+    if len(events) > MAX_EVENTS_LISTED:
+        lines.append(f"\n… and {len(events) - MAX_EVENTS_LISTED} more.")
+    return lines
+
+
+def _collect_events(run: RunData) -> list[dict[str, Any]]:
+    """Health events from ``health.jsonl`` and from ``event`` / ``health/*`` keys in the metrics,
+    one per (step, kind), by step."""
+    events: dict[tuple[Any, str], dict[str, Any]] = {}
+    health_path = run.run_dir / HEALTH_FILE
+    if health_path.is_file():
+        for lineno, line in enumerate(
+            health_path.read_text(encoding="utf-8", errors="replace").splitlines(), 1
+        ):
+            try:
+                event = json.loads(line) if line.strip() else None
+            except json.JSONDecodeError:
+                run.notes.append(f"{HEALTH_FILE}:{lineno} is not valid JSON; skipped")
+                continue
+            if isinstance(event, dict):
+                events.setdefault((event.get("step"), str(event.get("kind"))), event)
+    for row in run.rows:
+        step = row.get("step")
+        if "event" in row:
+            kind = str(row["event"])
+            message = row.get("message", {k: v for k, v in row.items() if k not in ("step", "event")})
+            events.setdefault((step, kind), {"step": step, "kind": kind, "message": message})
+        for key, value in row.items():
+            if key.startswith("health/"):
+                kind = key.removeprefix("health/")
+                events.setdefault((step, kind), {"step": step, "kind": kind, "message": value})
+    return sorted(events.values(), key=lambda e: e["step"] if _is_number(e.get("step")) else math.inf)
+
+
+def _final_values(rows: list[dict[str, Any]]) -> list[tuple[str, str, str]]:
+    last: dict[str, tuple[Any, Any]] = {}
+    for row in rows:
+        for key, value in row.items():
+            if key != "step" and _is_number(value):
+                last[key] = (row.get("step"), value)
+    return [(f"`{k}`", _fmt(step), _fmt(v)) for k, (step, v) in sorted(last.items())]
+
+
+def _severity(event: Mapping[str, Any]) -> str:
+    severity = event.get("severity")
+    return severity if severity in SEVERITIES else "warning"
+
+
+def _table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> list[str]:
+    if not rows:
+        return []
+    cell = lambda s: str(s).replace("|", "\\|").replace("\n", " ")
+    return [
+        "| " + " | ".join(header) + " |",
+        "|" + "---|" * len(header),
+        *("| " + " | ".join(cell(c) for c in row) + " |" for row in rows),
+    ]
+
+
+def _flatten(tree: Any, prefix: str = "") -> dict[str, Any]:
+    if not isinstance(tree, dict):
+        return {prefix or "value": tree}
+    flat: dict[str, Any] = {}
+    for key, value in tree.items():
+        name = f"{prefix}.{key}" if prefix else str(key)
+        flat.update(_flatten(value, name) if isinstance(value, dict) and value else {name: value})
+    return flat
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _fmt(value: Any) -> str:
+    if isinstance(value, float):
+        return f"{value:.4g}"
+    return str(value)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

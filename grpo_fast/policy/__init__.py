@@ -1,0 +1,1 @@
+"""The policy: loading the model, the fused loss module, microbatches and checkpoints."""

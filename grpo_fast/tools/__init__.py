@@ -1,0 +1,1 @@
+"""Tools around a run: the memory planner, evaluation, the environment doctor, the dry run."""

@@ -1,0 +1,136 @@
+"""Evaluation: greedy (or ``rollout.eval_temperature``) answers to eval problems, graded by the task's reward.
+
+In the loop: a fixed subset every ``eval_every`` steps, the whole set every ``full_eval_every``.
+Standalone, a zero-shot baseline of any checkpoint or hub model:
+
+    python -m grpo_fast.evaluate --model PATH [--preset NAME] [--limit N] [--out F.jsonl] [key=value ...]
+
+Metrics: ``accuracy`` (mean answer reward), ``format_rate`` (mean format reward),
+``reward_mean``, ``response_length_mean`` (tokens), ``truncated_fraction``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+from grpo_fast import dist
+from grpo_fast.config import Config, load_config
+from grpo_fast.errors import cli_errors
+from grpo_fast.rollout import SamplingParams
+from grpo_fast.task.data import Example
+
+
+def evaluate(
+    backend,
+    task,
+    examples: list[Example],
+    cfg: Config,
+    device: torch.device,
+    world: dist.DistInfo | None = None,
+    progress=None,
+):
+    """Grade ``examples`` (this rank's share of them under data parallelism).
+
+    Returns ``(metrics, records)``: metrics over all ranks; records (prompt, response, ground
+    truth, reward parts, length) for this rank's examples.
+    """
+    world = world or dist.DistInfo()
+    mine = examples[world.rank :: world.world_size]
+    r = cfg.rollout
+    params = SamplingParams(
+        n=1,
+        temperature=r.eval_temperature,
+        top_p=1.0 if r.eval_temperature == 0 else r.top_p,
+        max_tokens=r.max_tokens,
+        min_tokens=0,
+        stop=tuple(task.stop),
+    )
+    records = []
+    if mine:
+        rollout = backend.generate([task.prompt_ids(e) for e in mine], params, progress=progress)
+        backend.sleep()
+        for ex, text, ids, reason in zip(
+            mine, rollout.response_text, rollout.response_ids, rollout.finish_reason
+        ):
+            score = task.reward_fn(text, ex.answer)
+            records.append(
+                {
+                    "prompt": task.prompt_text(ex),
+                    "response": text,
+                    "ground_truth": ex.answer,
+                    **score,
+                    "length": len(ids),
+                    "finish_reason": reason,
+                }
+            )
+    acc = sum(rec.get("answer_reward", rec["reward"]) for rec in records)
+    fmt = sum(rec.get("format_reward", float("nan")) for rec in records)
+    rew = sum(rec["reward"] for rec in records)
+    length = sum(rec["length"] for rec in records)
+    trunc = sum(rec["finish_reason"] == "length" for rec in records)
+    acc, fmt, rew, length, trunc, n = dist.all_reduce_sum(
+        [acc, fmt, rew, length, trunc, len(records)], device
+    )
+    n = max(n, 1.0)
+    metrics = {
+        "accuracy": acc / n,
+        "format_rate": fmt / n,
+        "reward_mean": rew / n,
+        "response_length_mean": length / n,
+        "truncated_fraction": trunc / n,
+        "num_examples": n,
+    }
+    return metrics, records
+
+
+def parse_args(argv):
+    p = argparse.ArgumentParser(prog="python -m grpo_fast.evaluate", description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", required=True, help="a checkpoint folder, a hub name, or builtin:tiny")
+    p.add_argument("--preset", default="tiny", help="the preset whose task, template and sampling to use")
+    p.add_argument("--config", action="append", default=[], metavar="FILE.yaml")
+    p.add_argument("--limit", type=int, default=None, help="evaluate the first N problems only")
+    p.add_argument("--out", default=None, help="write per-problem records (JSONL) here")
+    p.add_argument("overrides", nargs="*", metavar="key=value")
+    return p.parse_args(argv)
+
+
+@cli_errors
+def main(argv: list[str] | None = None) -> int:
+    from grpo_fast.policy.model import (
+        autocast_dtype,
+        load_policy,
+        load_tokenizer,
+        quiet_transformers,
+        resolve_device,
+    )
+    from grpo_fast.rollout import make_backend
+    from grpo_fast.task.loader import load_task
+
+    args = parse_args(argv)
+    quiet_transformers()
+    cfg = load_config(args.preset, args.config, [*args.overrides, f"model.name_or_path={args.model}"])
+    device = resolve_device(cfg)
+    tokenizer = load_tokenizer(cfg.model.name_or_path)
+    task = load_task(cfg, tokenizer)
+    model = load_policy(cfg, tokenizer, device)
+    if cfg.model.name_or_path.startswith("builtin:"):
+        print("note: builtin:tiny is a freshly initialized model (random weights)", file=sys.stderr)
+    backend = make_backend(cfg, model, tokenizer, device, autocast_dtype(cfg, device))
+    examples = task.eval[: args.limit] if args.limit else task.eval
+    metrics, records = evaluate(backend, task, examples, cfg, device)
+    if args.out:
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        with open(args.out, "w") as fh:
+            for rec in records:
+                fh.write(json.dumps(rec) + "\n")
+    print(json.dumps({f"eval/{k}": v for k, v in metrics.items()}, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,304 @@
+"""Memory planner: a byte budget for one GPU, and the ``auto`` settings it implies.
+
+    python -m grpo_fast.plan --preset rtx4090 [--gpu-mem-gb 24] [key=value ...]
+
+Two phases share the card and never overlap (vLLM sleeps while the trainer trains):
+
+- training: weights + gradients + optimizer state + autocast's low-precision weight copies
+  + activations (per microbatch token; with gradient checkpointing only each layer's input is
+  kept, plus one layer recomputed at a time) + the loss chunk (``[rows, V]`` logits and the fp32
+  lm_head gradient accumulator) + a fixed reserve for the CUDA context and fragmentation;
+- rollout: the trainer's resident state (weights + optimizer; gradients are freed) + vLLM's
+  ``gpu_memory_utilization`` share (its bf16 weights, its activation workspace, its KV cache).
+
+The planner picks the largest microbatch (sequences of ``max_prompt_tokens + max_tokens``) whose
+training peak fits, the loss chunk rows by the fused op's own rule on CUDA (a 128 MiB budget,
+raised to the 2,048 rows that keep its weight-gradient GEMM compute-bound, within 1 GiB: see
+``grpo_fast.ops.fused_linear_grpo_loss``), and the vLLM share that the
+trainer's resident state leaves free. ``train`` uses it for every setting left at ``auto``.
+The estimates are formulas, not measurements; ``bench/`` measures the real peaks.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import sys
+from dataclasses import dataclass
+
+import torch
+
+from grpo_fast.config import AUTO, Config, load_config
+from grpo_fast.errors import ConfigError, cli_errors
+from grpo_fast.ops.fused_linear_grpo_loss import default_chunk_size
+
+GB = 1e9
+RESERVE_BYTES = 1.5 * GB  # CUDA context (~0.5 GB) + allocator fragmentation headroom
+VLLM_WORKSPACE_BYTES = 1.5 * GB  # vLLM's activation/sampler workspace measured by its profile run
+MAX_MICRO_BATCH = 64
+CPU_MICRO_BATCH = 16
+# The torch_chunked backend's working set: [ROW_TILE, VOCAB_BLOCK] fp32 tiles alive at once in its
+# backward (s, p, p·(log p + H), dlogits, ...). Measured with tracked allocations: 7 tiles of 4 MiB
+# (29.4 MB) beyond the logits chunk and the weight gradient (N = 768, V = 32,768, CPU, 2026-12-01;
+# tests/test_plan.py). The Triton kernels keep their tiles in registers: nothing.
+TORCH_CHUNKED_TILES = 7
+
+
+@dataclass(frozen=True)
+class Arch:
+    """What the planner needs of a decoder-only transformer."""
+
+    hidden: int
+    layers: int
+    heads: int
+    kv_heads: int
+    intermediate: int
+    vocab: int
+    tie_embeddings: bool
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden // self.heads
+
+    @property
+    def num_params(self) -> int:
+        d, kv = self.hidden, self.kv_heads * self.head_dim
+        attn = d * d + 2 * d * kv + d * d + d + 2 * kv  # q, k, v, o (+ q/k/v biases, as Qwen2)
+        mlp = 3 * d * self.intermediate
+        per_layer = attn + mlp + 2 * d  # two RMSNorm weights
+        emb = self.vocab * d * (1 if self.tie_embeddings else 2)
+        return self.layers * per_layer + emb + d
+
+    @classmethod
+    def from_hf_config(cls, c) -> Arch:
+        return cls(
+            hidden=c.hidden_size,
+            layers=c.num_hidden_layers,
+            heads=c.num_attention_heads,
+            kv_heads=getattr(c, "num_key_value_heads", None) or c.num_attention_heads,
+            intermediate=c.intermediate_size,
+            vocab=c.vocab_size,
+            tie_embeddings=bool(getattr(c, "tie_word_embeddings", False)),
+        )
+
+
+# Offline architectures, so `plan` works without the hub (values from the models' config.json).
+KNOWN_ARCHS = {
+    "Qwen/Qwen2.5-0.5B": Arch(896, 24, 14, 2, 4864, 151936, True),
+    "Qwen/Qwen2.5-1.5B": Arch(1536, 28, 12, 2, 8960, 151936, True),
+    "Qwen/Qwen2.5-Math-1.5B": Arch(1536, 28, 12, 2, 8960, 151936, True),
+    "Qwen/Qwen2.5-3B": Arch(2048, 36, 16, 2, 11008, 151936, True),
+    "Qwen/Qwen2.5-7B": Arch(3584, 28, 28, 4, 18944, 152064, False),
+    "Qwen/Qwen2.5-Math-7B": Arch(3584, 28, 28, 4, 18944, 152064, False),
+}
+
+
+def arch_for(cfg: Config) -> Arch:
+    name = cfg.model.name_or_path
+    if name in KNOWN_ARCHS:
+        return KNOWN_ARCHS[name]
+    if name.startswith("builtin:"):
+        from grpo_fast.task import tiny
+
+        return Arch.from_hf_config(tiny.build_model_config(tiny.build_tokenizer()))
+    from transformers import AutoConfig
+
+    try:
+        return Arch.from_hf_config(
+            AutoConfig.from_pretrained(name, trust_remote_code=cfg.model.trust_remote_code)
+        )
+    except (OSError, ValueError) as exc:
+        raise ConfigError(f"model.name_or_path={name!r}: cannot read its config ({exc})") from None
+
+
+@dataclass(frozen=True)
+class MemoryPlan:
+    """Bytes per item and the picked settings. All sizes in bytes."""
+
+    gpu_bytes: float
+    weights: float
+    grads: float
+    optimizer: float
+    autocast_copies: float
+    ref_model: float
+    activation_per_token: float
+    seq_tokens: int
+    micro_batch_size: int
+    activations: float
+    loss_chunk_rows: int
+    loss_chunk: float
+    reserve: float
+    train_peak: float
+    vllm_weights: float
+    vllm_kv_per_token: float
+    vllm_kv_tokens: int
+    gpu_memory_utilization: float
+    rollout_peak: float
+
+    def table(self) -> str:
+        g = lambda b: f"{b / GB:8.2f} GB"
+        rows = [
+            ("card", g(self.gpu_bytes)),
+            ("-- training phase --", ""),
+            ("weights", g(self.weights)),
+            ("gradients", g(self.grads)),
+            ("optimizer state", g(self.optimizer)),
+            ("autocast weight copies", g(self.autocast_copies)),
+            ("reference model (KL)", g(self.ref_model)),
+            (
+                f"activations: {self.activation_per_token / 1e3:.1f} KB/token × {self.seq_tokens} × {self.micro_batch_size}",
+                g(self.activations),
+            ),
+            (f"loss chunk: {self.loss_chunk_rows} rows + fp32 lm_head grad", g(self.loss_chunk)),
+            ("CUDA context + fragmentation reserve", g(self.reserve)),
+            ("training peak", g(self.train_peak)),
+            ("-- rollout phase (vLLM awake, gradients freed) --", ""),
+            (
+                "trainer resident (weights + optimizer + ref)",
+                g(self.weights + self.optimizer + self.ref_model),
+            ),
+            ("vLLM weights (bf16)", g(self.vllm_weights)),
+            ("vLLM workspace", g(VLLM_WORKSPACE_BYTES)),
+            (
+                f"vLLM KV cache: {self.vllm_kv_per_token / 1e3:.1f} KB/token × {self.vllm_kv_tokens:,} tokens",
+                g(self.vllm_kv_tokens * self.vllm_kv_per_token),
+            ),
+            ("rollout peak", g(self.rollout_peak)),
+            ("-- picked --", ""),
+            ("train.micro_batch_size", str(self.micro_batch_size)),
+            ("loss.chunk_size", str(self.loss_chunk_rows)),
+            ("rollout.gpu_memory_utilization", f"{self.gpu_memory_utilization:.3f}"),
+        ]
+        width = max(len(k) for k, _ in rows)
+        return "\n".join(f"{k:<{width}}  {v}" for k, v in rows)
+
+
+def _bytes_per(dtype: str) -> int:
+    return {"float32": 4, "bfloat16": 2, "float16": 2, AUTO: 4}[dtype]
+
+
+def plan_memory(cfg: Config, arch: Arch, gpu_bytes: float) -> MemoryPlan:
+    """The budget for ``cfg`` on a card of ``gpu_bytes`` (see the module docstring)."""
+    p = arch.num_params
+    wb = _bytes_per(cfg.model.dtype)
+    mixed = cfg.train.mixed_precision != "no" and wb == 4
+    act_b = 2 if (mixed or wb == 2) else 4
+    weights = p * wb
+    grads = p * wb
+    optimizer = p * (2 if cfg.train.optimizer == "adamw8bit" else 2 * wb)
+    autocast_copies = p * 2 if mixed else 0.0
+    ref_model = p * act_b if (cfg.loss.beta > 0 or cfg.loss.target_kl) else 0.0
+    d, i, L = arch.hidden, arch.intermediate, arch.layers
+    # One layer's activations saved for backward, per token: norms, q/k/v/o inputs and outputs,
+    # attention output (flash/SDPA keep no [T, T] matrix), MLP gate/up/act/product ≈ 10·D + 4·I values.
+    layer = (10 * d + 4 * i) * act_b
+    per_token = (L * d * act_b + layer) if cfg.model.gradient_checkpointing else L * layer
+    per_token += d * 4 * 2  # final hidden states kept in fp32 for the fused loss, and their grad
+    seq = cfg.rollout.max_prompt_tokens + cfg.rollout.max_tokens
+    logits_dtype = torch.bfloat16 if act_b == 2 else torch.float32
+    if cfg.loss.chunk_size != AUTO:
+        rows = int(cfg.loss.chunk_size)
+    else:  # the fused op's own rule on CUDA (memory budget and GEMM-efficiency floor)
+        rows = default_chunk_size(seq * MAX_MICRO_BATCH, arch.vocab, logits_dtype, "cuda")
+    # one [rows, V] logits chunk (its gradient is written over it) + the fp32 lm_head gradient
+    # + the kernel backend's working set (auto = triton: the planner plans a GPU)
+    loss_chunk = rows * arch.vocab * logits_dtype.itemsize + arch.vocab * d * 4
+    if cfg.loss.kernel_backend == "torch_chunked":
+        from grpo_fast.ops._torch_chunked import ROW_TILE, VOCAB_BLOCK
+
+        loss_chunk += TORCH_CHUNKED_TILES * ROW_TILE * min(VOCAB_BLOCK, arch.vocab) * 4
+    fixed = weights + grads + optimizer + autocast_copies + ref_model + loss_chunk + RESERVE_BYTES
+    if cfg.train.micro_batch_size != AUTO:
+        mbs = int(cfg.train.micro_batch_size)
+    else:
+        room = gpu_bytes - fixed
+        mbs = int(min(MAX_MICRO_BATCH, room // (per_token * seq))) if room > 0 else 0
+        if mbs < 1:
+            raise ConfigError(
+                f"train.micro_batch_size=auto: {fixed / GB:.1f} GB of weights, gradients, optimizer state and "
+                f"reserve leave no room for one {seq}-token sequence on a {gpu_bytes / GB:.0f} GB card; enable "
+                "model.gradient_checkpointing, train.optimizer=adamw8bit, or lower rollout.max_tokens"
+            )
+    activations = per_token * seq * mbs
+    train_peak = fixed + activations
+
+    kv_per_token = 2 * L * arch.kv_heads * arch.head_dim * 2  # K and V, bf16
+    vllm_weights = p * 2
+    resident = weights + optimizer + ref_model + RESERVE_BYTES
+    if cfg.rollout.gpu_memory_utilization != AUTO:
+        util = float(cfg.rollout.gpu_memory_utilization)
+    else:
+        util = min(0.9, max(0.0, (gpu_bytes - resident) / gpu_bytes))
+    kv_tokens = int(max(0.0, util * gpu_bytes - vllm_weights - VLLM_WORKSPACE_BYTES) // kv_per_token)
+    return MemoryPlan(
+        gpu_bytes=gpu_bytes,
+        weights=weights,
+        grads=grads,
+        optimizer=optimizer,
+        autocast_copies=autocast_copies,
+        ref_model=ref_model,
+        activation_per_token=per_token,
+        seq_tokens=seq,
+        micro_batch_size=mbs,
+        activations=activations,
+        loss_chunk_rows=rows,
+        loss_chunk=loss_chunk,
+        reserve=RESERVE_BYTES,
+        train_peak=train_peak,
+        vllm_weights=vllm_weights,
+        vllm_kv_per_token=kv_per_token,
+        vllm_kv_tokens=kv_tokens,
+        gpu_memory_utilization=util,
+        rollout_peak=resident + util * gpu_bytes,
+    )
+
+
+def resolve_auto(cfg: Config, model_config, device: torch.device, world_size: int = 1) -> Config:
+    """``cfg`` with every planner-owned ``auto`` replaced by a number (the loss chunk stays
+    ``auto``: the fused op sizes it from its own memory budget)."""
+    t, r = cfg.train, cfg.rollout
+    if device.type != "cuda":
+        mbs = t.micro_batch_size if t.micro_batch_size != AUTO else CPU_MICRO_BATCH
+        util = r.gpu_memory_utilization if r.gpu_memory_utilization != AUTO else 0.5
+    else:
+        total = torch.cuda.get_device_properties(device).total_memory
+        plan = plan_memory(cfg, Arch.from_hf_config(model_config), total)
+        mbs, util = plan.micro_batch_size, plan.gpu_memory_utilization
+    return dataclasses.replace(
+        cfg,
+        train=dataclasses.replace(t, micro_batch_size=int(mbs)),
+        rollout=dataclasses.replace(r, gpu_memory_utilization=float(util)),
+    )
+
+
+@cli_errors
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(
+        prog="python -m grpo_fast.plan", description="Print the memory budget of a preset."
+    )
+    p.add_argument("--preset", default="rtx4090")
+    p.add_argument("--config", action="append", default=[], metavar="FILE.yaml")
+    p.add_argument("--gpu-mem-gb", type=float, default=None, help="card size (default: this GPU's, else 24)")
+    p.add_argument("overrides", nargs="*", metavar="key=value")
+    args = p.parse_args(argv)
+    cfg = load_config(args.preset, args.config, args.overrides, check_device=False)
+    if args.gpu_mem_gb is not None:
+        gpu = args.gpu_mem_gb * GB
+    elif torch.cuda.is_available():
+        gpu = torch.cuda.get_device_properties(0).total_memory
+    else:
+        gpu = 24 * GB
+    plan = plan_memory(cfg, arch_for(cfg), gpu)
+    print(
+        f"memory plan for preset {args.preset!r}: {cfg.model.name_or_path} ({arch_for(cfg).num_params / 1e9:.2f} B parameters)"
+    )
+    print(plan.table())
+    if plan.train_peak > gpu or plan.rollout_peak > gpu:
+        print(
+            f"warning: the plan exceeds the card ({max(plan.train_peak, plan.rollout_peak) / GB:.1f} GB > {gpu / GB:.1f} GB)"
+        )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
