@@ -40,16 +40,19 @@ import torch
 
 from grpo_fast import dist
 from grpo_fast.algo.course import compute_group_normalized_rewards
+from grpo_fast.algo.prompt_sampler import PromptSampler
 from grpo_fast.config import Config, load_config
-from grpo_fast.loop.optim import PromptSampler, build_optimizer
+from grpo_fast.loop.optim import build_optimizer
+from grpo_fast.loop.optimization import optimize_on_rollout
+from grpo_fast.loop.state import Trainer
 from grpo_fast.obs.memory import peak_cuda_memory, peak_rss_growth
 from grpo_fast.policy.batch import build_sequences, make_microbatches
-from grpo_fast.policy.model import autocast_dtype, build_policy_loss, load_policy, load_tokenizer
-from grpo_fast.rollout import SamplingParams, make_backend
+from grpo_fast.policy.loss import build_policy_loss
+from grpo_fast.policy.model import autocast_dtype, load_policy, load_tokenizer
+from grpo_fast.rollout import BackendContext, SamplingParams, make_backend
 from grpo_fast.rollout.hf import HFBackend
 from grpo_fast.task.loader import load_task
 from grpo_fast.tools import plan
-from grpo_fast.train import Trainer, optimize_on_rollout
 
 GPU_ARCH = "Qwen/Qwen2.5-Math-1.5B"
 CARD_BYTES = 24e9  # an RTX 4090
@@ -184,7 +187,10 @@ class OptimizationPhase:
         cfg = self.cfg
         trainer = Trainer(self.policy, self.optimizer, self.params, cfg, dist.DistInfo(), self.device)
         stats = optimize_on_rollout(
-            trainer, self._microbatches(batch), beta=cfg.loss.beta, temperature=cfg.rollout.temperature
+            trainer,
+            self._microbatches(batch),
+            options=cfg.loss.loss_options(),
+            temperature=cfg.rollout.temperature,
         )
         self.optimizer.zero_grad(set_to_none=True)
         return stats.grad_norm  # read with .item(): a host-device sync that ends the timed region
@@ -276,7 +282,9 @@ class TinyTrainStep:
         self.task = load_task(cfg, self.tokenizer)
         model = load_policy(cfg, self.tokenizer, device)
         self.cfg = cfg = plan.resolve_auto(cfg, model.config, device)
-        self.backend = make_backend(cfg, model, self.tokenizer, device, autocast_dtype(cfg, device))
+        self.backend = make_backend(
+            BackendContext(cfg, model, self.tokenizer, device, autocast_dtype(cfg, device))
+        )
         self.sampler = PromptSampler(len(self.task.train), cfg.seed)
         self.phase = OptimizationPhase(cfg, model, device, self.tokenizer.pad_token_id)
 

@@ -8,21 +8,20 @@
     grpo-fast doctor
 
 Each subcommand is its ``python -m grpo_fast.X`` form (same arguments, same exit codes: 0 done,
-2 a bad input named in one line). ``train --dry-run`` (``dry_run`` below) resolves everything a
-run would — the config with each value's source, the memory plan, the data and a prompt as the
-model sees it — and exits without loading the model.
+2 a bad input named in one line). ``train --dry-run`` (``grpo_fast.tools.dry_run``) resolves
+everything a run would — the config with each value's source, the memory plan, the data and a
+prompt as the model sees it — and exits without loading the model.
+
+This is the top floor: nothing in the package imports it.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import importlib
 import sys
 from collections.abc import Sequence
-from pathlib import Path
 
-from grpo_fast.config import AUTO, PRESETS, Config, config_sources, load_config, validate
-from grpo_fast.errors import ConfigError, UserError
+from grpo_fast.config import presets_and_keys_help
 
 COMMANDS = {
     "train": ("grpo_fast.train", "GRPO training (--dry-run: resolve and print, load no model)"),
@@ -34,27 +33,6 @@ COMMANDS = {
 }
 
 WITH_PRESETS = ("evaluate", "plan", "sweep")  # the other commands that take --preset and key=value
-
-PRESET_SUMMARIES = {
-    "tiny": "any CPU, first run: built-in model, tokenizer and task, SFT warm start, 500 steps",
-    "smoke": "a real model before a long run: group 2, 8 responses, 3 steps",
-    "rtx4090": "Qwen2.5-Math-1.5B on MATH in 24 GB: bf16 autocast, checkpointing, 8-bit AdamW, vLLM",
-    "h100": "80 GB: bf16 autocast, plain AdamW, planner microbatch, 512 responses/step",
-}
-
-
-def presets_and_keys_help() -> str:
-    """The presets and every config key by section (from the dataclasses: one source of truth)."""
-    lines = ["presets (--preset):"]
-    lines += [f"  {name:<9} {PRESET_SUMMARIES.get(name, '')}".rstrip() for name in PRESETS]
-    lines += ["", "config keys (key=value, e.g. train.lr=3e-6; see grpo_fast/config.py):"]
-    top = [f.name for f in dataclasses.fields(Config) if not dataclasses.is_dataclass(f.default_factory)]
-    lines.append(f"  {'(top)':<9} {' '.join(top)}")
-    for f in dataclasses.fields(Config):
-        if dataclasses.is_dataclass(f.default_factory):
-            names = [g.name for g in dataclasses.fields(f.default_factory)]
-            lines.append(f"  {f.name:<9} {' '.join(names)}")
-    return "\n".join(lines)
 
 
 def _usage() -> str:
@@ -84,150 +62,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         finally:  # argparse exits after printing the help: add the presets and keys below it
             print(f"\n{presets_and_keys_help()}")
     return module.main(rest)
-
-
-# ------------------------------------------------------------------------------------- dry run
-
-
-def dry_run(preset: str, config_files: list[str], overrides: list[str]) -> int:
-    """What ``train`` would run, printed: the resolved config with each value's source, the
-    memory plan for the device, the data (counts, a prompt as the model sees it). Loads no
-    model and touches no network for the model (hub tokenizers come from the local cache only).
-
-    Returns 0, or 2 when the real run would stop on this machine (no CUDA for a GPU preset,
-    data that cannot be loaded); each problem is one ``error:`` line.
-    """
-    import torch
-
-    from grpo_fast.policy.model import quiet_transformers
-
-    quiet_transformers()
-    sources = config_sources(preset, config_files, overrides, check_device=False)
-    cfg = load_config(preset, config_files, overrides, check_device=False)
-    problems: list[str] = []
-    try:
-        validate(cfg, preset, check_device=True)
-    except ConfigError as exc:
-        problems.append(str(exc))
-
-    print(f"dry run of preset {preset!r}: the resolved config (value  # source)")
-    width = max(map(len, sources))
-    for key, (value, source) in sources.items():
-        print(f"  {key:<{width}} = {value!r:<24}  # {source}")
-
-    print("\nmemory plan:")
-    print(_plan_text(cfg, torch))
-
-    print("\ndata:")
-    try:
-        from grpo_fast.task.loader import load_task
-
-        task = load_task(cfg)
-    except UserError as exc:
-        problems.append(str(exc))
-        print(f"  cannot load the data: {exc}")
-    else:
-        r = cfg.rollout
-        n_prompts = r.batch_size // r.group_size
-        print(f"  task {task.name}: {len(task.train)} train / {len(task.eval)} eval examples")
-        print(
-            f"  per step: {n_prompts} prompts × {r.group_size} responses; {cfg.steps} steps use "
-            f"{cfg.steps * n_prompts / max(len(task.train), 1):.2f} passes over the train set"
-        )
-        subset = min(cfg.data.eval_subset_size, len(task.eval))
-        print(f"  eval: {subset} problems every {cfg.eval_every} steps (eval_every)")
-        if task.train:
-            _print_sample_prompt(task, cfg)
-    for msg in problems:
-        print(f"error: {' '.join(msg.split())}", file=sys.stderr)
-    print("\ndry run: no model was loaded")
-    return 2 if problems else 0
-
-
-def _plan_text(cfg: Config, torch) -> str:
-    """The planner's table for the run's GPU, or what ``auto`` resolves to on a CPU."""
-    from grpo_fast.tools import plan
-
-    device = cfg.device if cfg.device != AUTO else ("cuda" if torch.cuda.is_available() else "cpu")
-    if not device.startswith("cuda"):
-        resolved = plan.resolve_auto(cfg, None, torch.device("cpu"))
-        return (
-            "  device cpu: the planner sizes GPU memory only; on the CPU "
-            f"train.micro_batch_size={resolved.train.micro_batch_size}, "
-            f"loss.chunk_size={cfg.loss.chunk_size} (the fused op's own budget)"
-        )
-    if torch.cuda.is_available():
-        index = torch.device(device).index or 0
-        gpu = torch.cuda.get_device_properties(index).total_memory
-        card = f"{torch.cuda.get_device_name(index)}, {gpu / plan.GB:.1f} GB"
-    else:
-        gpu = 24 * plan.GB
-        card = "no GPU here: planned for a 24 GB card"
-    try:
-        arch = _offline_arch(cfg, plan)
-    except UserError as exc:
-        return f"  unavailable: {exc}"
-    mp = plan.plan_memory(cfg, arch, gpu)
-    head = f"  {cfg.model.name_or_path} ({arch.num_params / 1e9:.2f} B parameters) on {card}\n"
-    body = "\n".join("  " + line for line in mp.table().splitlines())
-    if max(mp.train_peak, mp.rollout_peak) > gpu:
-        body += (
-            f"\n  warning: the plan exceeds the card ({max(mp.train_peak, mp.rollout_peak) / plan.GB:.1f} GB)"
-        )
-    return head + body
-
-
-def _offline_arch(cfg: Config, plan):
-    """``plan.arch_for`` without the network: a hub model's config.json from the local cache only."""
-    name = cfg.model.name_or_path
-    if name in plan.KNOWN_ARCHS or name.startswith("builtin:") or Path(name).expanduser().is_dir():
-        return plan.arch_for(cfg)
-    from transformers import AutoConfig
-
-    try:
-        hf = AutoConfig.from_pretrained(name, local_files_only=True)
-    except (OSError, ValueError):
-        raise ConfigError(
-            f"model.name_or_path={name!r} is neither a local folder nor in the local Hugging Face cache "
-            "(the dry run does not download it)"
-        ) from None
-    return plan.Arch.from_hf_config(hf)
-
-
-def _offline_tokenizer(name: str):
-    from grpo_fast.policy.model import load_tokenizer
-    from grpo_fast.task import tiny
-
-    if name == tiny.BUILTIN_NAME or Path(name).expanduser().is_dir():
-        return load_tokenizer(name)
-    if name.startswith(("/", "./", "../", "~")):
-        raise ConfigError(f"model.name_or_path={name!r}: no such folder")
-    from transformers import AutoTokenizer
-
-    try:
-        return AutoTokenizer.from_pretrained(name, local_files_only=True)
-    except (OSError, ValueError):
-        raise ConfigError(
-            f"model.name_or_path={name!r}: its tokenizer is not in the local Hugging Face cache "
-            "(the dry run does not download it)"
-        ) from None
-
-
-def _print_sample_prompt(task, cfg: Config) -> None:
-    ex = task.train[0]
-    print(f"  sample prompt (train[0], template {cfg.data.prompt_template!r}; answer {ex.answer!r}):")
-    print("    " + repr(task.prompt_text(ex)))
-    try:
-        task.tokenizer = _offline_tokenizer(cfg.model.name_or_path)
-    except UserError as exc:
-        print(f"  tokenizer not loaded, so the text above is what the template gives: {exc}")
-        return
-    ids = task.prompt_ids(ex)
-    pieces = task.tokenizer.convert_ids_to_tokens(ids)
-    print(
-        f"  as the model sees it: {len(ids)} tokens (rollout.max_prompt_tokens={cfg.rollout.max_prompt_tokens})"
-    )
-    print("    " + " ".join(repr(p) for p in pieces[:96]) + (" …" if len(pieces) > 96 else ""))
 
 
 if __name__ == "__main__":

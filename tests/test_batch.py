@@ -4,8 +4,9 @@ import pytest
 import torch
 
 from grpo_fast.algo import course
+from grpo_fast.algo.loss_options import LossOptions
 from grpo_fast.policy.batch import build_sequences, make_microbatches
-from grpo_fast.policy.model import PolicyLoss, response_hidden_states
+from grpo_fast.policy.loss import PolicyLoss, response_hidden_states
 from grpo_fast.task import tiny
 
 
@@ -82,8 +83,8 @@ def test_policy_loss_equals_the_eager_course_loss():
     prompts, responses, adv = _rollout()
     seqs = build_sequences(prompts, responses, adv, length_norm="sequence_mean", max_length=4)
     mbs = make_microbatches(seqs, 2, 0, packing=False)
-    policy = PolicyLoss(model, autocast=None, loss_options={"backend": "torch_chunked"})
-    total = sum(policy(mb, beta=0.0, temperature=1.0).loss for mb in mbs)
+    policy = PolicyLoss(model, autocast=None, backend="torch_chunked")
+    total = sum(policy(mb, LossOptions(), temperature=1.0).loss for mb in mbs)
     total.backward()
     fused_grad = model.model.embed_tokens.weight.grad.clone()
     model.zero_grad()

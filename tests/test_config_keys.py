@@ -10,7 +10,7 @@ from grpo_fast.errors import ConfigError
 def test_dual_clip_needs_the_clipped_loss():
     load_config("tiny", overrides=["loss.dual_clip=3.0"])  # grpo_clip: fine
     with pytest.raises(
-        ConfigError, match=r"loss\.dual_clip applies only to loss\.type=grpo_clip, not no_baseline"
+        ConfigError, match=r"loss\.dual_clip applies only to loss\.type='grpo_clip', not 'no_baseline'"
     ):
         load_config("tiny", overrides=["loss.dual_clip=3.0", "loss.type=no_baseline"])
 
@@ -49,6 +49,7 @@ def test_scale_rewards_reaches_the_advantages(tmp_path, monkeypatch):
     does to the advantages: tests/test_course.py; to a run: tests/test_sweep.py)."""
     from grpo_fast import train as train_mod
     from grpo_fast.algo import core
+    from grpo_fast.loop import rollout_phase
 
     seen = []
 
@@ -56,69 +57,70 @@ def test_scale_rewards_reaches_the_advantages(tmp_path, monkeypatch):
         seen.append(kwargs["scale_rewards"])
         return core.normalize_group_rewards(*args, **kwargs)
 
-    monkeypatch.setattr(train_mod, "normalize_group_rewards", spy)
+    monkeypatch.setattr(rollout_phase, "normalize_group_rewards", spy)
     quick = ["steps=1", "sft.steps=0", "eval_every=0", "checkpoint_every=0", "rollout.batch_size=8",
              "logging.progress=false", "logging.sample_every=0", f"output_dir={tmp_path}"]  # fmt: skip
     train_mod.run(load_config("tiny", overrides=[*quick, "loss.scale_rewards=batch"]))
     assert seen == ["batch"]
 
 
-def test_build_policy_loss_passes_every_loss_option():
-    """Each ``loss.*`` key the fused op consumes reaches ``PolicyLoss`` (β and the temperature
-    come per call: ``loss.beta`` through the KL controller's state, the temperature from the
-    rollout)."""
+def _spy_on_the_op(monkeypatch):
+    """``PolicyLoss`` on a stand-in model whose fused-op call is recorded: ``(model, mb, calls)``."""
     import torch
 
-    from grpo_fast.policy.model import build_policy_loss
+    from grpo_fast.policy import loss as loss_mod
 
-    cfg = load_config(
-        "tiny",
-        overrides=[
-            "loss.type=reinforce_with_baseline",
-            "loss.clip_low=0.1",
-            "loss.clip_high=0.3",
-            "loss.delta=1.5",
-            "loss.importance_sampling_level=sequence",
-            "loss.top_entropy_quantile=0.2",
-            "loss.kl_estimator=k2",
-            "loss.entropy_coef=0.01",
-            "loss.kernel_backend=eager",
-            "loss.chunk_size=7",
-        ],
-    )
-    policy = build_policy_loss(cfg, torch.nn.Linear(2, 2), None)
-    assert policy.loss_options == dict(
-        clip_low=0.1,
-        clip_high=0.3,
-        dual_clip=None,
-        delta=1.5,
-        importance_sampling_level="sequence",
-        top_entropy_quantile=0.2,
-        kl_estimator="k2",
-        entropy_coef=0.01,
-        loss_type="reinforce_with_baseline",
-        backend="eager",
-        chunk_size=7,
-    )
-
-
-def test_policy_loss_hands_sequence_ids_only_at_sequence_level(monkeypatch):
-    """``loss.importance_sampling_level=sequence`` makes ``PolicyLoss`` pass the microbatch's
-    ``sequence_ids`` to the fused op (GSPO); at token level it passes None."""
-    import torch
-
-    from grpo_fast.policy import model as model_mod
-
-    seen = []
-    monkeypatch.setattr(model_mod, "fused_linear_grpo_loss", lambda *a, **kw: seen.append(kw["sequence_ids"]))
-    monkeypatch.setattr(model_mod, "response_hidden_states", lambda model, mb: torch.zeros(2, 2))
+    calls = []
+    monkeypatch.setattr(loss_mod, "fused_linear_grpo_loss", lambda *a, **kw: calls.append(kw))
+    monkeypatch.setattr(loss_mod, "response_hidden_states", lambda model, mb: torch.zeros(2, 2))
     lin = torch.nn.Linear(2, 3)
     lin.get_output_embeddings = lambda: lin
     ids = torch.tensor([0, 1])
     mb = type("MB", (), dict(input_ids=torch.zeros(1, 2, dtype=torch.long), labels=ids, advantages=None,
                              loss_weights=None, old_logprobs=None, ref_logprobs=None, sequence_ids=ids,
                              label_bounds=(0, 1)))()  # fmt: skip
+    return lin, mb, calls
+
+
+def test_every_loss_option_reaches_the_op(monkeypatch):
+    """Each ``loss.*`` option reaches the fused op through the options the loop passes
+    (``cfg.loss.loss_options()``, as ``Run.loss_options`` builds them), and ``loss.kernel_backend``
+    / ``loss.chunk_size`` through ``build_policy_loss``; β comes per step (the KL controller's)."""
+    from grpo_fast.algo.loss_options import LossOptions
+    from grpo_fast.policy.loss import build_policy_loss
+
+    overrides = {
+        "loss.type": "reinforce_with_baseline",
+        "loss.clip_low": 0.1,
+        "loss.clip_high": 0.3,
+        "loss.delta": 1.5,
+        "loss.importance_sampling_level": "sequence",
+        "loss.top_entropy_quantile": 0.2,
+        "loss.beta": 0.05,
+        "loss.kl_estimator": "k2",
+        "loss.entropy_coef": 0.01,
+    }
+    cfg = load_config(
+        "tiny",
+        overrides=[f"{k}={v}" for k, v in overrides.items()]
+        + ["loss.kernel_backend=eager", "loss.chunk_size=7"],
+    )
+    options = cfg.loss.loss_options()
+    assert type(options) is LossOptions
+    assert options == LossOptions(**{k.removeprefix("loss."): v for k, v in overrides.items()})
+    lin, mb, calls = _spy_on_the_op(monkeypatch)
+    build_policy_loss(cfg, lin, None)(mb, options, 1.0)
+    assert calls[0]["options"] is options
+    assert (calls[0]["backend"], calls[0]["chunk_size"]) == ("eager", 7)
+
+
+def test_policy_loss_hands_sequence_ids_only_at_sequence_level(monkeypatch):
+    """``loss.importance_sampling_level=sequence`` makes ``PolicyLoss`` pass the microbatch's
+    ``sequence_ids`` to the fused op (GSPO); at token level it passes None."""
+    from grpo_fast.policy.loss import build_policy_loss
+
+    lin, mb, calls = _spy_on_the_op(monkeypatch)
     for level in ("token", "sequence"):
         cfg = load_config("tiny", overrides=[f"loss.importance_sampling_level={level}"])
-        model_mod.build_policy_loss(cfg, lin, None)(mb, 0.0, 1.0)
-    assert seen[0] is None and seen[1] is ids
+        build_policy_loss(cfg, lin, None)(mb, cfg.loss.loss_options(), 1.0)
+    assert calls[0]["sequence_ids"] is None and calls[1]["sequence_ids"] is mb.sequence_ids

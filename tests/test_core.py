@@ -11,6 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from grpo_fast.algo import core, course
+from grpo_fast.algo.loss_options import LossOptions
 
 # ---------------------------------------------------------------------------- entropy
 
@@ -68,10 +69,14 @@ def test_asymmetric_and_dual_clip_hand_values():
     adv = torch.tensor([[1.0], [-1.0]])
     lp = torch.tensor([[0.25], [1.5]])
     # clip-higher: A=+1, r=e^.25≈1.2840 < 1+0.3 → not clipped; symmetric 0.2 would clip at 1.2
-    loss, meta = core.grpo_clip_loss(adv[:1], lp[:1], torch.zeros(1, 1), 0.2, 0.3)
+    loss, meta = core.grpo_clip_loss(
+        adv[:1], lp[:1], torch.zeros(1, 1), LossOptions(clip_low=0.2, clip_high=0.3)
+    )
     assert loss.item() == pytest.approx(-math.exp(0.25)) and not meta["clipped"].item()
     # dual clip c=3: A=−1, r=e^1.5≈4.4817: ordinary loss = −min(−4.48, −1.2) = 4.48 > c·|A| = 3 → 3
-    loss, meta = core.grpo_clip_loss(adv[1:], lp[1:], torch.zeros(1, 1), 0.2, 0.2, dual_clip=3.0)
+    loss, meta = core.grpo_clip_loss(
+        adv[1:], lp[1:], torch.zeros(1, 1), LossOptions(dual_clip=3.0, clip_low=0.2, clip_high=0.2)
+    )
     assert loss.item() == pytest.approx(3.0) and meta["clipped"].item()
 
 
@@ -80,7 +85,7 @@ def test_grpo_token_loss_unclipped_types_hand_values(loss_type):
     lp = torch.tensor([0.5, -0.5, 0.0], requires_grad=True)
     old = torch.zeros(3)
     adv = torch.tensor([1.0, -1.0, 2.0])
-    loss, meta = core.grpo_token_loss(lp, adv, old_log_probs=old, loss_type=loss_type)
+    loss, meta = core.grpo_token_loss(lp, adv, LossOptions(type=loss_type), old_logprobs=old)
     # ℓ = −r·A, never clipped: r = e^.5 ≈ 1.6487, A = 1 → −1.6487 (grpo_clip: −1.2, clipped);
     # r = e^−.5 ≈ .6065, A = −1 → .6065 (grpo_clip: .8, clipped); r = 1, A = 2 → −2
     e = math.exp
@@ -88,13 +93,13 @@ def test_grpo_token_loss_unclipped_types_hand_values(loss_type):
     assert not meta["clipped"].any()
     loss.sum().backward()  # ∂(−r·A)/∂lp = −r·A: the gradient is never cut off
     torch.testing.assert_close(lp.grad, torch.tensor([-e(0.5), e(-0.5), -2.0]))
-    clip, clip_meta = core.grpo_token_loss(lp.detach(), adv, old_log_probs=old)
+    clip, clip_meta = core.grpo_token_loss(lp.detach(), adv, LossOptions(), old_logprobs=old)
     torch.testing.assert_close(clip, torch.tensor([-1.2, 0.8, -2.0]))
     assert clip_meta["clipped"].tolist() == [True, True, False]
     with pytest.raises(ValueError, match="dual_clip applies only to loss_type='grpo_clip'"):
-        core.grpo_token_loss(lp, adv, dual_clip=3.0, loss_type=loss_type)
-    with pytest.raises(ValueError, match="unknown loss_type 'ppo'"):
-        core.grpo_token_loss(lp, adv, loss_type="ppo")
+        core.grpo_token_loss(lp, adv, LossOptions(dual_clip=3.0, type=loss_type))
+    with pytest.raises(ValueError, match="loss_type='ppo' is not one of"):
+        core.grpo_token_loss(lp, adv, LossOptions(type="ppo"))
 
 
 def test_cispo_hand_values():
@@ -102,7 +107,7 @@ def test_cispo_hand_values():
     lp = torch.tensor([-1.0, -2.0, -0.5], requires_grad=True)
     old = torch.tensor([-1.5, -1.5, -0.4])
     adv = torch.tensor([1.0, -1.0, 2.0])
-    loss, meta = core.grpo_token_loss(lp, adv, old_log_probs=old, loss_type="cispo")
+    loss, meta = core.grpo_token_loss(lp, adv, LossOptions(type="cispo"), old_logprobs=old)
     # r = e^.5 ≈ 1.6487 > 1.2 → ŵ = 1.2: ℓ = −1.2·1·(−1) = 1.2, ∂ℓ/∂log π = −1.2 (grpo_clip: 0)
     # r = e^−.5 ≈ .6065 < .8 → ŵ = .8:   ℓ = −.8·(−1)·(−2) = −1.6, ∂ℓ/∂log π = .8
     # r = e^−.1 ≈ .9048 inside → ŵ = r:  ℓ = −.9048·2·(−.5) = .9048, ∂ℓ/∂log π = −1.8097 (no ∂r term)
@@ -113,11 +118,11 @@ def test_cispo_hand_values():
     torch.testing.assert_close(lp.grad, torch.tensor([-1.2, 0.8, -2 * w3]))
     # on-policy: ŵ = 1, the gradient −A·∇log π of every other loss type
     lp.grad = None
-    loss, _ = core.grpo_token_loss(lp, adv, loss_type="cispo")
+    loss, _ = core.grpo_token_loss(lp, adv, LossOptions(type="cispo"))
     loss.sum().backward()
     torch.testing.assert_close(lp.grad, -adv)
     with pytest.raises(ValueError, match="dual_clip applies only to loss_type='grpo_clip', not 'cispo'"):
-        core.grpo_token_loss(lp, adv, dual_clip=3.0, loss_type="cispo")
+        core.grpo_token_loss(lp, adv, LossOptions(dual_clip=3.0, type="cispo"))
 
 
 def test_delta_caps_the_unclipped_ratio_hand_values():
@@ -127,21 +132,21 @@ def test_delta_caps_the_unclipped_ratio_hand_values():
     # reinforce, δ = 2: r = e ≈ 2.7183 > 2 → ℓ = −2·1 = −2, no gradient; r = e^.5 ≈ 1.6487 < 2 →
     # ℓ = −1.6487, gradient −1.6487; r = e^1.5 ≈ 4.4817, A = −1 → ℓ = 2, no gradient
     loss, meta = core.grpo_token_loss(
-        lp, adv, old_log_probs=zeros, loss_type="reinforce_with_baseline", delta=2.0
+        lp, adv, LossOptions(type="reinforce_with_baseline", delta=2.0), old_logprobs=zeros
     )
     torch.testing.assert_close(loss.detach(), torch.tensor([-2.0, -math.exp(0.5), 2.0]))
     assert meta["clipped"].tolist() == [True, False, True]
     loss.sum().backward()
     torch.testing.assert_close(lp.grad, torch.tensor([0.0, -math.exp(0.5), 0.0]))
     # grpo_clip, δ = 3: A = −1, r = 4.4817: −min(min(r, 3)·(−1), 1.2·(−1)) = −min(−3, −1.2) = 3, the dual clip's bound
-    loss, meta = core.grpo_token_loss(lp.detach(), adv, old_log_probs=zeros, delta=3.0)
+    loss, meta = core.grpo_token_loss(lp.detach(), adv, LossOptions(delta=3.0), old_logprobs=zeros)
     torch.testing.assert_close(loss, torch.tensor([-1.2, -1.2, 3.0]))
     assert meta["clipped"].tolist() == [True, True, True]
     # cispo, δ = 1.1 < 1 + clip_high: the weight's upper bound is 1.1: ℓ = −1.1·1·1 = −1.1, ...
-    loss, _ = core.grpo_token_loss(lp.detach(), adv, old_log_probs=zeros, loss_type="cispo", delta=1.1)
+    loss, _ = core.grpo_token_loss(lp.detach(), adv, LossOptions(type="cispo", delta=1.1), old_logprobs=zeros)
     torch.testing.assert_close(loss, torch.tensor([-1.1, -0.55, 1.65]))
     with pytest.raises(ValueError, match="delta must be > 1"):
-        core.grpo_token_loss(lp, adv, delta=1.0)
+        core.grpo_token_loss(lp, adv, LossOptions(delta=1.0))
 
 
 def test_gspo_sequence_ratio_hand_values():
@@ -150,7 +155,11 @@ def test_gspo_sequence_ratio_hand_values():
     ids = torch.tensor([0, 0, 5, 5, 5])  # any labels
     adv = torch.tensor([1.0, 1.0, -1.0, -1.0, -1.0])
     loss, meta = core.grpo_token_loss(
-        lp, adv, old_log_probs=torch.zeros(5), importance_sampling_level="sequence", sequence_ids=ids
+        lp,
+        adv,
+        LossOptions(importance_sampling_level="sequence"),
+        old_logprobs=torch.zeros(5),
+        sequence_ids=ids,
     )
     # seq 0: mean(.2, .4) = .3, s = e^.3 ≈ 1.3499 > 1.2, A = 1 → ℓ = −1.2 on both tokens, clipped, no gradient
     # seq 5: mean(−.1, .1, .06) = .02, s = e^.02 ≈ 1.0202 inside, A = −1 → ℓ = 1.0202 on each token;
@@ -161,12 +170,12 @@ def test_gspo_sequence_ratio_hand_values():
     loss.sum().backward()
     torch.testing.assert_close(lp.grad, torch.tensor([0.0, 0.0, s5, s5, s5]))
     # the token level on the same inputs: ratios e^.2 … per token, a different loss
-    token, _ = core.grpo_token_loss(lp.detach(), adv, old_log_probs=torch.zeros(5))
+    token, _ = core.grpo_token_loss(lp.detach(), adv, LossOptions(), old_logprobs=torch.zeros(5))
     assert not torch.allclose(token, loss.detach())
     with pytest.raises(ValueError, match="sequence_ids is needed with importance_sampling_level='sequence'"):
-        core.grpo_token_loss(lp, adv, importance_sampling_level="sequence")
-    with pytest.raises(ValueError, match="unknown importance_sampling_level 'group'"):
-        core.grpo_token_loss(lp, adv, importance_sampling_level="group", sequence_ids=ids)
+        core.grpo_token_loss(lp, adv, LossOptions(importance_sampling_level="sequence"))
+    with pytest.raises(ValueError, match="importance_sampling_level='group' is not one of"):
+        core.grpo_token_loss(lp, adv, LossOptions(importance_sampling_level="group"), sequence_ids=ids)
 
 
 def test_gspo_on_policy_is_sequence_mean_grpo():
@@ -177,9 +186,9 @@ def test_gspo_on_policy_is_sequence_mean_grpo():
     w = torch.cat([torch.full((n,), 1 / (n * 3)) for n in lengths]).double()
     adv = torch.tensor([0.5, -1.0, 2.0]).double()[ids]
     grads = []
-    for kw in (dict(), dict(importance_sampling_level="sequence", sequence_ids=ids)):
+    for options, seq in ((LossOptions(), None), (LossOptions(importance_sampling_level="sequence"), ids)):
         lp = torch.linspace(-2, -0.1, 6, dtype=torch.float64, requires_grad=True)
-        loss, _ = core.grpo_token_loss(lp, adv, **kw)
+        loss, _ = core.grpo_token_loss(lp, adv, options, sequence_ids=seq)
         (w * loss).sum().backward()
         grads.append(lp.grad)
     torch.testing.assert_close(grads[0], grads[1], rtol=1e-12, atol=1e-15)
@@ -197,7 +206,12 @@ def test_top_entropy_quantile_hand_values():
     assert core.entropy_threshold(entropy, mask, 0.5).item() == pytest.approx(0.75)
     ref = torch.full((5,), math.log(2))  # k3 with d = ln 2: 2 − ln 2 − 1 ≈ .3069 on every token
     loss, meta = core.grpo_token_loss(
-        lp, adv, ref_log_probs=ref, beta=0.1, entropy=entropy, top_entropy_quantile=0.5, token_mask=mask
+        lp,
+        adv,
+        LossOptions(beta=0.1, top_entropy_quantile=0.5),
+        ref_logprobs=ref,
+        entropy=entropy,
+        token_mask=mask,
     )
     k3 = 2 - math.log(2) - 1
     # on-policy pg = −A = −1 on kept tokens, 0 on the others; + β·k3 on all
@@ -206,11 +220,11 @@ def test_top_entropy_quantile_hand_values():
     loss.sum().backward()
     # ∂/∂log π: −A on kept tokens, and β·(1 − π_ref/π) = .1·(1 − 2) = −.1 on every token
     torch.testing.assert_close(lp.grad, torch.tensor([-0.1, -1.1, -0.1, -1.1, -1.1]))
-    full, meta = core.grpo_token_loss(lp.detach(), adv, entropy=entropy)  # ρ = 1: every token
+    full, meta = core.grpo_token_loss(lp.detach(), adv, LossOptions(), entropy=entropy)  # ρ = 1: every token
     assert meta["entropy_threshold"] is None and torch.equal(full, -adv)
     assert core.entropy_threshold(entropy, mask, 1.0).item() == pytest.approx(0.1)  # the smallest
     with pytest.raises(ValueError, match=r"top_entropy_quantile must be in \(0, 1\]"):
-        core.grpo_token_loss(lp, adv, entropy=entropy, top_entropy_quantile=0.0)
+        core.grpo_token_loss(lp, adv, LossOptions(top_entropy_quantile=0.0), entropy=entropy)
 
 
 def test_sequence_mean():
@@ -230,13 +244,13 @@ def test_property_delta_equals_dual_clip_beyond_the_clip_range(log_ratio, advant
     """For grpo_clip and δ > 1 + clip_high, ``delta = δ`` and ``dual_clip = δ`` are one loss,
     one gradient and one clipped mask."""
     outs = []
-    for kw in (dict(delta=delta), dict(dual_clip=delta)):
+    for options in (LossOptions(delta=delta), LossOptions(dual_clip=delta)):
         lp = torch.tensor([log_ratio], dtype=torch.float64, requires_grad=True)
         loss, meta = core.grpo_token_loss(
             lp,
             torch.tensor([advantage], dtype=torch.float64),
-            old_log_probs=torch.zeros(1, dtype=torch.float64),
-            **kw,
+            options,
+            old_logprobs=torch.zeros(1, dtype=torch.float64),
         )
         loss.sum().backward()
         outs.append((loss.item(), lp.grad.item(), meta["clipped"].item()))
@@ -256,8 +270,7 @@ def test_property_no_gradient_through_clipped_branch(delta, advantage, clip_low,
         torch.tensor([[advantage]], dtype=torch.float64),
         lp,
         torch.zeros(1, 1, dtype=torch.float64),
-        clip_low,
-        clip_high,
+        LossOptions(clip_low=clip_low, clip_high=clip_high),
     )
     loss.sum().backward()
     r = math.exp(delta)
@@ -307,7 +320,9 @@ def test_grpo_token_loss_on_policy_gradient_and_bonus_terms():
     adv = torch.tensor([2.0, -1.0])
     ref = torch.tensor([-1.0, -1.0])
     ent = torch.tensor([1.5, 0.5], requires_grad=True)
-    loss, meta = core.grpo_token_loss(lp, adv, ref_log_probs=ref, entropy=ent, beta=0.1, entropy_coef=0.01)
+    loss, meta = core.grpo_token_loss(
+        lp, adv, LossOptions(beta=0.1, entropy_coef=0.01), ref_logprobs=ref, entropy=ent
+    )
     # on-policy r = 1: pg = −A ; k3 at token 2: d = −1 − (−2) = 1 → e − 2 ≈ .718282
     k3 = math.e - 2
     expected = torch.tensor([-2.0 - 0.01 * 1.5, 1.0 + 0.1 * k3 - 0.01 * 0.5])

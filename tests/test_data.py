@@ -6,8 +6,8 @@ import pyarrow.parquet as pq
 import pytest
 
 from grpo_fast.errors import ConfigError, DataError, cli_errors
-from grpo_fast.task.data import TASKS, Example, load_examples, write_jsonl
 from grpo_fast.task import data
+from grpo_fast.task.data import TASKS, Example, load_examples, write_jsonl
 
 # ----------------------------------------------------------------------------------------------
 # Good data

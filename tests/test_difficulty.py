@@ -7,7 +7,7 @@ import random
 import pytest
 
 from grpo_fast.algo.difficulty import PassRateTable, easiness_key, group_sizes, in_band
-from grpo_fast.loop.optim import PromptSampler
+from grpo_fast.algo.prompt_sampler import PromptSampler
 
 
 def test_pass_rate_is_correct_over_attempts_for_the_whole_run():

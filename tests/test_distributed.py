@@ -12,13 +12,15 @@ import torch
 import torch.multiprocessing as mp
 
 from grpo_fast import dist
+from grpo_fast.algo.loss_options import LossOptions
 from grpo_fast.config import load_config
 from grpo_fast.loop.optim import build_optimizer
+from grpo_fast.loop.optimization import optimize_on_rollout
+from grpo_fast.loop.state import Trainer
 from grpo_fast.policy.batch import build_sequences, make_microbatches
-from grpo_fast.policy.model import PolicyLoss
+from grpo_fast.policy.loss import PolicyLoss
 from grpo_fast.task import tiny
 from grpo_fast.testing import join_cpu_ranks
-from grpo_fast.train import Trainer, optimize_on_rollout
 
 GROUP = 4
 PROMPTS = 4  # 16 responses: each of 2 ranks takes 2 whole groups
@@ -64,7 +66,7 @@ def _one_step(cfg, rank: int, world_size: int, separated: bool = False) -> dict[
         num_tokens=n_tok,
     )
     mbs = make_microbatches(seqs, int(cfg.train.micro_batch_size), tok.pad_token_id, packing=False)
-    policy = PolicyLoss(model, autocast=None, loss_options={"backend": "torch_chunked"})
+    policy = PolicyLoss(model, autocast=None, backend="torch_chunked")
     if world.enabled:
         from torch.nn.parallel import DistributedDataParallel as DDP
 
@@ -79,7 +81,9 @@ def _one_step(cfg, rank: int, world_size: int, separated: bool = False) -> dict[
         return real_step(*a, **k)
 
     optimizer.step = recording_step
-    optimize_on_rollout(Trainer(policy, optimizer, params, cfg, world), mbs, beta=0.0, temperature=1.0)
+    optimize_on_rollout(
+        Trainer(policy, optimizer, params, cfg, world), mbs, options=LossOptions(), temperature=1.0
+    )
     return {**{k: v.detach().clone() for k, v in model.state_dict().items()}, **grads}
 
 

@@ -5,9 +5,10 @@ import re
 import pytest
 import torch
 
+from grpo_fast.algo.prompt_sampler import PromptSampler
 from grpo_fast.config import load_config
 from grpo_fast.errors import ConfigError
-from grpo_fast.loop.optim import PromptSampler, build_optimizer, lr_factor
+from grpo_fast.loop.optim import build_optimizer, lr_factor
 from grpo_fast.policy import checkpoint as ckpt
 from grpo_fast.rollout.base import SamplingParams
 from grpo_fast.rollout.hf import HFBackend

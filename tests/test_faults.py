@@ -11,6 +11,8 @@ import pytest
 import torch
 
 from grpo_fast import train as train_mod
+from grpo_fast.loop import optimization
+from grpo_fast.loop import setup as setup_mod
 from grpo_fast.train import main
 
 
@@ -76,7 +78,7 @@ def test_output_dir_write_error_injected_is_one_line_exit_2(tmp_path, monkeypatc
 
     monkeypatch.setattr(train_mod.tempfile, "NamedTemporaryFile", refuse)
     loaded = []
-    monkeypatch.setattr(train_mod, "load_policy", lambda *a, **k: loaded.append(1))
+    monkeypatch.setattr(setup_mod, "load_policy", lambda *a, **k: loaded.append(1))
     assert main(["--preset", "tiny", f"output_dir={tmp_path}"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert err == [f"error: output_dir='{tmp_path}' is not writable: Permission denied"]
@@ -121,10 +123,10 @@ def _adam_steps(folder) -> int:
 def _poison(monkeypatch, steps: set[int], how: str) -> None:
     """Make every microbatch of ``steps`` non-finite: its loss NaN (``loss``), or its loss finite
     and its gradient inf (``grad_norm``: the backward pass multiplies by inf)."""
-    from grpo_fast.policy import model as model_mod
+    from grpo_fast.policy import loss as loss_mod
 
     current = {}
-    real_opt, real_fwd = train_mod.optimize_on_rollout, model_mod.PolicyLoss.forward
+    real_opt, real_fwd = optimization.optimize_on_rollout, loss_mod.PolicyLoss.forward
 
     def opt(*a, **k):
         current["step"] = k.get("step", 0)
@@ -138,8 +140,8 @@ def _poison(monkeypatch, steps: set[int], how: str) -> None:
             out.loss.register_hook(lambda g: g * float("inf"))
         return out
 
-    monkeypatch.setattr(train_mod, "optimize_on_rollout", opt)
-    monkeypatch.setattr(model_mod.PolicyLoss, "forward", fwd)
+    monkeypatch.setattr(optimization, "optimize_on_rollout", opt)
+    monkeypatch.setattr(loss_mod.PolicyLoss, "forward", fwd)
 
 
 def _weights(folder):
@@ -224,14 +226,14 @@ def test_a_signal_checkpoints_the_step_exits_non_zero_and_resume_is_exact(
 
     signum = getattr(signal, signame)
     common = ["--preset", "tiny", "steps=3", *QUICK, "checkpoint_every=0", "eval_every=2"]
-    real = train_mod.optimize_on_rollout
+    real = optimization.optimize_on_rollout
 
     def signalled(*a, **k):
         if k["step"] == 2:
             os.kill(os.getpid(), signum)
         return real(*a, **k)
 
-    monkeypatch.setattr(train_mod, "optimize_on_rollout", signalled)
+    monkeypatch.setattr(optimization, "optimize_on_rollout", signalled)
     out = tmp_path / "preempted"
     assert main([*common, f"output_dir={out}"]) == 128 + signum
     err = capsys.readouterr().err.strip().splitlines()

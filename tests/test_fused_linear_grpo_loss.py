@@ -15,10 +15,11 @@ import pytest
 import torch
 
 from grpo_fast.algo.core import eager_grpo_loss_from_logits, grpo_token_loss
+from grpo_fast.algo.loss_options import LossOptions
 from grpo_fast.obs.memory import peak_rss_growth
 from grpo_fast.ops import default_chunk_size, fused_linear_grpo_loss, grpo_loss_from_logits
 from grpo_fast.policy.batch import Microbatch
-from grpo_fast.policy.model import PolicyLoss, response_hidden_states
+from grpo_fast.policy.loss import PolicyLoss, response_hidden_states
 from grpo_fast.testing import (
     assert_close_to_reference,
     backend_device,
@@ -92,14 +93,15 @@ def _check_variant(backend, options, seed=3, chunk_size=12, hidden_weight_inputs
     ref_options = {k: v for k, v in options.items() if k != "two_pass"}
     ref, gh64, gw64 = _run(_materialized, hidden, weight, inputs, torch.float64, cpu, **ref_options)
     eager, gh_e, gw_e = _run(_materialized, hidden, weight, inputs, dtype, cpu, **ref_options)
-    terms = {k: v for k, v in options.items() if k not in ("temperature", "two_pass")}
+    terms = {k: v for k, v in options.items() if k not in ("temperature", "two_pass", "sequence_ids")}
     per_token, _ = grpo_token_loss(
         ref.logprobs.detach(),
         inputs.advantages.double(),
-        old_log_probs=inputs.old_logprobs.double(),
-        ref_log_probs=inputs.ref_logprobs.double(),
+        LossOptions.build(**terms),
+        old_logprobs=inputs.old_logprobs.double(),
+        ref_logprobs=inputs.ref_logprobs.double(),
         entropy=ref.entropy.detach(),
-        **terms,
+        sequence_ids=options.get("sequence_ids"),
     )
     loss_scale = (inputs.loss_weights.double() * per_token).abs().sum().item()
     assert_close_to_reference(ours.loss, ref.loss, eager.loss, name="loss", scale=loss_scale)
@@ -270,10 +272,11 @@ def test_unclipped_loss_types_match_float64_reference(loss_type, backend):
     per_token, _ = grpo_token_loss(
         ref.logprobs.detach(),
         inputs.advantages.double(),
-        old_log_probs=inputs.old_logprobs.double(),
-        ref_log_probs=inputs.ref_logprobs.double(),
+        LossOptions.build(**{k: v for k, v in options.items() if k not in ("temperature", "sequence_ids")}),
+        old_logprobs=inputs.old_logprobs.double(),
+        ref_logprobs=inputs.ref_logprobs.double(),
         entropy=ref.entropy.detach(),
-        **{k: v for k, v in options.items() if k != "temperature"},
+        sequence_ids=options.get("sequence_ids"),
     )
     loss_scale = (inputs.loss_weights.double() * per_token).abs().sum().item()
     assert_close_to_reference(ours.loss, ref.loss, eager.loss, name="loss", scale=loss_scale)
@@ -418,10 +421,8 @@ def test_master_weight_under_bf16_autocast_tied_matches_float64(backend):
     kw = dict(clip_low=0.2, clip_high=0.28, entropy_coef=0.01)
     device = backend_device(backend)
     on_device = copy.deepcopy(model).to(device)
-    policy = PolicyLoss(
-        on_device, autocast=torch.bfloat16, loss_options=dict(backend=backend, chunk_size=12, **kw)
-    )
-    out = policy(mb.to(device), 0.0, 0.7)
+    policy = PolicyLoss(on_device, autocast=torch.bfloat16, backend=backend, chunk_size=12)
+    out = policy(mb.to(device), LossOptions(**kw), 0.7)
     (0.7 * out.loss).backward()
     ours = {k: p.grad.cpu() for k, p in on_device.named_parameters()}
     eager = _eager_policy_loss(model, mb, torch.bfloat16, temperature=0.7, **kw)
@@ -431,8 +432,8 @@ def test_master_weight_under_bf16_autocast_tied_matches_float64(backend):
     ref = _eager_policy_loss(model64, mb, None, temperature=0.7, **kw)
     (0.7 * ref.loss).backward()
     per_token, _ = grpo_token_loss(
-        ref.logprobs.detach(), mb.advantages.double(), old_log_probs=mb.old_logprobs.double(),
-        entropy=ref.entropy.detach(), **kw,
+        ref.logprobs.detach(), mb.advantages.double(), LossOptions.build(**kw),
+        old_logprobs=mb.old_logprobs.double(), entropy=ref.entropy.detach(),
     )  # fmt: skip
     scale = (mb.loss_weights.double() * per_token).abs().sum().item()
     assert_close_to_reference(out.loss, ref.loss, eager.loss, name="loss", scale=scale)
@@ -489,7 +490,7 @@ def test_master_weight_under_autocast_allocates_no_cast_gradient():
     and written per microbatch, for a 0.47 GB bf16 copy kept through the optimization phase.
     """
     model, mb = _tied_policy(4099, 80)
-    policy = PolicyLoss(model, autocast=torch.bfloat16, loss_options=dict(backend="torch_chunked"))
+    policy = PolicyLoss(model, autocast=torch.bfloat16, backend="torch_chunked")
 
     def cast_outside() -> None:
         with torch.autocast("cpu", dtype=torch.bfloat16):
@@ -508,7 +509,7 @@ def test_master_weight_under_autocast_allocates_no_cast_gradient():
     # the second microbatch accumulates into an existing .grad and reuses the bf16 copy
     for microbatch, cast in ((1, ["bf16"]), (2, [])):
         before, before_peak = _vd_buffers(cast_outside, 4099, 80)
-        allocated, at_peak = _vd_buffers(lambda: policy(mb, 0.0, 1.0).loss.backward(), 4099, 80)
+        allocated, at_peak = _vd_buffers(lambda: policy(mb, LossOptions(), 1.0).loss.backward(), 4099, 80)
         print(
             f"microbatch {microbatch}: [V, D] buffers allocated {before} -> {allocated}, "
             f"alive at once {before_peak} -> {at_peak}"

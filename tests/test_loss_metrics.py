@@ -15,33 +15,44 @@ from grpo_fast.config import load_config
 from grpo_fast.obs.report import read_metrics
 
 
-def test_stats_split_clip_sides_and_loss_terms_hand_values():
-    stats = train_mod._Stats()
-    out = SimpleNamespace(
-        loss=torch.tensor(1.0),
-        logprobs=torch.tensor([0.5, -0.5, 0.1]),
-        entropy=torch.tensor([1.0, 2.0, 3.0]),
-        clipped=torch.tensor([True, True, False]),
-        kl=torch.tensor([0.2, 0.4, 0.0]),
-    )
-    mb = SimpleNamespace(
-        labels=torch.zeros(3, dtype=torch.long),
-        old_logprobs=torch.zeros(3),
-        sampler_logprobs=None,
-        loss_weights=torch.tensor([0.5, 0.25, 0.25]),
-    )
-    stats.add(out, mb, beta=0.1, entropy_coef=0.01)
+def test_row_math_splits_clip_sides_and_loss_terms_hand_values():
+    """The row math every loss op runs (``core.weighted_grpo_loss``) computes each part of the
+    loss itself, and the step's statistics report them as computed."""
+    from grpo_fast.algo.core import GRPOLossOutput, weighted_grpo_loss
+    from grpo_fast.algo.loss_options import LossOptions
+    from grpo_fast.loop.stats import StepStats
+
+    lp = torch.tensor([0.5, -0.5, 0.1], dtype=torch.float64)  # log r against old = 0
+    old = torch.zeros(3, dtype=torch.float64)
+    # k2 = d²/2 with d = log π_ref − log π: d = √.4, √.8, 0 → KL .2, .4, 0
+    ref = lp + torch.tensor([0.4, 0.8, 0.0], dtype=torch.float64).sqrt()
+    entropy = torch.tensor([1.0, 2.0, 3.0], dtype=torch.float64)
+    adv = torch.tensor([1.0, -1.0, 1.0], dtype=torch.float64)
+    w = torch.tensor([0.5, 0.25, 0.25], dtype=torch.float64)
+    options = LossOptions(beta=0.1, entropy_coef=0.01, kl_estimator="k2")
+    loss, rows = weighted_grpo_loss(lp, entropy, adv, w, options, old_logprobs=old, ref_logprobs=ref)
+    # r = e^.5 ≈ 1.6487, A = 1 > 0: clipped at 1.2 → pg −1.2 (high side)
+    # r = e^−.5 ≈ .6065, A = −1: −min(−.6065, −.8) = .8, clipped (low side)
+    # r = e^.1 ≈ 1.1052 inside the range: pg = −1.1052
+    # Σ w·pg = .5·(−1.2) + .25·.8 + .25·(−1.1052) = −.6763; KL part .1·(.5·.2 + .25·.4) = .02;
+    # entropy part −.01·(.5·1 + .25·2 + .25·3) = −.0175
+    pg = 0.5 * -1.2 + 0.25 * 0.8 + 0.25 * -math.exp(0.1)
+    assert rows.parts.pg.item() == pytest.approx(pg, rel=1e-12)
+    assert rows.parts.kl.item() == pytest.approx(0.02, rel=1e-12)
+    assert rows.parts.entropy.item() == pytest.approx(-0.0175, rel=1e-12)
+    assert loss.item() == pytest.approx(pg + 0.02 - 0.0175, rel=1e-12)
+    out = GRPOLossOutput(loss, lp, entropy, rows.kl, rows.clipped, rows.log_ratio, rows.parts)
+    assert out.clipped_high.tolist() == [True, False, False]
+    assert out.clipped_low.tolist() == [False, True, False]
+    stats = StepStats()
+    mb = SimpleNamespace(labels=torch.zeros(3, dtype=torch.long), old_logprobs=old, sampler_logprobs=None)
+    stats.add(out, mb)
     rollout = SimpleNamespace(finish_reason=["stop"], sampler_logprobs=None)
     meta = {"zero_variance_groups": 0.0, "num_groups": 1.0}
     t = stats.global_totals(dist.DistInfo(), torch.device("cpu"), torch.tensor([1.0]), rollout, meta)
-    # r = e^.5 > 1 clipped: high; r = e^−.5 < 1 clipped: low; r = e^.1 not clipped → 1/3 each
     assert t["clip_fraction_low"] == t["clip_fraction_high"] == pytest.approx(1 / 3)
     assert t["clip_fraction"] == pytest.approx(2 / 3)
-    # KL part β·Σ w·KL = .1·(.5·.2 + .25·.4 + 0) = .02; entropy part −c·Σ w·H = −.01·(.5 + .5 + .75) = −.0175
-    # pg = loss − KL part − entropy part = 1 − .02 + .0175 = .9975
-    assert t["loss_kl"] == pytest.approx(0.02)
-    assert t["loss_entropy"] == pytest.approx(-0.0175)
-    assert t["loss_pg"] == pytest.approx(0.9975)
+    assert (t["loss_pg"], t["loss_kl"], t["loss_entropy"]) == pytest.approx((pg, 0.02, -0.0175), rel=1e-6)
 
 
 def test_tiny_run_logs_the_split_metrics(tmp_path):

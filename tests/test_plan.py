@@ -12,12 +12,14 @@ import pytest
 import torch
 from transformers import Qwen2Config
 
+from grpo_fast.algo.loss_options import LossOptions
 from grpo_fast.config import load_config
 from grpo_fast.loop.optim import build_optimizer
 from grpo_fast.obs.memory import tracked_peak_bytes
 from grpo_fast.ops import fused_linear_grpo_loss
 from grpo_fast.policy.batch import build_sequences, make_microbatches
-from grpo_fast.policy.model import build_policy_loss, load_policy, response_hidden_states
+from grpo_fast.policy.loss import build_policy_loss, response_hidden_states
+from grpo_fast.policy.model import load_policy
 from grpo_fast.tools.plan import Arch, plan_memory
 
 HF = Qwen2Config(
@@ -81,7 +83,7 @@ def test_planner_bytes_match_measurement(checkpointing):
     optimizer = build_optimizer(cfg, model.parameters())
 
     def forward_backward(mb):
-        return lambda: loss(mb, 0.0, 1.0).loss.backward()
+        return lambda: loss(mb, LossOptions(), 1.0).loss.backward()
 
     forward_backward(_microbatch(2))()
     optimizer.step()

@@ -9,9 +9,10 @@ import copy
 import pytest
 import torch
 
+from grpo_fast.algo.loss_options import LossOptions
 from grpo_fast.ops import fused_linear_grpo_loss
 from grpo_fast.policy.batch import Microbatch
-from grpo_fast.policy.model import PolicyLoss
+from grpo_fast.policy.loss import PolicyLoss
 
 V, D = 1003, 80  # sizes no other buffer of the one-layer policy shares
 MICROBATCHES = 4
@@ -52,8 +53,8 @@ def _head_casts(run) -> int:
     )
 
 
-def _policy(model, **options) -> PolicyLoss:
-    return PolicyLoss(model, autocast=torch.bfloat16, loss_options=dict(backend="torch_chunked", **options))
+def _policy(model) -> PolicyLoss:
+    return PolicyLoss(model, autocast=torch.bfloat16, backend="torch_chunked")
 
 
 def test_lm_head_is_cast_once_per_optimizer_step():
@@ -69,7 +70,7 @@ def test_lm_head_is_cast_once_per_optimizer_step():
 
     def step() -> None:
         for _ in range(MICROBATCHES):
-            policy(mb, 0.0, 1.0).loss.backward()
+            policy(mb, LossOptions(), 1.0).loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
 
@@ -90,15 +91,15 @@ def test_cached_cast_gives_the_numbers_of_a_cast_per_call():
     opts = [torch.optim.AdamW(m.parameters(), lr=1e-2) for m in (model, twin)]
     for _ in range(2):
         for _ in range(2):
-            cached(mb, 0.0, 1.0).loss.backward()
-            per_call(mb, 0.0, 1.0).loss.backward()
+            cached(mb, LossOptions(), 1.0).loss.backward()
+            per_call(mb, LossOptions(), 1.0).loss.backward()
         for (name, p), q in zip(model.named_parameters(), twin.parameters()):
             assert p.grad.dtype == torch.float32 and torch.equal(p.grad, q.grad), name
         for opt in opts:
             opt.step()
             opt.zero_grad(set_to_none=True)
     with torch.no_grad():
-        assert torch.equal(cached(mb, 0.0, 1.0).logprobs, per_call(mb, 0.0, 1.0).logprobs)
+        assert torch.equal(cached(mb, LossOptions(), 1.0).logprobs, per_call(mb, LossOptions(), 1.0).logprobs)
 
 
 def test_an_optimizer_that_does_not_bump_the_version_still_recasts():
@@ -109,12 +110,14 @@ def test_an_optimizer_that_does_not_bump_the_version_still_recasts():
     policy = _policy(model)
     head = model.get_output_embeddings().weight
     opt = bnb.optim.AdamW8bit(model.parameters(), lr=1e-2)
-    policy(mb, 0.0, 1.0).loss.backward()
+    policy(mb, LossOptions(), 1.0).loss.backward()
     version = head._version
     opt.step()
     assert head._version == version  # what makes the hook necessary
     with torch.no_grad():
-        assert torch.equal(policy(mb, 0.0, 1.0).logprobs, _policy(model)(mb, 0.0, 1.0).logprobs)
+        assert torch.equal(
+            policy(mb, LossOptions(), 1.0).logprobs, _policy(model)(mb, LossOptions(), 1.0).logprobs
+        )
 
 
 def test_an_in_place_update_outside_an_optimizer_recasts():
@@ -123,10 +126,10 @@ def test_an_in_place_update_outside_an_optimizer_recasts():
     model, mb = _tied_policy(V, D)
     policy = _policy(model)
     with torch.no_grad():
-        before = policy(mb, 0.0, 1.0).logprobs
+        before = policy(mb, LossOptions(), 1.0).logprobs
         model.get_output_embeddings().weight.mul_(2.0)
-        after = policy(mb, 0.0, 1.0).logprobs
-        fresh = _policy(model)(mb, 0.0, 1.0).logprobs
+        after = policy(mb, LossOptions(), 1.0).logprobs
+        fresh = _policy(model)(mb, LossOptions(), 1.0).logprobs
     assert not torch.equal(before, after)
     assert torch.equal(after, fresh)
 
@@ -146,11 +149,11 @@ def test_the_label_range_check_reads_no_tensor_given_the_bounds(monkeypatch):
         raise AssertionError("the labels were read")
 
     monkeypatch.setattr(torch, "aminmax", no_read)
-    policy(mb, 0.0, 1.0)  # runs: the bounds are used
+    policy(mb, LossOptions(), 1.0)  # runs: the bounds are used
     with pytest.raises(
         ValueError, match=r"labels must be in \[0, V\) = \[0, 1003\), got min \d+ and max 1003"
     ):
-        policy(bad, 0.0, 1.0)
+        policy(bad, LossOptions(), 1.0)
     with pytest.raises(ValueError, match="weight_cast must be"):
         head = model.get_output_embeddings().weight
         fused_linear_grpo_loss(
@@ -212,7 +215,7 @@ def test_backbone_weights_are_cast_once_per_optimizer_step(held):
         region = policy.step_cast_cache(mb.input_ids.device) if hold else contextlib.nullcontext()
         with _CastCounter(down.shape) as counter, region:
             for _ in range(MICROBATCHES):
-                policy(mb, 0.0, 1.0).loss.backward()
+                policy(mb, LossOptions(), 1.0).loss.backward()
         return counter.count, {n: p.grad.clone() for n, p in model.named_parameters()}
 
     casts, got = grads(held)
@@ -226,7 +229,8 @@ def test_backbone_weights_are_cast_once_per_optimizer_step(held):
 def test_the_loop_holds_the_cast_cache_over_a_step():
     """``optimize_on_rollout`` itself: 4 microbatches, one bf16 cast of the down-projection."""
     from grpo_fast.config import load_config
-    from grpo_fast.train import Trainer, optimize_on_rollout
+    from grpo_fast.loop.optimization import optimize_on_rollout
+    from grpo_fast.loop.state import Trainer
 
     model, mb = _tied_policy(V, D)
     policy = _policy(model)
@@ -234,7 +238,7 @@ def test_the_loop_holds_the_cast_cache_over_a_step():
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     trainer = Trainer(policy, opt, list(model.parameters()), cfg)
     with _CastCounter(model.model.layers[0].mlp.down_proj.weight.shape) as counter:
-        optimize_on_rollout(trainer, [mb] * MICROBATCHES, beta=0.0, temperature=1.0)
+        optimize_on_rollout(trainer, [mb] * MICROBATCHES, options=LossOptions(), temperature=1.0)
     assert counter.count == 1
 
 
@@ -277,17 +281,17 @@ def test_microbatch_step_issues_no_host_device_sync():
     device = torch.device("cuda")
     torch.manual_seed(0)
     model = Model().to(device)
-    policy = PolicyLoss(model, autocast=torch.bfloat16, loss_options=dict(backend="triton"))
+    policy = PolicyLoss(model, autocast=torch.bfloat16, backend="triton")
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True)
     seqs = [Sequence(torch.randint(0, V, (24,)).tolist(), 8, a, 1 / 64) for a in (1.0, -1.0, 0.5, -0.5)]
     mbs = [mb.to(device) for mb in make_microbatches(seqs, 2, pad_id=0, packing=False)]
-    policy(mbs[0], 0.0, 1.0).loss.backward()  # warm-up: triton compiles, the allocator grows
+    policy(mbs[0], LossOptions(), 1.0).loss.backward()  # warm-up: triton compiles, the allocator grows
     opt.zero_grad(set_to_none=True)
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
     try:
         for mb in mbs:
-            policy(mb, 0.0, 1.0).loss.backward()
+            policy(mb, LossOptions(), 1.0).loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
         opt.zero_grad(set_to_none=True)

@@ -1,4 +1,4 @@
-"""The rollout-side options in the loop's rollout phase (``grpo_fast.train.rollout_phase``), on a
+"""The rollout-side options in the loop's rollout phase (``grpo_fast.loop.rollout_phase``), on a
 scripted backend whose responses are fixed per prompt, so every choice is hand-worked: DAPO
 dynamic sampling (which groups are dropped, how many rounds), the overlong penalty, weighted
 rewards, group sizes by pass rate, the difficulty filter and the curriculum, KL in the reward."""
@@ -12,9 +12,15 @@ import torch
 
 from grpo_fast import dist
 from grpo_fast import train as train_mod
+from grpo_fast.algo.loss_options import LossOptions
 from grpo_fast.config import load_config
+from grpo_fast.loop import optimization
+from grpo_fast.loop import rollout_phase as phase
+from grpo_fast.loop import setup as setup_mod
+from grpo_fast.loop.stats import StepStats
 from grpo_fast.obs.health import HealthMonitor, HealthThresholds
 from grpo_fast.rollout import Rollout
+from grpo_fast.rollout.sampling import step_seed
 from grpo_fast.task.data import Example
 from grpo_fast.task.rewards import GuardedReward, WeightedReward
 
@@ -79,7 +85,7 @@ def _run(script, *overrides, n_prompts=6, answers=None, difficulty=None, reward=
         reward_fn=reward or GuardedReward(exact, "exact"),
         stop=[],
     )
-    pass_rates, sampler = train_mod._prompt_sampler(cfg, task)
+    pass_rates, sampler = setup_mod._prompt_sampler(cfg, task)
     return SimpleNamespace(
         cfg=cfg,
         world=dist.DistInfo(),
@@ -97,7 +103,7 @@ def _run(script, *overrides, n_prompts=6, answers=None, difficulty=None, reward=
 
 def _order(seed: int, n: int, k: int) -> list[int]:
     """The plain sampler's first ``k`` prompts (its seeded shuffle; tested in test_core)."""
-    from grpo_fast.loop.optim import PromptSampler
+    from grpo_fast.algo.prompt_sampler import PromptSampler
 
     return PromptSampler(n, seed).next(k)
 
@@ -108,7 +114,7 @@ MIXED, WRONG, RIGHT = ["a", "b"], ["b"], ["a"]  # a group of 2: rewards [1, 0], 
 def test_without_options_one_round_every_group_kept():
     script = {p: (MIXED if p % 2 else WRONG) for p in range(6)}
     run = _run(script)
-    batch = train_mod.rollout_phase(run, 1, _Progress())
+    batch = phase.rollout_phase(run, 1, _Progress())
     assert len(run.backend.calls) == 1
     assert [int(e.question[1:]) for e in batch.examples] == _order(0, 6, 2)
     assert batch.extra == {}
@@ -119,7 +125,7 @@ def test_dynamic_sampling_drops_equal_reward_groups_and_draws_again():
     in the sampler's order; the step keeps the first 2 informative ones it meets."""
     script = {p: (MIXED if p % 2 else (RIGHT if p == 0 else WRONG)) for p in range(6)}
     run = _run(script, "rollout.dynamic_sampling=true", "rollout.max_sampling_rounds=3")
-    batch = train_mod.rollout_phase(run, 1, _Progress())
+    batch = phase.rollout_phase(run, 1, _Progress())
     order = _order(0, 6, 6)
     informative = [p for p in order if p % 2]
     # rounds needed: the round (2 prompts each) in which the 2nd informative prompt is drawn
@@ -136,7 +142,7 @@ def test_dynamic_sampling_drops_equal_reward_groups_and_draws_again():
     assert run.logger.lines == []
     # each round has its own sampling seed; the first is the one the step always had
     seeds = [c[2] for c in run.backend.calls]
-    assert len(set(seeds)) == len(seeds) and seeds[0] == train_mod.step_seed(0, 1, 0)
+    assert len(set(seeds)) == len(seeds) and seeds[0] == step_seed(0, 1, 0)
 
 
 def test_dynamic_sampling_gives_up_after_max_rounds_and_says_so():
@@ -144,7 +150,7 @@ def test_dynamic_sampling_gives_up_after_max_rounds_and_says_so():
     met prompt 5) or on the last round (nothing informative at all), and logs one line."""
     script = {p: (MIXED if p == 5 else WRONG) for p in range(6)}
     run = _run(script, "rollout.dynamic_sampling=true", "rollout.max_sampling_rounds=2")
-    batch = train_mod.rollout_phase(run, 1, _Progress())
+    batch = phase.rollout_phase(run, 1, _Progress())
     drawn = _order(0, 6, 4)
     assert len(run.backend.calls) == 2
     kept = [int(e.question[1:]) for e in batch.examples]
@@ -161,7 +167,7 @@ def test_overlong_penalty_is_added_to_the_rewards_before_the_advantage():
     run = _run(
         script, "rollout.max_tokens=8", "data.overlong_buffer=4", "data.overlong_penalty=0.5", n_prompts=4
     )
-    batch = train_mod.rollout_phase(run, 1, _Progress())
+    batch = phase.rollout_phase(run, 1, _Progress())
     penalty = {3: 0.0, 5: -0.125, 6: -0.25, 8: -0.5}
     assert batch.raw_rewards.tolist() == [penalty[len(t)] for t in batch.rollout.response_text]
     assert batch.extra["rollout/overlong_penalty_mean"] == pytest.approx(batch.raw_rewards.mean().item())
@@ -173,11 +179,11 @@ def test_weighted_rewards_sum_into_the_reward_and_each_part_is_reported():
     """reward = 1·exact − 0.5·length/10: "a" (right, 1 char) → 1 − .05 = .95; "bb" → −.1."""
     reward = WeightedReward([GuardedReward(exact, "exact"), GuardedReward(length, "length")], [1.0, -0.5])
     run = _run({p: ["a", "bb"] for p in range(6)}, reward=reward)
-    batch = train_mod.rollout_phase(run, 1, _Progress())
+    batch = phase.rollout_phase(run, 1, _Progress())
     assert batch.raw_rewards.tolist() == pytest.approx([0.95, -0.1, 0.95, -0.1])
     assert batch.reward_meta["reward/exact_mean"] == pytest.approx(0.5)
     assert batch.reward_meta["reward/length_mean"] == pytest.approx(0.15)
-    stats = train_mod._Stats()
+    stats = StepStats()
     totals = stats.global_totals(
         dist.DistInfo(), torch.device("cpu"), batch.raw_rewards, batch.rollout, batch.reward_meta
     )
@@ -199,10 +205,10 @@ def test_adaptive_group_size_follows_the_pass_rates_and_keeps_the_total():
         "rollout.max_group_size=8",
         n_prompts=2,
     )
-    first = train_mod.rollout_phase(run, 1, _Progress())
+    first = phase.rollout_phase(run, 1, _Progress())
     assert first.rollout.sizes == [4, 4]
     assert [run.pass_rates.pass_rate(p) for p in (0, 1)] == [1.0, 0.0]
-    second = train_mod.rollout_phase(run, 2, _Progress())
+    second = phase.rollout_phase(run, 2, _Progress())
     by_prompt = {int(e.question[1:]): n for e, n in zip(second.examples, second.rollout.sizes)}
     assert by_prompt == {0: 2, 1: 6}
     assert sum(second.rollout.sizes) == 8 and len(second.raw_rewards) == 8
@@ -219,9 +225,7 @@ def test_difficulty_filter_skips_solved_prompts_after_their_first_visit():
     run = _run(script, "rollout.difficulty_filter=[0.0,0.9]", n_prompts=4)
     seen = []
     for step in (1, 2, 3, 4):
-        seen.append(
-            sorted(int(e.question[1:]) for e in train_mod.rollout_phase(run, step, _Progress()).examples)
-        )
+        seen.append(sorted(int(e.question[1:]) for e in phase.rollout_phase(run, step, _Progress()).examples))
     assert sorted(seen[0] + seen[1]) == [0, 1, 2, 3]
     assert seen[2] == seen[3] == [2, 3]
 
@@ -236,9 +240,7 @@ def test_curriculum_easy_first_by_difficulty_field():
         difficulty=[3.0, 1.0, 4.0, 2.0],
     )
     got = [
-        int(e.question[1:])
-        for step in (1, 2)
-        for e in train_mod.rollout_phase(run, step, _Progress()).examples
+        int(e.question[1:]) for step in (1, 2) for e in phase.rollout_phase(run, step, _Progress()).examples
     ]
     assert got == [1, 3, 0, 2]
 
@@ -264,22 +266,22 @@ def test_kl_in_reward_sums_k1_per_response_whatever_the_microbatch_order(packing
     """Σ_t (log π − log π_ref) of each response, from the fused op's no-grad passes over
     microbatches of 2 (sorted by length, or packed), equals the float64 value from full logits
     for that same response: the sums land on the right response."""
-    from grpo_fast.policy.model import PolicyLoss
+    from grpo_fast.policy.loss import PolicyLoss
 
     tok, policy, ref = _tiny_models()
     cfg = load_config("tiny", overrides=["train.micro_batch_size=2", f"train.packing={str(packing).lower()}"])
     prompts = [[5, 6, 7], [8, 9]]  # the tiny vocabulary has 15 tokens
     responses = [[10, 11], [12, 13, 14, 3, 4], [2], [6, 7, 8]]  # prompt 0: 2, prompt 1: 2
     rollout = Rollout(prompts, responses, ["x"] * 4, ["stop"] * 4)
-    opts = {"backend": "torch_chunked"}
     run = SimpleNamespace(
         cfg=cfg,
         device=torch.device("cpu"),
         tokenizer=tok,
-        policy_loss=PolicyLoss(policy, autocast=None, loss_options=opts),
-        ref_loss=PolicyLoss(ref, autocast=None, loss_options=opts),
+        policy_loss=PolicyLoss(policy, autocast=None, backend="torch_chunked"),
+        ref_loss=PolicyLoss(ref, autocast=None, backend="torch_chunked"),
+        scoring_options=LossOptions,
     )
-    sums, (total, tokens) = train_mod._response_kl_k1(run, rollout, temperature=0.7)
+    sums, (total, tokens) = phase.response_kl_k1(run, rollout, temperature=0.7)
     expected = [
         _eager_logprob_sum(policy, p, r, 0.7) - _eager_logprob_sum(ref, p, r, 0.7)
         for p, r in zip(rollout.response_prompt_ids(), responses)
@@ -293,12 +295,12 @@ def test_kl_in_reward_lowers_each_reward_by_beta_times_its_k1_sum(monkeypatch):
     """loss.kl_in_reward with β 0.1: the rewards the advantages use are r − 0.1·Σk1 (the sums
     here are fixed: 2, −1, 0.5, 4)."""
     fixed = torch.tensor([2.0, -1.0, 0.5, 4.0])
-    monkeypatch.setattr(train_mod, "_response_kl_k1", lambda run, rollout, t: (fixed, (5.5, 8.0)))
+    monkeypatch.setattr(phase, "response_kl_k1", lambda run, rollout, t: (fixed, (5.5, 8.0)))
     run = _run({p: MIXED for p in range(6)}, "loss.beta=0.1", "loss.kl_in_reward=true")
-    batch = train_mod.rollout_phase(run, 1, _Progress())
+    batch = phase.rollout_phase(run, 1, _Progress())
     assert batch.raw_rewards.tolist() == pytest.approx([1 - 0.2, 0 + 0.1, 1 - 0.05, 0 - 0.4])
     assert batch.reward_meta["kl_reward_sum"] == 5.5 and batch.reward_meta["kl_reward_tokens"] == 8.0
-    totals = train_mod._Stats().global_totals(
+    totals = StepStats().global_totals(
         dist.DistInfo(), torch.device("cpu"), batch.raw_rewards, batch.rollout, batch.reward_meta
     )
     assert totals["kl"] == pytest.approx(5.5 / 8)  # train/kl: k1 per sampled token
@@ -363,7 +365,7 @@ def test_every_rollout_option_at_once_trains_and_resumes_exactly(tmp_path):
 def test_sft_mix_gradient_is_mix_coef_times_the_per_token_mean_nll_gradient():
     """sft.mix_coef=0.5: the supervised microbatches (2 rows each, 3 examples) give the gradient
     of 0.5 × the mean over all solution tokens (+ EOS) of −log p, computed here from full logits."""
-    from grpo_fast.policy.model import PolicyLoss
+    from grpo_fast.policy.loss import PolicyLoss
     from grpo_fast.task.loader import load_task
 
     tok, policy, _ = _tiny_models()
@@ -373,11 +375,11 @@ def test_sft_mix_gradient_is_mix_coef_times_the_per_token_mean_nll_gradient():
     task.tokenizer = tok
     examples = [task.train[i] for i in (0, 1, 2)]
     run = SimpleNamespace(cfg=cfg, tokenizer=tok, task=task, device=torch.device("cpu"))
-    mbs = train_mod._sft_microbatches(run, examples)
+    mbs = optimization._sft_microbatches(run, examples)
     assert len(mbs) == 2
-    loss = PolicyLoss(policy, autocast=None, loss_options={"backend": "torch_chunked"})
+    loss = PolicyLoss(policy, autocast=None, backend="torch_chunked")
     for mb in mbs:
-        loss(mb, 0.0, 1.0).loss.backward()
+        loss(mb, LossOptions(), 1.0).loss.backward()
     got = {n: p.grad.clone() for n, p in policy.named_parameters()}
     policy.zero_grad(set_to_none=True)
 

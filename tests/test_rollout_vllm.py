@@ -15,16 +15,19 @@ import re
 import pytest
 import torch
 
+from grpo_fast.algo.loss_options import LossOptions
 from grpo_fast.algo.sampler_correction import sampler_importance_weights
 from grpo_fast.config import load_config
 from grpo_fast.errors import ConfigError
+from grpo_fast.loop.optimization import prepare_old_and_ref
 from grpo_fast.policy.batch import build_sequences, make_microbatches
-from grpo_fast.policy.model import build_policy_loss
+from grpo_fast.policy.loss import build_policy_loss
 from grpo_fast.rollout.base import SamplingParams
 from grpo_fast.rollout.hf import HFBackend
-from grpo_fast.rollout.vllm import VLLMBackend, WeightSyncError, WeightSyncProbe, step_seed
+from grpo_fast.rollout.sampling import step_seed
+from grpo_fast.rollout.vllm import VLLMBackend, WeightSyncError, WeightSyncProbe
 from grpo_fast.task import tiny
-from grpo_fast.train import _prepare_old_and_ref, run
+from grpo_fast.train import run
 
 
 class FakeVLLMEngine:
@@ -175,7 +178,7 @@ def _probe_for(model, tok, tolerance=1e-3):
 
         mb = make_microbatches([Sequence(list(ids), 1, 0.0, 0.0)], 1, tok.pad_token_id, packing=False)[0]
         with torch.no_grad():
-            return loss(mb, 0.0, 1.0).logprobs
+            return loss(mb, LossOptions(), 1.0).logprobs
 
     return WeightSyncProbe(tok("37+45=82")["input_ids"], trainer_logprobs, tolerance)
 
@@ -237,7 +240,7 @@ def _microbatch_with_sampler_gap(model, tok, delta: float):
     mb = make_microbatches(seqs, 8, tok.pad_token_id, packing=False)[0]
     cfg = load_config("tiny", check_device=False)
     with torch.no_grad():
-        trainer = build_policy_loss(cfg, model, None)(mb, 0.0, 1.0).logprobs
+        trainer = build_policy_loss(cfg, model, None)(mb, LossOptions(), 1.0).logprobs
     mb.sampler_logprobs = trainer - delta
     return mb
 
@@ -265,8 +268,11 @@ def test_correction_rescales_the_loss_weights_by_the_expected_amounts(level, mod
         ],
         check_device=False,
     )
-    extra = _prepare_old_and_ref(cfg, [mb], build_policy_loss(cfg, model, None), None, 1.0)
-    ratio = (mb.loss_weights / before).tolist()
+    [weighted], extra = prepare_old_and_ref(
+        cfg, [mb], build_policy_loss(cfg, model, None), None, 1.0, LossOptions()
+    )
+    assert torch.equal(mb.loss_weights, before)  # a new microbatch: the given one is left as it was
+    ratio = (weighted.loss_weights / before).tolist()
     if factor is not None:
         expected = [factor] * len(ratio)
     else:  # longest sequence first: tokens 0-1 belong to "46", token 2 to "5"
@@ -291,13 +297,13 @@ def test_old_logprobs_from_the_sampler_skip_the_no_grad_pass():
     )
     loss = build_policy_loss(cfg, model, None)
     loss.register_forward_hook(lambda *a: calls.append(1))
-    _prepare_old_and_ref(cfg, [mb], loss, None, 1.0)
-    assert calls == [] and torch.equal(mb.old_logprobs, mb.sampler_logprobs)
+    [new], _ = prepare_old_and_ref(cfg, [mb], loss, None, 1.0, LossOptions())
+    assert calls == [] and torch.equal(new.old_logprobs, new.sampler_logprobs) and mb.old_logprobs is None
     cfg = load_config(
         "tiny", overrides=["train.epochs_per_rollout_batch=2"], check_device=False
     )  # old_logprobs=trainer (default): one no-grad pass
-    _prepare_old_and_ref(cfg, [mb], loss, None, 1.0)
-    assert calls == [1] and not torch.equal(mb.old_logprobs, mb.sampler_logprobs)
+    [new], _ = prepare_old_and_ref(cfg, [mb], loss, None, 1.0, LossOptions())
+    assert calls == [1] and not torch.equal(new.old_logprobs, new.sampler_logprobs)
 
 
 @pytest.mark.parametrize("amp", [None, torch.bfloat16], ids=["fp32", "bf16-autocast"])
@@ -314,9 +320,9 @@ def test_first_epoch_ratio_is_exactly_one(amp):
     mbs = make_microbatches(seqs, 2, tok.pad_token_id, packing=False)
     cfg = load_config("tiny", overrides=["train.epochs_per_rollout_batch=2"], check_device=False)
     loss = build_policy_loss(cfg, model, amp)
-    _prepare_old_and_ref(cfg, mbs, loss, None, 0.7)
+    mbs, _ = prepare_old_and_ref(cfg, mbs, loss, None, 0.7, LossOptions())
     for mb in mbs:
-        out = loss(mb, 0.0, 0.7)
+        out = loss(mb, LossOptions(), 0.7)
         assert torch.equal(out.logprobs, mb.old_logprobs)
         assert not out.clipped.any()
         out.loss.backward()

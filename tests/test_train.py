@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from grpo_fast.config import load_config
-from grpo_fast.policy import model as model_mod
+from grpo_fast.policy import loss as loss_mod
 from grpo_fast.train import run
 
 REQUIRED_KEYS = {
@@ -82,14 +82,14 @@ def test_tiny_run_writes_config_metrics_samples_checkpoints_and_final_model(tmp_
 
 def test_on_policy_skips_the_old_logprob_pass(tmp_path, monkeypatch):
     calls = []  # no-grad forwards of the loss module: the π_old passes
-    real = model_mod.PolicyLoss.forward
+    real = loss_mod.PolicyLoss.forward
 
     def counting(self, *a, **k):
         if not torch.is_grad_enabled():
             calls.append(1)
         return real(self, *a, **k)
 
-    monkeypatch.setattr(model_mod.PolicyLoss, "forward", counting)
+    monkeypatch.setattr(loss_mod.PolicyLoss, "forward", counting)
     run(_quick(tmp_path / "one", "steps=2", "eval_every=0", "checkpoint_every=0"))
     assert calls == []  # one epoch per rollout batch: π_old = π, no extra forward pass
     run(

@@ -1,5 +1,5 @@
-"""The optimization phase of the loop (grpo_fast.train): what it leaves behind for the rollout,
-and its statistics."""
+"""The optimization phase of the loop (grpo_fast.loop.optimization): what it leaves behind for the
+rollout, and its statistics."""
 
 import math
 from types import SimpleNamespace
@@ -9,7 +9,12 @@ import torch
 
 import grpo_fast.train as train_mod
 from grpo_fast import dist
+from grpo_fast.algo.core import GRPOLossOutput, LossParts
 from grpo_fast.config import load_config
+from grpo_fast.loop import optimization
+from grpo_fast.loop import setup as setup_mod
+from grpo_fast.loop.optimization import sequences_with_gradient
+from grpo_fast.loop.stats import StepStats
 
 
 def _tiny(tmp_path, *extra):
@@ -32,20 +37,20 @@ def test_gradients_are_freed_before_every_rollout(tmp_path, monkeypatch):
     """Every parameter's ``.grad`` is None whenever the rollout backend generates (the gradients
     of the previous step would otherwise sit beside the rollout engine)."""
     seen = []
-    real = train_mod.make_backend
+    real = setup_mod.make_backend
 
-    def checking_backend(cfg, model, *args, **kwargs):
-        backend = real(cfg, model, *args, **kwargs)
+    def checking_backend(ctx):
+        backend = real(ctx)
         generate = backend.generate
 
         def checked_generate(*a, **k):
-            seen.append([p.grad is None for p in model.parameters()])
+            seen.append([p.grad is None for p in ctx.model.parameters()])
             return generate(*a, **k)
 
         backend.generate = checked_generate
         return backend
 
-    monkeypatch.setattr(train_mod, "make_backend", checking_backend)
+    monkeypatch.setattr(setup_mod, "make_backend", checking_backend)
     train_mod.run(_tiny(tmp_path, "train.epochs_per_rollout_batch=2", "sft.steps=5"))
     assert len(seen) == 3  # one rollout per step; the warm start left no gradients either
     assert all(all(step) for step in seen), [sum(not g for g in step) for step in seen]
@@ -53,15 +58,18 @@ def test_gradients_are_freed_before_every_rollout(tmp_path, monkeypatch):
 
 def test_kl_to_old_is_k3_of_kl_old_to_new():
     """The early-stop estimate of KL(π_old ‖ π) from samples of π_old."""
-    stats = train_mod._Stats()
+    stats = StepStats()
     old = torch.tensor([math.log(2), 0.0, -1.0])
     new = torch.tensor([0.0, 0.0, -1.5])
-    out = SimpleNamespace(
-        loss=torch.tensor(0.0),
+    zero = torch.tensor(0.0)
+    out = GRPOLossOutput(
+        loss=zero,
         logprobs=new,
         entropy=torch.zeros(3),
-        clipped=torch.zeros(3, dtype=torch.bool),
         kl=None,
+        clipped=torch.zeros(3, dtype=torch.bool),
+        log_ratio=new - old,
+        parts=LossParts(zero, zero, zero),
     )
     stats.add(
         out, SimpleNamespace(labels=torch.zeros(3, dtype=torch.long), old_logprobs=old, sampler_logprobs=None)
@@ -106,16 +114,17 @@ def test_nothing_informative_still_steps_every_parameter():
     from grpo_fast.policy.batch import Sequence
 
     cfg = load_config("tiny", check_device=False)
+    options = cfg.loss.loss_options()
     seqs = [Sequence([1, 2, 3, 4], 2, 0.0, 0.5), Sequence([1, 2, 3], 2, 0.0, 0.5)]
-    assert train_mod._sequences_with_gradient(cfg, seqs, beta=0.0) == [seqs[1]]
+    assert sequences_with_gradient(cfg, seqs, options) == [seqs[1]]
     mixed = [Sequence([1, 2, 3], 2, 0.7, 0.5), *seqs]
-    assert train_mod._sequences_with_gradient(cfg, mixed, beta=0.0) == mixed[:1]
+    assert sequences_with_gradient(cfg, mixed, options) == mixed[:1]
     # a KL term or an entropy bonus gives zero-advantage tokens a gradient, the entropy quantile
     # counts them: nothing is skipped (nor when the skip is off)
-    assert train_mod._sequences_with_gradient(cfg, mixed, beta=0.1) == mixed
+    assert sequences_with_gradient(cfg, mixed, options.with_beta(0.1)) == mixed
     for key in ("loss.entropy_coef=0.01", "loss.top_entropy_quantile=0.2", "train.skip_zero_advantage=false"):
         other = load_config("tiny", overrides=[key], check_device=False)
-        assert train_mod._sequences_with_gradient(other, mixed, beta=0.0) == mixed, key
+        assert sequences_with_gradient(other, mixed, other.loss.loss_options()) == mixed, key
 
 
 def test_mask_truncated_leaves_truncated_responses_out_of_the_loss(tmp_path, monkeypatch):
@@ -127,9 +136,9 @@ def test_mask_truncated_leaves_truncated_responses_out_of_the_loss(tmp_path, mon
     from safetensors.torch import load_file
 
     seen = []
-    real = train_mod.make_microbatches
+    real = optimization.make_microbatches
     monkeypatch.setattr(
-        train_mod, "make_microbatches", lambda seqs, *a, **k: seen.append(len(seqs)) or real(seqs, *a, **k)
+        optimization, "make_microbatches", lambda seqs, *a, **k: seen.append(len(seqs)) or real(seqs, *a, **k)
     )
     finals = []
     for masked in ("true", "false"):

@@ -32,10 +32,12 @@ import torch
 
 from grpo_fast import dist
 from grpo_fast.algo.course import compute_group_normalized_rewards
+from grpo_fast.algo.prompt_sampler import PromptSampler
 from grpo_fast.config import Config, load_config
-from grpo_fast.loop.optim import PromptSampler, build_optimizer
+from grpo_fast.loop.optim import build_optimizer
 from grpo_fast.policy.batch import build_sequences, make_microbatches
-from grpo_fast.policy.model import autocast_dtype, build_policy_loss
+from grpo_fast.policy.loss import build_policy_loss
+from grpo_fast.policy.model import autocast_dtype
 from grpo_fast.rollout import SamplingParams
 from grpo_fast.rollout.hf import HFBackend
 from grpo_fast.tools import plan
@@ -280,9 +282,10 @@ class GrpoFastStepper:
     name = "grpo_fast"
 
     def __init__(self, problem: Problem, device: torch.device):
-        from grpo_fast.train import Trainer, _sequences_with_gradient, optimize_on_rollout
+        from grpo_fast.loop.optimization import optimize_on_rollout, sequences_with_gradient
+        from grpo_fast.loop.state import Trainer
 
-        self._with_gradient, self._optimize = _sequences_with_gradient, optimize_on_rollout
+        self._with_gradient, self._optimize = sequences_with_gradient, optimize_on_rollout
         case = problem.case
         self.problem, self.device = problem, device
         self.model = problem.model(device)
@@ -328,7 +331,8 @@ class GrpoFastStepper:
             num_sequences=len(lengths),
             num_tokens=sum(lengths),
         )
-        seqs = self._with_gradient(cfg, seqs, cfg.loss.beta)
+        options = cfg.loss.loss_options()
+        seqs = self._with_gradient(cfg, seqs, options)
         mbs = [
             mb.to(self.device)
             for mb in make_microbatches(
@@ -338,7 +342,7 @@ class GrpoFastStepper:
         self._optimize(
             self.trainer,
             mbs,
-            beta=cfg.loss.beta,
+            options=options,
             temperature=r.temperature,
         )  # ends with grad_norm.item(): a host-device sync
         t2 = time.perf_counter()

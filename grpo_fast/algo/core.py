@@ -23,15 +23,16 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
+from grpo_fast.algo.loss_options import KL_ESTIMATORS, LossOptions
+
 __all__ = [
-    "IMPORTANCE_SAMPLING_LEVELS",
-    "KL_ESTIMATORS",
     "LENGTH_NORMS",
-    "LOSS_TYPES",
     "SCALE_REWARDS",
     "AdaptiveKLController",
     "GRPOLossOutput",
-    "check_importance_sampling_level",
+    "LossParts",
+    "RowOutputs",
+    "check_sequence_ids_given",
     "compute_entropy",
     "eager_grpo_loss_from_logits",
     "eager_token_logprobs_and_entropy",
@@ -42,16 +43,15 @@ __all__ = [
     "kl_early_stop",
     "kl_penalty",
     "length_norm_weights",
+    "loss_parts",
     "normalize_group_rewards",
     "overlong_penalty",
     "sequence_mean",
+    "weighted_grpo_loss",
 ]
 
-LOSS_TYPES = ("no_baseline", "reinforce_with_baseline", "grpo_clip", "cispo")
-LENGTH_NORMS = ("sequence_mean", "constant", "token_mean")
-KL_ESTIMATORS = ("k1", "k2", "k3")
-SCALE_REWARDS = ("group", "batch", "none")
-IMPORTANCE_SAMPLING_LEVELS = ("token", "sequence")
+LENGTH_NORMS = ("sequence_mean", "constant", "token_mean")  # loss.length_norm
+SCALE_REWARDS = ("group", "batch", "none")  # loss.scale_rewards
 
 
 # ----------------------------------------------------------------------------------------------
@@ -224,26 +224,18 @@ def _check_group_sizes(group_size: int | Sequence[int], n: int) -> list[int] | N
 # ----------------------------------------------------------------------------------------------
 
 
-def check_importance_sampling_level(importance_sampling_level: str, sequence_ids) -> None:
-    """``ValueError`` unless the level is ``token`` or ``sequence`` and ``sequence_ids`` is given
-    exactly for ``sequence`` (GSPO: each row's ratio is its sequence's)."""
-    if importance_sampling_level not in IMPORTANCE_SAMPLING_LEVELS:
-        raise ValueError(
-            f"unknown importance_sampling_level {importance_sampling_level!r}; "
-            f"expected one of {', '.join(IMPORTANCE_SAMPLING_LEVELS)}"
-        )
-    if (importance_sampling_level == "sequence") != (sequence_ids is not None):
+def check_sequence_ids_given(options: LossOptions, sequence_ids) -> None:
+    """``ValueError`` unless ``sequence_ids`` is given exactly for
+    ``importance_sampling_level="sequence"`` (GSPO: each row's ratio is its sequence's)."""
+    if (options.importance_sampling_level == "sequence") != (sequence_ids is not None):
         raise ValueError("sequence_ids is needed with importance_sampling_level='sequence', and only then")
 
 
 def grpo_clip_loss(
     advantages: torch.Tensor,
-    policy_log_probs: torch.Tensor,
-    old_log_probs: torch.Tensor,
-    clip_low: float,
-    clip_high: float,
-    dual_clip: float | None = None,
-    delta: float | None = None,
+    logprobs: torch.Tensor,
+    old_logprobs: torch.Tensor,
+    options: LossOptions,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Clipped surrogate with asymmetric ("clip-higher", DAPO) and optional dual clipping.
 
@@ -252,38 +244,38 @@ def grpo_clip_loss(
     (Ye et al. 2020), tokens with ``A < 0`` are further bounded: ``ℓ = min(ℓ, −c·A)``. With
     ``delta = δ > 1`` (INTELLECT-2's two-sided clipping, TRL's ``delta``) the unclipped term's
     ratio is capped first: ``ℓ = −min(min(r, δ)·A, clip(r, …)·A)``; for ``δ > 1 + clip_high``
-    that bounds the ``A < 0`` tokens at ``−δ·A`` exactly as ``dual_clip = δ`` does.
+    that bounds the ``A < 0`` tokens at ``−δ·A`` exactly as ``dual_clip = δ`` does. The options
+    used: ``clip_low``, ``clip_high``, ``dual_clip``, ``delta``.
 
     No gradient flows through a clipped branch: for ``A ≥ 0`` once ``r > 1 + clip_high`` and
     for ``A < 0`` once ``r < 1 − clip_low`` (and, with dual clip or delta, once ``r > c``/``δ``).
 
     Args:
         advantages: ``[B, 1]`` (or broadcastable to ``[B, T]``).
-        policy_log_probs, old_log_probs: ``[B, T]``.
+        logprobs, old_logprobs: ``[B, T]``.
 
     Returns:
         ``(loss [B, T], {"clipped": bool [B, T], "ratio": [B, T] detached})``; ``clipped`` marks
         the tokens whose loss came from a clipped branch.
     """
-    ratio = torch.exp(policy_log_probs - old_log_probs)
-    capped = ratio if delta is None else torch.clamp(ratio, max=delta)
+    o = options
+    ratio = torch.exp(logprobs - old_logprobs)
+    capped = ratio if o.delta is None else torch.clamp(ratio, max=o.delta)
     unclipped = capped * advantages
-    clipped = torch.clamp(ratio, 1 - clip_low, 1 + clip_high) * advantages
+    clipped = torch.clamp(ratio, 1 - o.clip_low, 1 + o.clip_high) * advantages
     loss = -torch.minimum(unclipped, clipped)
     is_clipped = clipped < unclipped
-    if delta is not None:
-        is_clipped = is_clipped | ((unclipped <= clipped) & (ratio > delta))
-    if dual_clip is not None:
-        if dual_clip <= 1.0:
-            raise ValueError(f"dual_clip must be > 1, got {dual_clip}")
-        bound = -dual_clip * advantages
+    if o.delta is not None:
+        is_clipped = is_clipped | ((unclipped <= clipped) & (ratio > o.delta))
+    if o.dual_clip is not None:
+        bound = -o.dual_clip * advantages
         dual = (advantages < 0) & (loss > bound)
         loss = torch.where(dual, bound.expand_as(loss), loss)
         is_clipped = is_clipped | dual
     return loss, {"clipped": is_clipped, "ratio": ratio.detach()}
 
 
-def kl_penalty(log_probs: torch.Tensor, ref_log_probs: torch.Tensor, estimator: str = "k3") -> torch.Tensor:
+def kl_penalty(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, estimator: str = "k3") -> torch.Tensor:
     """Per-token estimate of ``KL(π ‖ π_ref)`` from samples of π (Schulman, "Approximating KL").
 
     With ``d = log π_ref − log π``: ``k1 = −d`` (unbiased, can be negative),
@@ -305,7 +297,7 @@ def kl_penalty(log_probs: torch.Tensor, ref_log_probs: torch.Tensor, estimator: 
     Example:
         ``log π = 0, log π_ref = ln 2`` → ``d ≈ 0.6931``: k1 ≈ −0.6931, k2 ≈ 0.2402, k3 = 2 − 0.6931 − 1 ≈ 0.3069.
     """
-    d = ref_log_probs - log_probs
+    d = ref_logprobs - logprobs
     if estimator == "k1":
         return -d
     if estimator == "k2":
@@ -350,41 +342,53 @@ def entropy_threshold(entropy: torch.Tensor, token_mask: torch.Tensor, quantile:
     return torch.quantile(h, 1.0 - quantile)
 
 
+def _policy_gradient(
+    logprobs: torch.Tensor, log_ratio: torch.Tensor, advantages: torch.Tensor, o: LossOptions
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The policy-gradient term ``pg`` of ``o.type`` for the ratio ``exp(log_ratio)`` and the
+    tokens it clipped or capped (``grpo_token_loss`` has the formulas)."""
+    if o.type == "grpo_clip":
+        loss, meta = grpo_clip_loss(advantages, log_ratio, torch.zeros_like(log_ratio), o)
+        return loss, meta["clipped"]
+    ratio = torch.exp(log_ratio)
+    if o.type == "cispo":
+        low = 1 - o.clip_low
+        high = 1 + o.clip_high if o.delta is None else min(1 + o.clip_high, o.delta)
+        weight = ratio.detach().clamp(low, high)
+        loss = -weight * advantages * logprobs
+        is_clipped = (ratio < low) | (ratio > high)
+    else:
+        loss = -(ratio if o.delta is None else torch.clamp(ratio, max=o.delta)) * advantages
+        is_clipped = ratio > (math.inf if o.delta is None else o.delta)
+    return loss, is_clipped.detach().expand(loss.shape)
+
+
 def grpo_token_loss(
-    log_probs: torch.Tensor,
+    logprobs: torch.Tensor,
     advantages: torch.Tensor,
+    options: LossOptions,
     *,
-    old_log_probs: torch.Tensor | None = None,
-    ref_log_probs: torch.Tensor | None = None,
+    old_logprobs: torch.Tensor | None = None,
+    ref_logprobs: torch.Tensor | None = None,
     entropy: torch.Tensor | None = None,
-    clip_low: float = 0.2,
-    clip_high: float = 0.2,
-    dual_clip: float | None = None,
-    beta: float = 0.0,
-    kl_estimator: str = "k3",
-    entropy_coef: float = 0.0,
-    loss_type: str = "grpo_clip",
-    delta: float | None = None,
-    importance_sampling_level: str = "token",
     sequence_ids: torch.Tensor | None = None,
-    top_entropy_quantile: float = 1.0,
     token_mask: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor | None]]:
     """The full per-token GRPO loss, before length normalization.
 
-    ``ℓ_t = pg_t + β·KL_t − c·H_t`` with ``r_t = exp(log π_t − log π_old,t)`` and, by ``loss_type``:
+    ``ℓ_t = pg_t + β·KL_t − c·H_t`` with ``r_t = exp(log π_t − log π_old,t)`` and, by ``options.type``:
 
     - ``grpo_clip``: ``pg = −min(r·A, clip(r, 1 − clip_low, 1 + clip_high)·A)`` (and the dual clip);
     - ``reinforce_with_baseline``, ``no_baseline``: ``pg = −r·A``, never clipped (``clip_*``
-      unused; ``dual_clip`` must be None). The two differ in what the caller passes as ``A``:
-      reward minus the group baseline, or the raw reward.
+      unused). The two differ in what the caller passes as ``A``: reward minus the group
+      baseline, or the raw reward.
     - ``cispo`` (MiniMax-M1): ``pg = −sg(clip(r, 1 − clip_low, 1 + clip_high))·A·log π``: the
       importance weight is clipped and detached (``sg``), so every token keeps a gradient,
-      ``−ŵ·A·∇log π``, bounded by the clip range instead of cut off (``dual_clip`` must be None).
+      ``−ŵ·A·∇log π``, bounded by the clip range instead of cut off.
 
-    ``delta = δ > 1`` caps the ratio of the unclipped term at δ for every ``loss_type``
-    (``min(r, δ)``; for ``cispo`` the weight's upper bound is ``min(1 + clip_high, δ)``): a token
-    with ``r > δ`` gets no gradient (``cispo``: weight δ).
+    ``delta = δ > 1`` caps the ratio of the unclipped term at δ for every type (``min(r, δ)``;
+    for ``cispo`` the weight's upper bound is ``min(1 + clip_high, δ)``): a token with ``r > δ``
+    gets no gradient (``cispo``: weight δ).
 
     ``clipped`` marks the tokens whose ratio was clipped or capped: no gradient through ``r``
     (``grpo_clip``, ``delta``), or a clipped weight (``cispo``; the gradient still flows).
@@ -400,11 +404,10 @@ def grpo_token_loss(
     ``top_entropy_quantile = ρ < 1`` keeps the policy-gradient term only on the tokens whose
     entropy is in the top ρ of the ``token_mask`` tokens (``entropy_threshold``; default mask: all
     of them): ``pg_t ← pg_t·[H_t ≥ threshold]``, the mask detached; the KL and entropy terms stay
-    on every token (as TRL's ``top_entropy_quantile``). ``meta["entropy_threshold"]`` is the
-    threshold (None for ρ = 1).
+    on every token (as TRL's ``top_entropy_quantile``).
 
-    ``old_log_probs=None`` means on-policy: π_old is π detached, so ``r = 1`` and the gradient is
-    ``−A·∇log π`` (no extra forward pass needed) for every ``loss_type``.
+    ``old_logprobs=None`` means on-policy: π_old is π detached, so ``r = 1`` and the gradient is
+    ``−A·∇log π`` (no extra forward pass needed) for every type.
 
     Example:
         ``A = 1``, ``log π − log π_old = 0.5``: ``r = e^0.5 ≈ 1.6487``; ``grpo_clip`` gives
@@ -412,57 +415,76 @@ def grpo_token_loss(
         with ``log π = −1`` ``cispo`` gives ``ℓ = −1.2·1·(−1) = 1.2`` with gradient ``−1.2``.
 
     Args:
-        log_probs: ``[...]`` per-token log π (differentiable).
-        advantages: broadcastable to ``log_probs`` (``[B, 1]`` for ``[B, T]``, ``[N]`` for ``[N]``).
-        old_log_probs, ref_log_probs, entropy: same shape as ``log_probs`` or None.
+        logprobs: ``[...]`` per-token log π (differentiable).
+        advantages: broadcastable to ``logprobs`` (``[B, 1]`` for ``[B, T]``, ``[N]`` for ``[N]``).
+        options: the loss options (``LossOptions``, validated when built).
+        old_logprobs, ref_logprobs, entropy: same shape as ``logprobs`` or None.
+        sequence_ids: ``[N]`` int, given exactly with ``importance_sampling_level="sequence"``.
 
     Returns:
-        ``(loss [...], {"clipped": bool [...], "kl": [...] or None})``.
+        ``(loss [...], meta)``; meta: ``pg`` (the policy-gradient term, differentiable),
+        ``clipped`` (bool), ``log_ratio`` (detached: the token's ``log r``, with GSPO its
+        sequence's), ``kl`` (the estimate, not times β; None without ``ref_logprobs``),
+        ``entropy_threshold`` (0-dim, None for ρ = 1).
     """
-    old = log_probs.detach() if old_log_probs is None else old_log_probs
-    check_importance_sampling_level(importance_sampling_level, sequence_ids)
-    if loss_type not in LOSS_TYPES:
-        raise ValueError(f"unknown loss_type {loss_type!r}; expected one of {', '.join(LOSS_TYPES)}")
-    if dual_clip is not None and loss_type != "grpo_clip":
-        raise ValueError(f"dual_clip applies only to loss_type='grpo_clip', not {loss_type!r}")
-    if delta is not None and not delta > 1:
-        raise ValueError(f"delta must be > 1 (or None), got {delta}")
-    log_ratio = log_probs - old
+    o = options
+    old = logprobs.detach() if old_logprobs is None else old_logprobs
+    check_sequence_ids_given(o, sequence_ids)
+    log_ratio = logprobs - old
     if sequence_ids is not None:
         log_ratio = sequence_mean(log_ratio, sequence_ids)
-    if loss_type == "grpo_clip":
-        zero = torch.zeros_like(log_ratio)
-        loss, meta = grpo_clip_loss(advantages, log_ratio, zero, clip_low, clip_high, dual_clip, delta)
-    else:
-        ratio = torch.exp(log_ratio)
-        if loss_type == "cispo":
-            low, high = 1 - clip_low, (1 + clip_high if delta is None else min(1 + clip_high, delta))
-            weight = ratio.detach().clamp(low, high)
-            loss = -weight * advantages * log_probs
-            is_clipped = (ratio < low) | (ratio > high)
-        else:
-            loss = -(ratio if delta is None else torch.clamp(ratio, max=delta)) * advantages
-            is_clipped = ratio > (math.inf if delta is None else delta)
-        meta = {"clipped": is_clipped.detach().expand(loss.shape)}
+    loss, clipped = _policy_gradient(logprobs, log_ratio, advantages, o)
     threshold = None
-    if top_entropy_quantile != 1.0:
-        if not 0 < top_entropy_quantile <= 1:
-            raise ValueError(f"top_entropy_quantile must be in (0, 1], got {top_entropy_quantile}")
+    if o.top_entropy_quantile != 1.0:
         if entropy is None:
             raise ValueError("top_entropy_quantile < 1 needs the per-token entropy")
         mask = torch.ones_like(entropy, dtype=torch.bool) if token_mask is None else token_mask.bool()
-        threshold = entropy_threshold(entropy, mask, top_entropy_quantile)
+        threshold = entropy_threshold(entropy, mask, o.top_entropy_quantile)
         loss = loss * (entropy.detach() >= threshold).to(loss.dtype)
+    pg = loss
     kl = None
-    if ref_log_probs is not None:
-        kl = kl_penalty(log_probs, ref_log_probs, kl_estimator)
-        if beta != 0.0:
-            loss = loss + beta * kl
-    if entropy_coef != 0.0:
+    if ref_logprobs is not None:
+        kl = kl_penalty(logprobs, ref_logprobs, o.kl_estimator)
+        if o.beta != 0.0:
+            loss = loss + o.beta * kl
+    if o.entropy_coef != 0.0:
         if entropy is None:
             raise ValueError("entropy_coef != 0 needs the per-token entropy")
-        loss = loss - entropy_coef * entropy
-    return loss, {"clipped": meta["clipped"], "kl": kl, "entropy_threshold": threshold}
+        loss = loss - o.entropy_coef * entropy
+    meta = {
+        "pg": pg,
+        "clipped": clipped,
+        "log_ratio": log_ratio.detach().expand(loss.shape),
+        "kl": kl,
+        "entropy_threshold": threshold,
+    }
+    return loss, meta
+
+
+class LossParts(NamedTuple):
+    """The batch loss split by term, each ``Σ_t w_t·term_t`` (0-dim fp32, detached):
+    ``loss = pg + kl + entropy`` up to fp32 summation order."""
+
+    pg: torch.Tensor  # Σ w·pg
+    kl: torch.Tensor  # Σ w·β·KL (0 when β = 0 or no reference)
+    entropy: torch.Tensor  # −Σ w·c·H (0 when c = 0)
+
+
+@torch.no_grad()
+def loss_parts(
+    loss_weights: torch.Tensor,
+    pg: torch.Tensor,
+    kl: torch.Tensor | None,
+    entropy: torch.Tensor,
+    options: LossOptions,
+) -> LossParts:
+    """``LossParts`` of per-token ``pg``, ``kl`` (the estimate) and ``entropy``, all ``[N]``, in
+    their dtype (fp32 in the ops, fp64 in the float64 reference)."""
+    w, pg = loss_weights, pg.detach()
+    zero = pg.new_zeros(())
+    kl_sum = options.beta * (w * kl).sum() if options.beta != 0 and kl is not None else zero
+    ent_sum = -options.entropy_coef * (w * entropy).sum() if options.entropy_coef != 0 else zero
+    return LossParts((w * pg).sum(), kl_sum, ent_sum)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -575,6 +597,60 @@ def kl_early_stop(approx_kl: float, threshold: float | None) -> bool:
 # ----------------------------------------------------------------------------------------------
 
 
+class RowOutputs(NamedTuple):
+    """What the row math gives besides the loss, for ``N`` rows (all detached).
+
+    Fields:
+        kl: ``[N]`` the KL estimate to the reference (not times β), or None without ``ref_logprobs``.
+        clipped: ``[N]`` bool, the token's loss came from a clipped branch.
+        log_ratio: ``[N]`` ``log r`` as the loss used it: the token's, with GSPO its sequence's
+            (0 on-policy).
+        parts: ``LossParts``, the loss split by term.
+        entropy_threshold: 0-dim, the top-entropy threshold (None for ``top_entropy_quantile = 1``).
+    """
+
+    kl: torch.Tensor | None
+    clipped: torch.Tensor
+    log_ratio: torch.Tensor
+    parts: LossParts
+    entropy_threshold: torch.Tensor | None
+
+
+def weighted_grpo_loss(
+    logprobs: torch.Tensor,
+    entropy: torch.Tensor,
+    advantages: torch.Tensor,
+    loss_weights: torch.Tensor,
+    options: LossOptions,
+    *,
+    old_logprobs: torch.Tensor | None = None,
+    ref_logprobs: torch.Tensor | None = None,
+    sequence_ids: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, RowOutputs]:
+    """The row math of every GRPO loss op: ``loss = Σ_t w_t·ℓ_t`` on ``[N]`` vectors.
+
+    ``ℓ`` from ``grpo_token_loss``, with the per-row inputs cast to ``logprobs``' dtype (fp32 in
+    the ops, fp64 in the float64 reference); the top-entropy quantile is over the rows with
+    ``loss_weights != 0``. Differentiable in ``logprobs`` and ``entropy``.
+    """
+    cast = lambda t: None if t is None else t.to(logprobs.dtype)
+    per_token, meta = grpo_token_loss(
+        logprobs,
+        cast(advantages),
+        options,
+        old_logprobs=cast(old_logprobs),
+        ref_logprobs=cast(ref_logprobs),
+        entropy=entropy,
+        sequence_ids=sequence_ids,
+        token_mask=loss_weights != 0,  # the quantile is over the tokens that count
+    )
+    w = cast(loss_weights)
+    loss = (w * per_token).sum()
+    kl = None if meta["kl"] is None else meta["kl"].detach()
+    parts = loss_parts(w, meta["pg"], kl, entropy.detach(), options)
+    return loss, RowOutputs(kl, meta["clipped"], meta["log_ratio"], parts, meta["entropy_threshold"])
+
+
 class GRPOLossOutput(NamedTuple):
     """What the GRPO loss ops return. N = number of (response) tokens.
 
@@ -584,6 +660,11 @@ class GRPOLossOutput(NamedTuple):
         entropy: ``[N]`` fp32, entropy of the tempered distribution.
         kl: ``[N]`` fp32 per-token KL estimate to the reference, or None without ``ref_logprobs``.
         clipped: ``[N]`` bool, the token's loss came from a clipped branch.
+        log_ratio: ``[N]`` fp32 ``log r`` as the loss used it (the token's; GSPO: its sequence's).
+        parts: ``LossParts`` (0-dim fp32 each): ``loss = parts.pg + parts.kl + parts.entropy``.
+        entropy_threshold: 0-dim, the top-entropy threshold, or None (``top_entropy_quantile = 1``).
+
+    ``clipped_low`` / ``clipped_high``: the clipped tokens whose ratio was below / above 1.
     """
 
     loss: torch.Tensor
@@ -591,6 +672,17 @@ class GRPOLossOutput(NamedTuple):
     entropy: torch.Tensor
     kl: torch.Tensor | None
     clipped: torch.Tensor
+    log_ratio: torch.Tensor
+    parts: LossParts
+    entropy_threshold: torch.Tensor | None = None
+
+    @property
+    def clipped_low(self) -> torch.Tensor:
+        return self.clipped & (self.log_ratio < 0)
+
+    @property
+    def clipped_high(self) -> torch.Tensor:
+        return self.clipped & (self.log_ratio > 0)
 
 
 def eager_token_logprobs_and_entropy(
@@ -617,44 +709,29 @@ def eager_grpo_loss_from_logits(
     old_logprobs: torch.Tensor | None = None,
     ref_logprobs: torch.Tensor | None = None,
     temperature: float = 1.0,
-    clip_low: float = 0.2,
-    clip_high: float = 0.2,
-    beta: float = 0.0,
-    entropy_coef: float = 0.0,
-    kl_estimator: str = "k3",
-    dual_clip: float | None = None,
-    loss_type: str = "grpo_clip",
-    delta: float | None = None,
-    importance_sampling_level: str = "token",
     sequence_ids: torch.Tensor | None = None,
-    top_entropy_quantile: float = 1.0,
+    options: LossOptions | None = None,
+    **loss_options,
 ) -> GRPOLossOutput:
     """Reference for ``grpo_fast.ops.grpo_loss_from_logits`` (same arguments, same output).
 
     ``loss = Σ_t w_t·ℓ_t`` with ``ℓ`` from ``grpo_token_loss`` (for ``grpo_clip``:
-    ``−min(r_t·A_t, clip(r_t, 1−clip_low, 1+clip_high)·A_t) + β·KL_t − c·H_t``).
+    ``−min(r_t·A_t, clip(r_t, 1−clip_low, 1+clip_high)·A_t) + β·KL_t − c·H_t``). The options:
+    ``options`` and/or ``LossOptions``' fields as keywords (``loss_type`` for ``type``).
     Shapes: logits ``[N, V]``, labels/advantages/loss_weights/old/ref/sequence_ids ``[N]``.
     """
+    options = LossOptions.build(options, **loss_options)
     logp, entropy = eager_token_logprobs_and_entropy(logits, labels, temperature)
-    cast = lambda t: None if t is None else t.to(logp.dtype)
-    per_token, meta = grpo_token_loss(
+    loss, rows = weighted_grpo_loss(
         logp,
-        cast(advantages),
-        old_log_probs=cast(old_logprobs),
-        ref_log_probs=cast(ref_logprobs),
-        entropy=entropy,
-        clip_low=clip_low,
-        clip_high=clip_high,
-        dual_clip=dual_clip,
-        beta=beta,
-        kl_estimator=kl_estimator,
-        entropy_coef=entropy_coef,
-        loss_type=loss_type,
-        delta=delta,
-        importance_sampling_level=importance_sampling_level,
+        entropy,
+        advantages,
+        loss_weights,
+        options,
+        old_logprobs=old_logprobs,
+        ref_logprobs=ref_logprobs,
         sequence_ids=sequence_ids,
-        top_entropy_quantile=top_entropy_quantile,
-        token_mask=loss_weights != 0,
     )
-    loss = (cast(loss_weights) * per_token).sum()
-    return GRPOLossOutput(loss, logp, entropy, meta["kl"], meta["clipped"])
+    return GRPOLossOutput(
+        loss, logp, entropy, rows.kl, rows.clipped, rows.log_ratio, rows.parts, rows.entropy_threshold
+    )

@@ -26,12 +26,12 @@ from collections.abc import Callable, Sequence
 import torch
 
 from grpo_fast.algo.core import (
-    LOSS_TYPES,
     _check_group_sizes,
     compute_entropy,
     grpo_clip_loss,
     normalize_group_rewards,
 )
+from grpo_fast.algo.loss_options import LOSS_TYPES, LossOptions
 
 __all__ = [
     "compute_entropy",
@@ -255,7 +255,8 @@ def compute_grpo_clip_loss(
     Example:
         ``A = 1, log π − log π_old = 0.5``: ``r = e^0.5 ≈ 1.6487 > 1.2`` → clipped, loss ``−1.2``.
     """
-    return grpo_clip_loss(advantages, policy_log_probs, old_log_probs, cliprange, cliprange)
+    options = LossOptions(clip_low=cliprange, clip_high=cliprange)
+    return grpo_clip_loss(advantages, policy_log_probs, old_log_probs, options)
 
 
 def compute_policy_gradient_loss(

@@ -23,9 +23,10 @@ from pathlib import Path
 
 import torch
 
+from grpo_fast.algo.loss_options import LossOptions
 from grpo_fast.config import Config
 from grpo_fast.policy.batch import build_sequences, make_microbatches
-from grpo_fast.policy.model import PolicyLoss
+from grpo_fast.policy.loss import PolicyLoss
 
 
 def sft_warm_start(cfg: Config, model, tokenizer, task, device, amp, out_dir: Path | None, logger) -> int:
@@ -40,7 +41,8 @@ def sft_warm_start(cfg: Config, model, tokenizer, task, device, amp, out_dir: Pa
     optimizer = torch.optim.AdamW(
         [p for p in model.parameters() if p.requires_grad], lr=s.lr, weight_decay=0.0
     )
-    policy = PolicyLoss(model, autocast=amp, loss_options={"backend": cfg.loss.kernel_backend})
+    policy = PolicyLoss(model, autocast=amp, backend=cfg.loss.kernel_backend)
+    options = LossOptions()  # advantage 1, on-policy, sequence-mean weights: the NLL's gradient
     model.train()
     t0 = time.perf_counter()
     step = 0
@@ -56,7 +58,7 @@ def sft_warm_start(cfg: Config, model, tokenizer, task, device, amp, out_dir: Pa
             nll = 0.0
             for mb in make_microbatches(seqs, len(seqs), tokenizer.pad_token_id, packing=False):
                 mb = mb.to(device)
-                out = policy(mb, beta=0.0, temperature=1.0)
+                out = policy(mb, options, temperature=1.0)
                 out.loss.backward()
                 nll += -(mb.loss_weights * out.logprobs).sum().item()  # host-device sync
             optimizer.step()

@@ -50,8 +50,9 @@ from typing import Any
 
 from matplotlib.figure import Figure
 
-from grpo_fast.algo.core import IMPORTANCE_SAMPLING_LEVELS, LENGTH_NORMS, LOSS_TYPES, SCALE_REWARDS
+from grpo_fast.algo.core import LENGTH_NORMS, SCALE_REWARDS
 from grpo_fast.algo.difficulty import CURRICULA
+from grpo_fast.algo.loss_options import IMPORTANCE_SAMPLING_LEVELS, LOSS_TYPES
 from grpo_fast.errors import ConfigError, UserError, cli_errors
 from grpo_fast.obs.report import METRICS_FILE, read_metrics, series
 

@@ -12,7 +12,8 @@ Three backends compute the same per-row quantities:
 device, never at import. Both kernel backends expose ``token_logprobs_fwd`` / ``token_logprobs_bwd``
 with one signature; ``kernels_for`` returns the module.
 
-The checks here run only in the public functions, once per call, before any kernel.
+The checks here run only in the public functions, once per call, before any kernel (the loss
+options check themselves when a ``LossOptions`` is built).
 """
 
 from __future__ import annotations
@@ -23,18 +24,14 @@ from types import ModuleType
 
 import torch
 
-from grpo_fast.algo.core import (
-    KL_ESTIMATORS,
-    LOSS_TYPES,
-    check_importance_sampling_level,
-)
+from grpo_fast.algo.core import check_sequence_ids_given
+from grpo_fast.algo.loss_options import LossOptions
 
 __all__ = [
     "BACKENDS",
     "check_backend",
     "check_dtype",
     "check_label_range",
-    "check_loss_options",
     "check_per_token",
     "check_sequence_ids",
     "check_temperature",
@@ -113,12 +110,10 @@ def check_per_token(
             raise ValueError(f"{name} is on {t.device} but {matrix_name} is on {matrix.device}")
 
 
-def check_sequence_ids(
-    importance_sampling_level: str, sequence_ids: torch.Tensor | None, labels: torch.Tensor
-) -> None:
+def check_sequence_ids(options: LossOptions, sequence_ids: torch.Tensor | None, labels: torch.Tensor) -> None:
     """``ValueError`` unless ``sequence_ids`` is an ``[N]`` integer tensor on the labels' device,
-    given exactly when ``importance_sampling_level == "sequence"``."""
-    check_importance_sampling_level(importance_sampling_level, sequence_ids)
+    given exactly when ``options.importance_sampling_level == "sequence"``."""
+    check_sequence_ids_given(options, sequence_ids)
     if sequence_ids is None:
         return
     n = labels.shape[0]
@@ -149,38 +144,3 @@ def check_label_range(labels: torch.Tensor, vocab_size: int, bounds: tuple[int, 
 def check_temperature(temperature: float) -> None:
     if not (math.isfinite(temperature) and temperature > 0):
         raise ValueError(f"temperature must be finite and > 0, got {temperature}")
-
-
-def check_loss_options(
-    temperature: float,
-    clip_low: float,
-    clip_high: float,
-    beta: float,
-    entropy_coef: float,
-    kl_estimator: str,
-    dual_clip: float | None,
-    loss_type: str,
-    delta: float | None = None,
-    top_entropy_quantile: float = 1.0,
-) -> None:
-    """``ValueError`` for a GRPO option out of its domain, naming it."""
-    check_temperature(temperature)
-    if not 0 <= clip_low < 1:
-        raise ValueError(f"clip_low must be in [0, 1), got {clip_low}")
-    if not clip_high >= 0:
-        raise ValueError(f"clip_high must be >= 0, got {clip_high}")
-    for name, value in (("beta", beta), ("entropy_coef", entropy_coef)):
-        if not math.isfinite(value):
-            raise ValueError(f"{name} must be finite, got {value}")
-    if kl_estimator not in KL_ESTIMATORS:
-        raise ValueError(f"unknown kl_estimator {kl_estimator!r}; expected one of {', '.join(KL_ESTIMATORS)}")
-    if dual_clip is not None and not dual_clip > 1:
-        raise ValueError(f"dual_clip must be > 1 (or None), got {dual_clip}")
-    if loss_type not in LOSS_TYPES:
-        raise ValueError(f"unknown loss_type {loss_type!r}; expected one of {', '.join(LOSS_TYPES)}")
-    if dual_clip is not None and loss_type != "grpo_clip":
-        raise ValueError(f"dual_clip applies only to loss_type='grpo_clip', not {loss_type!r}")
-    if delta is not None and not (math.isfinite(delta) and delta > 1):
-        raise ValueError(f"delta must be > 1 (or None), got {delta}")
-    if not 0 < top_entropy_quantile <= 1:
-        raise ValueError(f"top_entropy_quantile must be in (0, 1], got {top_entropy_quantile}")

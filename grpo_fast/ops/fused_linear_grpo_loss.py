@@ -79,20 +79,24 @@ copies (≥ 15 GB) for its backward.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from types import ModuleType
+from typing import NamedTuple
+
 import torch
 from torch.autograd.function import once_differentiable
 
-from grpo_fast.algo.core import GRPOLossOutput, eager_grpo_loss_from_logits
+from grpo_fast.algo.core import GRPOLossOutput, LossParts, eager_grpo_loss_from_logits, weighted_grpo_loss
+from grpo_fast.algo.loss_options import LossOptions
 from grpo_fast.ops._backend import (
     check_backend,
     check_dtype,
     check_label_range,
-    check_loss_options,
     check_per_token,
     check_sequence_ids,
+    check_temperature,
     kernels_for,
 )
-from grpo_fast.ops.grpo_loss import grpo_loss_from_logprobs
 
 __all__ = [
     "CHUNK_LOGITS_BYTES",
@@ -130,6 +134,35 @@ def default_chunk_size(num_rows: int, vocab_size: int, dtype: torch.dtype, devic
     return max(1, min(rows, num_rows))
 
 
+class RowInputs(NamedTuple):
+    """The op's per-row inputs, ``[N]`` each (None where absent); none is differentiable."""
+
+    labels: torch.Tensor
+    advantages: torch.Tensor
+    loss_weights: torch.Tensor
+    old_logprobs: torch.Tensor | None
+    ref_logprobs: torch.Tensor | None
+    sequence_ids: torch.Tensor | None
+
+    def select(self, rows: slice) -> RowInputs:
+        return RowInputs(*(None if t is None else t[rows] for t in self))
+
+
+@dataclass(frozen=True)
+class ChunkPlan:
+    """How the op runs: rows per chunk, the GEMMs' dtype, the kernels, one pass or two."""
+
+    temperature: float
+    chunk_size: int
+    compute_dtype: torch.dtype
+    kernels: ModuleType
+    two_pass: bool
+
+    def chunks(self, n: int):
+        for r0 in range(0, n, self.chunk_size):
+            yield slice(r0, min(r0 + self.chunk_size, n))
+
+
 def _accumulate_fp32(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
     """``acc [V, D] fp32 += a [V, C] @ b [C, D]``, with ``a``, ``b`` in the model dtype."""
     if a.dtype == torch.float32:
@@ -142,25 +175,62 @@ def _accumulate_fp32(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> Non
         acc.addmm_(a.float(), b.float())
 
 
-def _chunk_backward(logits, h, w, rows, labels, g_lp, g_h, row_max, log_norm, ent, inv_temperature, kernels,
-                    grad_hidden, grad_weight, compute_dtype) -> None:  # fmt: skip
-    """One chunk's gradients from its per-row ``g_lp, g_H [C]``: ``dlogits`` over ``logits [C, V]``
-    (in place), ``grad_hidden[rows] = dlogits @ W``, ``grad_weight += dlogitsᵀ @ h`` (fp32)."""
-    kernels.token_logprobs_bwd(logits, labels, g_lp, g_h, row_max, log_norm, ent, inv_temperature, logits)
-    if grad_hidden is not None and grad_hidden.dtype == compute_dtype:
-        torch.mm(logits, w, out=grad_hidden[rows])
-    elif grad_hidden is not None:
-        grad_hidden[rows] = logits @ w
-    if grad_weight is not None:
-        _accumulate_fp32(grad_weight, logits.t(), h)
+@dataclass
+class _Gradients:
+    """The gradient buffers and what a chunk's backward reads: ``w [V, D]`` in the compute dtype,
+    ``grad_hidden [N, D]`` (None when ``hidden`` needs none), ``grad_weight [V, D]`` fp32 (None
+    when the weight is frozen: no buffer, and one GEMM less per chunk)."""
+
+    w: torch.Tensor
+    grad_hidden: torch.Tensor | None
+    grad_weight: torch.Tensor | None
+    plan: ChunkPlan
+
+    def add_chunk(self, logits, h, rows: slice, labels, g_lp, g_h, stats) -> None:
+        """One chunk's gradients from its per-row ``g_lp, g_H [C]``: ``dlogits`` over ``logits
+        [C, V]`` (in place), ``grad_hidden[rows] = dlogits @ W``, ``grad_weight += dlogitsᵀ @ h``.
+        ``stats``: the kernel's forward statistics of these rows, ``(row_max, log_norm, entropy)``."""
+        plan = self.plan
+        plan.kernels.token_logprobs_bwd(logits, labels, g_lp, g_h, *stats, 1.0 / plan.temperature, logits)
+        if self.grad_hidden is not None and self.grad_hidden.dtype == plan.compute_dtype:
+            torch.mm(logits, self.w, out=self.grad_hidden[rows])
+        elif self.grad_hidden is not None:
+            self.grad_hidden[rows] = logits @ self.w
+        if self.grad_weight is not None:
+            _accumulate_fp32(self.grad_weight, logits.t(), h)
+
+
+def _row_math(lp, ent, rows: RowInputs, options: LossOptions, track: bool):
+    """``weighted_grpo_loss`` of rows whose ``lp, ent`` came from the kernel; with ``track``, also
+    the per-row upstream gradients ``(g_lp, g_H)`` of the loss."""
+    with torch.set_grad_enabled(track):
+        lp = lp.detach().requires_grad_(track)
+        ent = ent.detach().requires_grad_(track)
+        loss, out = weighted_grpo_loss(
+            lp,
+            ent,
+            rows.advantages,
+            rows.loss_weights,
+            options,
+            old_logprobs=rows.old_logprobs,
+            ref_logprobs=rows.ref_logprobs,
+            sequence_ids=rows.sequence_ids,
+        )
+    grads = None
+    if track:
+        grads = torch.autograd.grad(loss, (lp, ent), allow_unused=True, materialize_grads=True)
+    return loss.detach(), out, grads
 
 
 class FusedLinearGRPOLoss(torch.autograd.Function):
-    """``(hidden [N, D], weight [V, D], ...) -> (loss, logprobs, entropy, kl, clipped)``.
+    """``(hidden [N, D], weight [V, D], rows, options, plan, weight_cast) -> (loss, logprobs,
+    entropy, kl, clipped, log_ratio, parts [3], threshold)``.
 
     Only ``loss`` is differentiable (in ``hidden`` and ``weight``); the other outputs are detached.
-    ``kl`` is an empty tensor when there is no ``ref_logprobs``. ``two_pass``: the row math runs
-    once over all ``N`` rows between a statistics pass and a gradient pass (module docstring).
+    ``kl`` is an empty tensor when there is no ``ref_logprobs``; ``parts`` is ``(pg, kl, entropy)``;
+    ``threshold`` is the top-entropy threshold (empty when there is none). ``plan.two_pass``: the
+    row math runs once over all ``N`` rows between a statistics pass and a gradient pass (module
+    docstring).
     """
 
     @staticmethod
@@ -168,109 +238,83 @@ class FusedLinearGRPOLoss(torch.autograd.Function):
         ctx,
         hidden: torch.Tensor,
         weight: torch.Tensor,
-        labels: torch.Tensor,
-        advantages: torch.Tensor,
-        loss_weights: torch.Tensor,
-        old_logprobs: torch.Tensor | None,
-        ref_logprobs: torch.Tensor | None,
-        temperature: float,
-        loss_options: dict,
-        chunk_size: int,
-        compute_dtype: torch.dtype,
-        kernels,
-        two_pass: bool,
-        sequence_ids: torch.Tensor | None,
+        rows: RowInputs,
+        options: LossOptions,
+        plan: ChunkPlan,
         weight_cast: torch.Tensor | None,
     ):
-        n = hidden.shape[0]
-        device = hidden.device
+        n, device = hidden.shape[0], hidden.device
         need_hidden, need_weight = ctx.needs_input_grad[:2]
         track = need_hidden or need_weight
-        inv_temperature = 1.0 / temperature
-        logprobs = torch.empty(n, dtype=torch.float32, device=device)
-        entropy = torch.empty(n, dtype=torch.float32, device=device)
-        kl = torch.empty(n if ref_logprobs is not None else 0, dtype=torch.float32, device=device)
+        f32 = dict(dtype=torch.float32, device=device)
+        logprobs, entropy = torch.empty(n, **f32), torch.empty(n, **f32)
+        kl = torch.empty(n if rows.ref_logprobs is not None else 0, **f32)
         clipped = torch.empty(n, dtype=torch.bool, device=device)
-        grad_hidden = torch.empty_like(hidden) if need_hidden else None
-        grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=device) if need_weight else None
-        loss = torch.zeros((), dtype=torch.float32, device=device)
+        log_ratio = torch.empty(n, **f32)
+        loss, parts = torch.zeros((), **f32), torch.zeros(3, **f32)
+        threshold = torch.empty(0, **f32)
         # [V, D] in the compute dtype: the caller's copy, else one cast per call (none when the dtypes agree)
-        w = weight_cast if weight_cast is not None else weight.to(compute_dtype)
-        grads = (grad_hidden, grad_weight, compute_dtype)
+        w = weight_cast if weight_cast is not None else weight.to(plan.compute_dtype)
+        grads = _Gradients(
+            w,
+            torch.empty_like(hidden) if need_hidden else None,
+            torch.zeros(weight.shape, **f32) if need_weight else None,
+            plan,
+        )
 
-        if two_pass:
+        def keep(where, out) -> None:
+            clipped[where] = out.clipped
+            log_ratio[where] = out.log_ratio
+            if out.kl is not None:
+                kl[where] = out.kl
+            parts.add_(torch.stack(list(out.parts)))
+
+        inv_temperature = 1.0 / plan.temperature
+        if plan.two_pass:
             # pass 1: log-probs, entropies and the two row statistics of every row, chunk by chunk
-            row_max = torch.empty(n, dtype=torch.float32, device=device)
-            log_norm = torch.empty(n, dtype=torch.float32, device=device)
-            for r0 in range(0, n, chunk_size):
-                rows = slice(r0, min(r0 + chunk_size, n))
-                logits = hidden[rows].to(compute_dtype) @ w.t()  # [C, V]
-                stats = kernels.token_logprobs_fwd(logits, labels[rows], inv_temperature)
+            row_max, log_norm = torch.empty(n, **f32), torch.empty(n, **f32)
+            for c in plan.chunks(n):
+                logits = hidden[c].to(plan.compute_dtype) @ w.t()  # [C, V]
+                stats = plan.kernels.token_logprobs_fwd(logits, rows.labels[c], inv_temperature)
                 for out, chunk in zip((logprobs, entropy, row_max, log_norm), stats):
-                    out[rows] = chunk
+                    out[c] = chunk
                 del logits
             # the row math once over all N rows (sequence ratios, entropy quantiles): g_lp, g_H [N]
-            with torch.set_grad_enabled(track):
-                lp = logprobs.clone().requires_grad_(track)
-                ent = entropy.clone().requires_grad_(track)
-                full_loss, full_kl, full_clipped = grpo_loss_from_logprobs(
-                    lp, ent, advantages, loss_weights, old_logprobs=old_logprobs,
-                    ref_logprobs=ref_logprobs, sequence_ids=sequence_ids, **loss_options,
-                )  # fmt: skip
-            loss += full_loss.detach()
-            clipped.copy_(full_clipped)
-            if full_kl is not None:
-                kl.copy_(full_kl.detach())
+            full_loss, out, g = _row_math(logprobs, entropy, rows, options, track)
+            loss += full_loss
+            keep(slice(None), out)
+            if out.entropy_threshold is not None:
+                threshold = out.entropy_threshold.reshape(1).float()
             if track:
-                g_lp, g_h = torch.autograd.grad(
-                    full_loss, (lp, ent), allow_unused=True, materialize_grads=True
-                )
                 # pass 2: each chunk's logits again (one more lm_head GEMM), then its gradients
-                for r0 in range(0, n, chunk_size):
-                    rows = slice(r0, min(r0 + chunk_size, n))
-                    h = hidden[rows].to(compute_dtype)
+                for c in plan.chunks(n):
+                    h = hidden[c].to(plan.compute_dtype)
                     logits = h @ w.t()  # [C, V], the same product as in pass 1
-                    _chunk_backward(logits, h, w, rows, labels[rows], g_lp[rows], g_h[rows], row_max[rows],
-                                    log_norm[rows], entropy[rows], inv_temperature, kernels, *grads)  # fmt: skip
+                    stats = (row_max[c], log_norm[c], entropy[c])
+                    grads.add_chunk(logits, h, c, rows.labels[c], g[0][c], g[1][c], stats)
                     del logits
         else:  # one pass: each chunk's row math, then its gradients, while its logits exist
-            for r0 in range(0, n, chunk_size):
-                rows = slice(r0, min(r0 + chunk_size, n))
-                h = hidden[rows].to(compute_dtype)
+            for c in plan.chunks(n):
+                h = hidden[c].to(plan.compute_dtype)
                 logits = h @ w.t()  # [C, V], compute dtype
-                lp, ent, row_max, log_norm = kernels.token_logprobs_fwd(logits, labels[rows], inv_temperature)
-                with torch.set_grad_enabled(track):
-                    lp.requires_grad_(track)
-                    ent.requires_grad_(track)
-                    chunk_loss, chunk_kl, chunk_clipped = grpo_loss_from_logprobs(
-                        lp,
-                        ent,
-                        advantages[rows],
-                        loss_weights[rows],
-                        old_logprobs=None if old_logprobs is None else old_logprobs[rows],
-                        ref_logprobs=None if ref_logprobs is None else ref_logprobs[rows],
-                        **loss_options,
-                    )
+                lp, ent, row_max, log_norm = plan.kernels.token_logprobs_fwd(
+                    logits, rows.labels[c], inv_temperature
+                )
+                chunk_loss, out, g = _row_math(lp, ent, rows.select(c), options, track)
                 if track:
-                    g_lp, g_h = torch.autograd.grad(
-                        chunk_loss, (lp, ent), allow_unused=True, materialize_grads=True
-                    )
-                    _chunk_backward(logits, h, w, rows, labels[rows], g_lp, g_h, row_max, log_norm, ent.detach(),
-                                    inv_temperature, kernels, *grads)  # fmt: skip
-                loss += chunk_loss.detach()
-                logprobs[rows] = lp.detach()
-                entropy[rows] = ent.detach()
-                clipped[rows] = chunk_clipped
-                if chunk_kl is not None:
-                    kl[rows] = chunk_kl.detach()
+                    grads.add_chunk(logits, h, c, rows.labels[c], *g, (row_max, log_norm, ent))
+                loss += chunk_loss
+                logprobs[c], entropy[c] = lp, ent
+                keep(c, out)
                 # Free this chunk before the next matmul allocates its successor: otherwise two chunks
                 # are alive at once (N=4096, D=256, V=32768 fp32 on CPU: peak 291 -> 177 MiB).
                 del logits
 
-        ctx.grads = (grad_hidden, grad_weight)  # grad_weight is fp32: the gradient of an fp32 weight
+        ctx.grads = (grads.grad_hidden, grads.grad_weight)  # grad_weight is fp32: an fp32 weight's gradient
         ctx.weight_dtype = weight.dtype
-        ctx.mark_non_differentiable(logprobs, entropy, kl, clipped)
-        return loss, logprobs, entropy, kl, clipped
+        outputs = (logprobs, entropy, kl, clipped, log_ratio, parts, threshold)
+        ctx.mark_non_differentiable(*outputs)
+        return loss, *outputs
 
     @staticmethod
     @once_differentiable
@@ -283,99 +327,26 @@ class FusedLinearGRPOLoss(torch.autograd.Function):
             grad_hidden = grad_hidden.mul_(grad_loss)
         if grad_weight is not None:
             grad_weight = grad_weight.mul_(grad_loss).to(ctx.weight_dtype)  # a no-op for fp32
-        return grad_hidden, grad_weight, *([None] * 13)
+        return grad_hidden, grad_weight, None, None, None, None
 
 
-def fused_linear_grpo_loss(
-    hidden: torch.Tensor,
-    weight: torch.Tensor,
-    labels: torch.Tensor,
-    advantages: torch.Tensor,
-    loss_weights: torch.Tensor,
-    *,
-    old_logprobs: torch.Tensor | None = None,
-    ref_logprobs: torch.Tensor | None = None,
-    temperature: float = 1.0,
-    clip_low: float = 0.2,
-    clip_high: float = 0.2,
-    beta: float = 0.0,
-    entropy_coef: float = 0.0,
-    kl_estimator: str = "k3",
-    dual_clip: float | None = None,
-    loss_type: str = "grpo_clip",
-    delta: float | None = None,
-    importance_sampling_level: str = "token",
-    sequence_ids: torch.Tensor | None = None,
-    top_entropy_quantile: float = 1.0,
-    compute_dtype: torch.dtype | None = None,
-    chunk_size: int | None = None,
-    two_pass: bool | None = None,
-    backend: str = "auto",
-    weight_cast: torch.Tensor | None = None,
-    label_bounds: tuple[int, int] | None = None,
-) -> GRPOLossOutput:
-    """``grpo_loss_from_logits(hidden @ weightᵀ, ...)`` computed chunk by chunk, without ``[N, V]``.
-
-    Args:
-        hidden: ``[N, D]`` fp32/bf16/fp16, the last hidden states at the ``N`` response tokens.
-        weight: ``[V, D]`` on the same device (the lm_head weight; no bias); the same dtype as
-            ``hidden`` unless ``compute_dtype`` is given.
-        labels, advantages, loss_weights, old_logprobs, ref_logprobs, temperature, clip_low,
-            clip_high, beta, entropy_coef, kl_estimator, dual_clip, loss_type, delta,
-            importance_sampling_level, sequence_ids (``[N]`` int), top_entropy_quantile: as
-            ``grpo_loss_from_logits`` (the quantile is over all ``N`` rows of the call).
-        compute_dtype: the dtype of the logits and their GEMMs (what autocast would pick), e.g.
-            ``torch.bfloat16`` for an fp32 master ``weight``: the weight is cast once per call,
-            ``hidden`` per chunk, and each gradient comes back in its input's dtype (the fp32
-            weight's straight from the fp32 accumulator). Default: ``hidden.dtype``.
-        chunk_size: rows per chunk; default ``default_chunk_size(N, V, compute_dtype, device)``:
-            128 MiB of logits per chunk, on CUDA at least 2,048 rows (within 1 GiB) so that the
-            weight-gradient GEMM is not memory-bound (see the module docstring).
-        two_pass: run the per-row math once over all ``N`` rows between a pass that computes
-            every row's log-prob and entropy and a pass that recomputes each chunk's logits for
-            its gradients (one more lm_head GEMM, the same memory). ``None`` (default): exactly
-            when the row math needs statistics over rows: ``importance_sampling_level="sequence"``
-            (a sequence's ratio needs all its tokens) or ``top_entropy_quantile < 1`` (the
-            threshold needs every row's entropy); ``True`` is allowed for any loss (the same
-            gradients as one pass, bitwise); ``False`` where the rows are needed is a ValueError.
-        backend: ``"auto"``, ``"triton"``, ``"torch_chunked"``, or ``"eager"`` (materializes
-            ``hidden @ weightᵀ`` and calls ``eager_grpo_loss_from_logits``: the baseline).
-        weight_cast: ``[V, D]`` in ``compute_dtype``, ``weight.to(compute_dtype)`` made by the
-            caller and used for the GEMMs in place of a cast per call (``PolicyLoss`` keeps one
-            per optimizer step); not differentiable, the gradient still goes to ``weight``. It
-            must hold ``weight``'s current values (not checked: that would read both). Ignored
-            by ``eager``.
-        label_bounds: the labels' ``(min, max)`` if the caller knows them
-            (``Microbatch.label_bounds``): the range check then reads no tensor, where it would
-            otherwise be a host-device sync on CUDA. They must be the labels' (not checked).
-
-    Returns:
-        ``GRPOLossOutput``. ``loss`` is differentiable in ``hidden`` and ``weight``; its gradients
-        are computed during the forward (so ``loss.backward()`` is cheap). ``logprobs``,
-        ``entropy``, ``kl`` are detached fp32 ``[N]``; ``clipped`` is ``[N]`` bool. The gradient
-        of ``weight`` is accumulated over chunks in fp32 and cast to ``weight.dtype`` at the end
-        (no cast for an fp32 weight).
-
-    Example:
-        >>> hidden = torch.randn(6, 8, requires_grad=True)
-        >>> weight = torch.randn(50, 8, requires_grad=True)
-        >>> out = fused_linear_grpo_loss(hidden, weight, torch.tensor([1, 2, 3, 4, 5, 6]),
-        ...                              torch.ones(6), torch.full((6,), 1 / 6), chunk_size=4)
-        >>> out.loss.backward()  # hidden.grad [6, 8], weight.grad [50, 8]
-    """
-    check_loss_options(
-        temperature, clip_low, clip_high, beta, entropy_coef, kl_estimator, dual_clip, loss_type, delta,
-        top_entropy_quantile,
-    )  # fmt: skip
+def _check_inputs(
+    hidden, weight, rows: RowInputs, options, temperature, compute_dtype, chunk_size, two_pass, backend,
+    weight_cast, label_bounds,
+) -> str:  # fmt: skip
+    """``ValueError`` naming the first bad argument of ``fused_linear_grpo_loss``; returns the
+    resolved backend."""
+    labels = rows.labels
+    check_temperature(temperature)
     check_per_token(
         "hidden",
         hidden,
         labels,
         backend,
-        advantages=advantages,
-        loss_weights=loss_weights,
-        old_logprobs=old_logprobs,
-        ref_logprobs=ref_logprobs,
+        advantages=rows.advantages,
+        loss_weights=rows.loss_weights,
+        old_logprobs=rows.old_logprobs,
+        ref_logprobs=rows.ref_logprobs,
     )
     if weight.dim() != 2 or weight.shape[1] != hidden.shape[1]:
         raise ValueError(
@@ -391,15 +362,13 @@ def fused_linear_grpo_loss(
     check_dtype("compute_dtype", compute, backend)
     if chunk_size is not None and chunk_size < 1:
         raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
-    if beta != 0.0 and ref_logprobs is None:
+    if options.needs_ref_logprobs and rows.ref_logprobs is None:
         raise ValueError("beta != 0 needs ref_logprobs")
-    check_sequence_ids(importance_sampling_level, sequence_ids, labels)
-    needs_rows = importance_sampling_level == "sequence" or top_entropy_quantile < 1
-    if two_pass is False and needs_rows:
+    check_sequence_ids(options, rows.sequence_ids, labels)
+    if two_pass is False and options.needs_all_rows:
         raise ValueError(
             "importance_sampling_level='sequence' and top_entropy_quantile < 1 need two_pass (None or True)"
         )
-    two_pass = needs_rows if two_pass is None else two_pass
     resolved = check_backend(backend, hidden.device)
     check_label_range(labels, weight.shape[0], label_bounds)
     if weight_cast is not None and (
@@ -411,29 +380,84 @@ def fused_linear_grpo_loss(
             f"weight_cast must be weight.to({compute}): [V, D] = {tuple(weight.shape)} on {weight.device}, "
             f"got {tuple(weight_cast.shape)} {weight_cast.dtype} on {weight_cast.device}"
         )
-    loss_options = dict(
-        clip_low=clip_low,
-        clip_high=clip_high,
-        beta=beta,
-        entropy_coef=entropy_coef,
-        kl_estimator=kl_estimator,
-        dual_clip=dual_clip,
-        loss_type=loss_type,
-        delta=delta,
-        importance_sampling_level=importance_sampling_level,
-        top_entropy_quantile=top_entropy_quantile,
-    )
-    if resolved == "eager":
+    return resolved
+
+
+def fused_linear_grpo_loss(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    labels: torch.Tensor,
+    advantages: torch.Tensor,
+    loss_weights: torch.Tensor,
+    *,
+    old_logprobs: torch.Tensor | None = None,
+    ref_logprobs: torch.Tensor | None = None,
+    temperature: float = 1.0,
+    sequence_ids: torch.Tensor | None = None,
+    options: LossOptions | None = None,
+    compute_dtype: torch.dtype | None = None,
+    chunk_size: int | None = None,
+    two_pass: bool | None = None,
+    backend: str = "auto",
+    weight_cast: torch.Tensor | None = None,
+    label_bounds: tuple[int, int] | None = None,
+    **loss_options,
+) -> GRPOLossOutput:
+    """``grpo_loss_from_logits(hidden @ weightᵀ, ...)`` computed chunk by chunk, without ``[N, V]``.
+
+    Args:
+        hidden: ``[N, D]`` fp32/bf16/fp16, the last hidden states at the ``N`` response tokens.
+        weight: ``[V, D]`` on the same device (the lm_head weight; no bias); the same dtype as
+            ``hidden`` unless ``compute_dtype`` is given. A frozen weight (``requires_grad``
+            False: LoRA, a frozen head) gets no gradient buffer and one GEMM less per chunk.
+        labels, advantages, loss_weights, old_logprobs, ref_logprobs, temperature, sequence_ids,
+            options, **loss_options: as ``grpo_loss_from_logits`` (the top-entropy quantile is
+            over all ``N`` rows of the call).
+        compute_dtype: the dtype of the logits and their GEMMs (what autocast would pick), e.g.
+            ``torch.bfloat16`` for an fp32 master ``weight``: the weight is cast once per call,
+            ``hidden`` per chunk; each gradient comes back in its input's dtype. Default:
+            ``hidden.dtype``.
+        chunk_size: rows per chunk; default ``default_chunk_size(N, V, compute_dtype, device)``
+            (128 MiB of logits; on CUDA at least 2,048 rows within 1 GiB: module docstring).
+        two_pass: the row math once over all ``N`` rows between a statistics pass and a gradient
+            pass (one more lm_head GEMM, the same memory). ``None``: exactly when the options
+            need it (``LossOptions.needs_all_rows``: GSPO, the top-entropy quantile); ``True``
+            for any loss (the same gradients, bitwise); ``False`` where it is needed: ValueError.
+        backend: ``"auto"``, ``"triton"``, ``"torch_chunked"``, or ``"eager"`` (materializes
+            ``hidden @ weightᵀ`` and calls ``eager_grpo_loss_from_logits``: the baseline).
+        weight_cast: ``weight.to(compute_dtype)`` made by the caller (``PolicyLoss`` keeps one per
+            optimizer step), used for the GEMMs instead of a cast per call; it must hold
+            ``weight``'s current values (not checked). Ignored by ``eager``.
+        label_bounds: the labels' ``(min, max)`` if the caller knows them
+            (``Microbatch.label_bounds``): the range check then reads no tensor (no host-device
+            sync on CUDA). They must be the labels' (not checked).
+
+    Returns:
+        ``GRPOLossOutput``. ``loss`` is differentiable in ``hidden`` and ``weight``, its gradients
+        computed during the forward (``loss.backward()`` only scales them); the fp32-accumulated
+        weight gradient is cast to ``weight.dtype`` (no cast for an fp32 weight). The other
+        fields are detached: ``logprobs``, ``entropy``, ``kl``, ``log_ratio`` fp32 ``[N]``,
+        ``clipped`` ``[N]`` bool, ``parts``, ``entropy_threshold``.
+
+    Example:
+        >>> hidden = torch.randn(6, 8, requires_grad=True)
+        >>> weight = torch.randn(50, 8, requires_grad=True)
+        >>> out = fused_linear_grpo_loss(hidden, weight, torch.tensor([1, 2, 3, 4, 5, 6]),
+        ...                              torch.ones(6), torch.full((6,), 1 / 6), chunk_size=4)
+        >>> out.loss.backward()  # hidden.grad [6, 8], weight.grad [50, 8]
+    """
+    options = LossOptions.build(options, **loss_options)
+    rows = RowInputs(labels, advantages, loss_weights, old_logprobs, ref_logprobs, sequence_ids)
+    compute = hidden.dtype if compute_dtype is None else compute_dtype
+    resolved = _check_inputs(
+        hidden, weight, rows, options, temperature, compute_dtype, chunk_size, two_pass, backend, weight_cast,
+        label_bounds,
+    )  # fmt: skip
+    if resolved == "eager":  # the baseline: [N, V] logits, then the reference
+        logits = hidden.to(compute) @ weight.to(compute).t()
+        per_row = dict(old_logprobs=old_logprobs, ref_logprobs=ref_logprobs, sequence_ids=sequence_ids)
         return eager_grpo_loss_from_logits(
-            hidden.to(compute) @ weight.to(compute).t(),
-            labels,
-            advantages,
-            loss_weights,
-            old_logprobs=old_logprobs,
-            ref_logprobs=ref_logprobs,
-            temperature=temperature,
-            sequence_ids=sequence_ids,
-            **loss_options,
+            logits, labels, advantages, loss_weights, temperature=temperature, options=options, **per_row
         )
     if chunk_size is None:
         chunk_size = default_chunk_size(hidden.shape[0], weight.shape[0], compute, hidden.device.type)
@@ -441,21 +465,15 @@ def fused_linear_grpo_loss(
         # Under no_grad a Function still sees needs_input_grad=True for inputs that require grad:
         # detach them so a no-grad pass (π_old, π_ref, probes) skips the two gradient GEMMs.
         hidden, weight = hidden.detach(), weight.detach()
-    loss, logprobs, entropy, kl, clipped = FusedLinearGRPOLoss.apply(
-        hidden,
-        weight,
-        labels.contiguous(),
-        advantages,
-        loss_weights,
-        old_logprobs,
-        ref_logprobs,
-        float(temperature),
-        loss_options,
-        chunk_size,
-        compute,
-        kernels_for(resolved),
-        two_pass,
-        sequence_ids,
-        None if weight_cast is None else weight_cast.detach(),
+    rows = rows._replace(labels=labels.contiguous())
+    two_pass = options.needs_all_rows if two_pass is None else two_pass
+    plan = ChunkPlan(float(temperature), chunk_size, compute, kernels_for(resolved), two_pass)
+    cast = None if weight_cast is None else weight_cast.detach()
+    loss, logprobs, entropy, kl, clipped, log_ratio, parts, threshold = FusedLinearGRPOLoss.apply(
+        hidden, weight, rows, options, plan, cast
     )
-    return GRPOLossOutput(loss, logprobs, entropy, kl if ref_logprobs is not None else None, clipped)
+    kl = kl if ref_logprobs is not None else None
+    threshold = threshold[0] if threshold.numel() else None
+    return GRPOLossOutput(
+        loss, logprobs, entropy, kl, clipped, log_ratio, LossParts(*parts.unbind()), threshold
+    )

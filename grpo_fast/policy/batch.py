@@ -32,6 +32,8 @@ class Microbatch:
         sampler_logprobs: ``[n]`` fp32 log-probs from the rollout engine, or None.
         sequence_ids: ``[n]`` int64, which sequence of the microbatch each response token
             belongs to (0 … sequences − 1), or None.
+        response_index: ``[n]`` int64, which response of the rollout each token belongs to (the
+            sequences' ``response_index``), or None when a sequence has none.
         select_index: ``[n]`` int64, the flat indices (into ``b·L``) of ``select``'s positions;
             derived from ``select`` at construction (on the CPU, where the batch is built), so the
             forward gathers with ``index_select`` instead of boolean-mask indexing, which is a
@@ -67,6 +69,7 @@ class Microbatch:
     ref_logprobs: torch.Tensor | None = None
     sampler_logprobs: torch.Tensor | None = None
     sequence_ids: torch.Tensor | None = None
+    response_index: torch.Tensor | None = None
     select_index: torch.Tensor | None = None
     label_bounds: tuple[int, int] | None = None
     cu_seqlens: torch.Tensor | None = None
@@ -81,6 +84,7 @@ class Microbatch:
             "ref_logprobs",
             "sampler_logprobs",
             "sequence_ids",
+            "response_index",
         ):
             t = getattr(self, name)
             if t is not None and tuple(t.shape) != (n,):
@@ -117,6 +121,7 @@ class Sequence:
     advantage: float
     weight: float  # the per-token loss weight of this sequence's response tokens
     sampler_logprobs: list[float] | None = None  # [len(response)], from the rollout engine
+    response_index: int | None = None  # which response of the rollout this is, when the caller tracks it
 
     @property
     def n_response(self) -> int:
@@ -173,6 +178,7 @@ def build_sequences(
             advantage=adv[i],
             weight=per_seq_w[i],
             sampler_logprobs=None if sampler_logprobs is None else list(sampler_logprobs[i]),
+            response_index=i,
         )
         for i, resp in enumerate(response_ids)
         if len(resp) > 0 and keep[i]
@@ -222,7 +228,7 @@ def _collate(rows: list[list[Sequence]], pad_id: int, packing: bool) -> Microbat
     attn = torch.zeros((b, width), dtype=torch.long)
     pos = torch.zeros((b, width), dtype=torch.long)
     select = torch.zeros((b, width), dtype=torch.bool)
-    labels, adv, w, slp, seq_ids = [], [], [], [], []
+    labels, adv, w, slp, seq_ids, resp_idx = [], [], [], [], [], []
     starts = []  # packed: where each sequence of the one row starts
     for r, row in enumerate(rows):
         at = 0
@@ -238,6 +244,7 @@ def _collate(rows: list[list[Sequence]], pad_id: int, packing: bool) -> Microbat
             adv.extend([s.advantage] * s.n_response)
             w.extend([s.weight] * s.n_response)
             seq_ids.extend([len(slp)] * s.n_response)
+            resp_idx.extend([s.response_index] * s.n_response)
             slp.append(s.sampler_logprobs)
             at += n
         if packing and at < width:  # the tail is its own "sequence" so nothing attends across
@@ -260,6 +267,7 @@ def _collate(rows: list[list[Sequence]], pad_id: int, packing: bool) -> Microbat
         loss_weights=torch.tensor(w, dtype=torch.float32),
         sampler_logprobs=sampler,
         sequence_ids=torch.tensor(seq_ids, dtype=torch.long),
+        response_index=None if None in resp_idx else torch.tensor(resp_idx, dtype=torch.long),
         cu_seqlens=cu_seqlens,
         max_seqlen=max_seqlen,
     )

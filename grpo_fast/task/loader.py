@@ -18,8 +18,8 @@ from dataclasses import dataclass, field
 
 from grpo_fast.config import AUTO, Config
 from grpo_fast.errors import ConfigError
-from grpo_fast.task.data import Example, load_examples
 from grpo_fast.task import tiny
+from grpo_fast.task.data import Example, load_examples
 from grpo_fast.task.prompts import get_template
 from grpo_fast.task.rewards import GuardedReward, WeightedReward, get_reward_fn
 

@@ -104,10 +104,16 @@ def check_cuda(rep: Report) -> list[tuple[str, float]]:
             props = torch.cuda.get_device_properties(i)
             gpus.append((props.name, float(props.total_memory)))
             rep.row(f"gpu {i}", f"{props.name}, {props.total_memory / GB:.1f} GB")
-        if _version("vllm") is None:
-            rep.problem(
-                "vLLM is not installed: the GPU presets roll out with it", 'pip install -e ".[dev,gpu]"'
-            )
+        from grpo_fast.config import PRESETS, load_config
+        from grpo_fast.rollout import backend
+
+        gpu_backends = {load_config(n, check_device=False).rollout.backend for n in PRESETS}
+        for name in sorted(gpu_backends):
+            if backend(name).missing() is not None:
+                rep.problem(
+                    f"rollout.backend={name} cannot run here: the GPU presets roll out with it",
+                    'pip install -e ".[dev,gpu]"',
+                )
         if _version("flash-attn") is None:
             rep.problem(
                 "flash-attn is not installed (SDPA is used instead; packing is slower)",
@@ -132,6 +138,7 @@ def check_presets(rep: Report, gpus: list[tuple[str, float]]) -> None:
     """Each preset against this machine: its device, and its peak by the planner's formulas
     (against the first GPU's memory, or the host's for a CPU run)."""
     from grpo_fast.config import AUTO, PRESETS, load_config
+    from grpo_fast.rollout import backend
     from grpo_fast.tools import plan
 
     for name in PRESETS:
@@ -140,11 +147,10 @@ def check_presets(rep: Report, gpus: list[tuple[str, float]]) -> None:
         if device.startswith("cuda") and not gpus:
             rep.row(f"preset {name}", "no: needs a CUDA GPU")
             continue
-        if cfg.rollout.backend == "vllm" and _version("vllm") is None:
-            rep.row(
-                f"preset {name}",
-                'no: rollout.backend=vllm and vLLM is not installed (pip install -e ".[gpu]")',
-            )
+        spec = backend(cfg.rollout.backend)
+        missing = spec.missing()
+        if missing is not None:
+            rep.row(f"preset {name}", f"no: {missing}")
             continue
         on_gpu = device.startswith("cuda")
         capacity = gpus[0][1] if on_gpu else host_memory_bytes()
@@ -154,7 +160,8 @@ def check_presets(rep: Report, gpus: list[tuple[str, float]]) -> None:
         except UserError as exc:
             rep.row(f"preset {name}", f"no ({where}): {exc}")
             continue
-        peak = max(mp.train_peak, mp.rollout_peak) if cfg.rollout.backend == "vllm" else mp.train_peak
+        # an engine with its own weights and KV cache (vllm) peaks in the rollout too
+        peak = max(mp.train_peak, mp.rollout_peak) if spec.needs_weight_push else mp.train_peak
         fits = peak <= capacity
         rep.row(f"preset {name}", f"{'yes' if fits else 'no'}: planned peak {peak / GB:.1f} GB on {where}")
         if name == "tiny" and not fits:
@@ -208,10 +215,23 @@ def check_triton(rep: Report, on_gpu: bool) -> None:
     )
 
 
+def check_backends(rep: Report) -> None:
+    """Each rollout backend of the registry: whether it can run here, and what it can do."""
+    from grpo_fast.rollout import backends
+
+    for name, spec in backends().items():
+        can = [c for c, on in (("weight push", spec.needs_weight_push), ("sampler log-probs", spec.sampler_logprobs),
+                               ("sleep mode", spec.sleep_mode)) if on]  # fmt: skip
+        what = f" ({', '.join(can)})" if can else ""
+        missing = spec.missing()
+        rep.row(f"backend {name}", f"yes{what}" if missing is None else f"no: {missing}")
+
+
 def diagnose(run_triton: bool = True) -> Report:
     """Every check, in order; the ``Report`` holds the lines, the problems and the verdict."""
     rep = Report()
     check_libraries(rep)
+    check_backends(rep)
     gpus = check_cuda(rep)
     check_presets(rep, gpus)
     if run_triton:

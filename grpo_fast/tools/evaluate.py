@@ -21,7 +21,7 @@ import torch
 from grpo_fast import dist
 from grpo_fast.config import Config, load_config
 from grpo_fast.errors import cli_errors
-from grpo_fast.rollout import SamplingParams
+from grpo_fast.rollout.sampling import sampling_params
 from grpo_fast.task.data import Example
 
 
@@ -41,15 +41,7 @@ def evaluate(
     """
     world = world or dist.DistInfo()
     mine = examples[world.rank :: world.world_size]
-    r = cfg.rollout
-    params = SamplingParams(
-        n=1,
-        temperature=r.eval_temperature,
-        top_p=1.0 if r.eval_temperature == 0 else r.top_p,
-        max_tokens=r.max_tokens,
-        min_tokens=0,
-        stop=tuple(task.stop),
-    )
+    params = sampling_params(cfg.rollout, task.stop, for_eval=True)
     records = []
     if mine:
         rollout = backend.generate([task.prompt_ids(e) for e in mine], params, progress=progress)
@@ -108,7 +100,7 @@ def main(argv: list[str] | None = None) -> int:
         quiet_transformers,
         resolve_device,
     )
-    from grpo_fast.rollout import make_backend
+    from grpo_fast.rollout import BackendContext, make_backend
     from grpo_fast.task.loader import load_task
 
     args = parse_args(argv)
@@ -120,7 +112,7 @@ def main(argv: list[str] | None = None) -> int:
     model = load_policy(cfg, tokenizer, device)
     if cfg.model.name_or_path.startswith("builtin:"):
         print("note: builtin:tiny is a freshly initialized model (random weights)", file=sys.stderr)
-    backend = make_backend(cfg, model, tokenizer, device, autocast_dtype(cfg, device))
+    backend = make_backend(BackendContext(cfg, model, tokenizer, device, autocast_dtype(cfg, device)))
     examples = task.eval[: args.limit] if args.limit else task.eval
     metrics, records = evaluate(backend, task, examples, cfg, device)
     if args.out:

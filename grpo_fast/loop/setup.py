@@ -1,0 +1,199 @@
+"""Setup: from a config to a ``Run`` ready for its first step.
+
+Data first (a bad file fails in seconds), then the tokenizer, the policy, the memory plan, the
+optional SFT warm start, the KL reference, the optimizer and schedule, the prompt sampler, a
+resume from the latest checkpoint, the rollout backend; then the step-0 evaluation.
+"""
+
+from __future__ import annotations
+
+import copy
+import random
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from grpo_fast import dist
+from grpo_fast.algo.core import AdaptiveKLController
+from grpo_fast.algo.difficulty import PassRateTable
+from grpo_fast.algo.prompt_sampler import PromptSampler
+from grpo_fast.config import Config, to_yaml
+from grpo_fast.errors import ConfigError
+from grpo_fast.loop.checkpointing import restore
+from grpo_fast.loop.optim import build_optimizer, build_scheduler
+from grpo_fast.loop.sft import sft_warm_start
+from grpo_fast.loop.state import Run, Trainer, TrainState
+from grpo_fast.loop.step_end import evaluate_run
+from grpo_fast.obs.health import HealthMonitor, HealthThresholds
+from grpo_fast.obs.metrics import MetricsLogger
+from grpo_fast.policy import checkpoint as ckpt
+from grpo_fast.policy.batch import Sequence, make_microbatches
+from grpo_fast.policy.loss import PolicyLoss, build_policy_loss
+from grpo_fast.policy.model import autocast_dtype, load_policy, load_tokenizer
+from grpo_fast.rollout import BackendContext, backend, make_backend
+from grpo_fast.task.loader import Task, load_task
+from grpo_fast.tools import plan
+
+
+def seed_everything(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+
+
+def setup(cfg: Config, device: torch.device, world: dist.DistInfo, out: Path, engine) -> Run:
+    """Data, tokenizer, policy, memory plan, optional SFT warm start, KL reference, optimizer,
+    resume, rollout backend; then the step-0 evaluation. ``engine``: a rollout engine to use
+    instead of starting one (tests pass a fake vLLM engine)."""
+    # Every rank starts from the same seed (same init, same prompts); each rank's rollout
+    # sampling gets its own seed (grpo_fast.rollout.sampling.sampling_rng).
+    seed_everything(cfg.seed)
+    if world.is_main:
+        out.mkdir(parents=True, exist_ok=True)
+    dist.barrier()
+    logger = MetricsLogger(cfg, out, enabled=world.is_main)
+
+    task: Task = load_task(cfg)  # the data first: a bad file fails in seconds, before any model loads
+    tokenizer = load_tokenizer(cfg.model.name_or_path)
+    task.tokenizer = tokenizer
+    model = load_policy(cfg, tokenizer, device)
+    amp = autocast_dtype(cfg, device)
+    cfg = plan.resolve_auto(cfg, model.config, device, world.world_size)
+    if world.is_main:
+        (out / "config.yaml").write_text(to_yaml(cfg))
+    n_prompts = cfg.rollout.batch_size // cfg.rollout.group_size
+    if n_prompts % world.world_size:
+        raise ConfigError(
+            f"rollout.batch_size / rollout.group_size = {n_prompts} prompts per step do not split "
+            f"evenly over {world.world_size} ranks"
+        )
+    resume_from = ckpt.latest_checkpoint(out / "checkpoints") if cfg.resume else None
+    if cfg.resume and resume_from is None:
+        logger.event(f"resume=true but {out / 'checkpoints'} holds no checkpoint: starting from scratch")
+    sft_steps = 0
+    if resume_from is None and cfg.sft.steps > 0:
+        sft_steps = sft_warm_start(
+            cfg, model, tokenizer, task, device, amp, out if world.is_main else None, logger
+        )
+    run = _build_run(cfg, device, world, out, logger, task, tokenizer, model, amp)
+    run.sft_steps, run.local_prompts = sft_steps, n_prompts // world.world_size
+    if resume_from is not None:
+        restore(run, resume_from)
+        logger.truncate_after(run.state.step)
+        logger.event(f"resumed from {resume_from} at step {run.state.step}")
+    run.backend = _make_backend(run, engine)
+
+    if run.state.step == 0 and cfg.eval_every and run.eval_subset:
+        row = evaluate_run(run, 0, full=False)
+        logger.log(0, {**row, "sft/steps": sft_steps, "world_size": world.world_size})
+        logger.event(f"step 0 (before GRPO): eval/accuracy {row['eval/accuracy']:.3f}")
+    return run
+
+
+def _build_run(cfg, device, world, out, logger, task, tokenizer, model, amp) -> Run:
+    """The run's modules and helpers around the loaded (and possibly warm-started) policy."""
+    kl_ctl = AdaptiveKLController(cfg.loss.beta, cfg.loss.target_kl) if cfg.loss.target_kl else None
+    # The KL reference is the policy GRPO starts from (after any warm start), frozen, kept in
+    # the autocast dtype when there is one (bf16: half the memory of fp32 master weights).
+    ref_model = None
+    if cfg.loss.beta > 0 or kl_ctl is not None:
+        ref_model = copy.deepcopy(model).eval().requires_grad_(False)
+        if amp is not None:
+            ref_model.to(amp)
+    optimizer = build_optimizer(cfg, model.parameters())
+    policy_loss = build_policy_loss(cfg, model, amp)
+    policy = policy_loss
+    if world.enabled:
+        from torch.nn.parallel import DistributedDataParallel as DDP
+
+        policy = DDP(policy_loss, device_ids=[device.index] if device.type == "cuda" else None)
+    pass_rates, sampler = _prompt_sampler(cfg, task)
+    sft_loss = None
+    if cfg.sft.mix_coef > 0:  # advantage 1, on-policy, the default options: the plain NLL
+        sft_loss = PolicyLoss(model, autocast=amp, backend=cfg.loss.kernel_backend)
+    params = [p for p in model.parameters() if p.requires_grad]
+    thresholds = {**cfg.health.thresholds, "auto_temperature_boost": cfg.health.auto_temperature}
+    return Run(
+        cfg=cfg,
+        device=device,
+        world=world,
+        out=out,
+        logger=logger,
+        task=task,
+        tokenizer=tokenizer,
+        model=model,
+        amp=amp,
+        trainer=Trainer(policy, optimizer, params, cfg, world, device, sft_loss),
+        scheduler=build_scheduler(cfg, optimizer),
+        policy_loss=policy_loss,
+        ref_model=ref_model,
+        ref_loss=build_policy_loss(cfg, ref_model, amp) if ref_model is not None else None,
+        sampler=sampler,
+        health=HealthMonitor(HealthThresholds(**thresholds)),
+        kl_ctl=kl_ctl,
+        state=TrainState(beta=cfg.loss.beta),
+        eval_subset=task.eval_subset(cfg.data.eval_subset_size, cfg.seed),
+        pass_rates=pass_rates,
+    )
+
+
+def _prompt_sampler(cfg: Config, task: Task) -> tuple[PassRateTable | None, PromptSampler]:
+    """The prompt sampler and, when an option needs one, the per-prompt pass-rate table
+    (``rollout.difficulty_filter``, ``rollout.adaptive_group_size``, ``rollout.curriculum``
+    without ``data.difficulty_field``); both are checkpointed."""
+    r = cfg.rollout
+    difficulty = None
+    if cfg.data.difficulty_field is not None:
+        difficulty = [ex.difficulty for ex in task.train]
+    by_rate = r.curriculum == "easy_first" and difficulty is None
+    table = None
+    if r.difficulty_filter is not None or r.adaptive_group_size or by_rate:
+        table = PassRateTable(len(task.train))
+    band = None if r.difficulty_filter is None else list(r.difficulty_filter)
+    sampler = PromptSampler(
+        len(task.train),
+        cfg.seed,
+        table=table,
+        difficulty_filter=band,
+        curriculum=r.curriculum,
+        difficulty=difficulty if r.curriculum == "easy_first" else None,
+    )
+    return table, sampler
+
+
+def _make_backend(run: Run, engine):
+    """The rollout backend; for one with its own weights (``needs_weight_push``: vllm), the folder
+    it starts from and the weight-sync probe.
+
+    Such an engine loads a Hugging Face folder: ``model.name_or_path`` itself, unless the policy
+    exists only here (the built-in model, or a warm start just ran), in which case it is written
+    to ``output_dir/rollout_init`` first. Either way the current policy is pushed before the
+    first rollout, and probed after every push.
+    """
+    cfg, model, tokenizer, world = run.cfg, run.model, run.tokenizer, run.world
+    spec = backend(cfg.rollout.backend)
+    ctx = BackendContext(cfg, model, tokenizer, run.device, run.amp, engine=engine)
+    if not spec.needs_weight_push:
+        return make_backend(ctx)
+    from grpo_fast.rollout.vllm import WeightSyncProbe, vllm_dtype, weight_sync_tolerance
+
+    if engine is None and (cfg.model.name_or_path.startswith("builtin:") or run.sft_steps > 0):
+        model_path = run.out / "rollout_init"
+        if world.is_main:
+            ckpt.save_pretrained_atomic(model, tokenizer, model_path, dtype=vllm_dtype(model, run.amp))
+        dist.barrier()
+        ctx.model_path = str(model_path)
+    # The probe: a fixed, real sequence of this task (the first eval problem and its answer).
+    ex = (run.task.eval or run.task.train)[0]
+    probe_ids = run.task.prompt_ids(ex) + tokenizer(ex.answer, add_special_tokens=False)["input_ids"]
+    options = run.scoring_options()
+
+    def trainer_logprobs(token_ids: list[int]) -> torch.Tensor:
+        seq = Sequence(tokens=list(token_ids), n_prompt=1, advantage=0.0, weight=0.0)
+        mb = make_microbatches([seq], 1, tokenizer.pad_token_id, packing=False)[0].to(run.device)
+        with torch.no_grad():
+            return run.policy_loss(mb, options, 1.0).logprobs  # the fused op, as the loss computes them
+
+    ctx.probe = WeightSyncProbe(probe_ids, trainer_logprobs, weight_sync_tolerance(cfg, model, run.amp))
+    return make_backend(ctx)

@@ -1,0 +1,113 @@
+"""The run's state: what setup built (``Run``, fixed after it), the optimizer side (``Trainer``),
+and what changes from step to step (``TrainState``, changed only by its methods).
+
+The stateful helpers a run holds (the prompt sampler, the health monitor, the KL controller, the
+pass-rate table) change through their own methods, in the phase that owns them: the rollout
+phase draws prompts and updates the pass rates, the loop's outline updates β, the end of the
+step updates the health monitor.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from grpo_fast import dist
+from grpo_fast.algo.core import AdaptiveKLController
+from grpo_fast.algo.difficulty import PassRateTable
+from grpo_fast.algo.loss_options import LossOptions
+from grpo_fast.algo.prompt_sampler import PromptSampler
+from grpo_fast.config import Config
+from grpo_fast.obs.health import HealthMonitor
+from grpo_fast.obs.metrics import MetricsLogger
+from grpo_fast.task.loader import Task
+
+
+@dataclass
+class TrainState:
+    """What changes from step to step. ``step`` and ``beta`` survive a resume (``state_dict``);
+    ``nonfinite_run`` counts the steps in a row whose update was not applied (a run stops after
+    ``train.max_nonfinite_steps`` of them) and starts from 0 in each process."""
+
+    step: int = 0
+    beta: float = 0.0
+    nonfinite_run: int = 0
+
+    def set_beta(self, beta: float) -> None:
+        """The adaptive KL controller's new β (``loss.target_kl``)."""
+        self.beta = float(beta)
+
+    def finish_step(self, step: int, applied: bool) -> None:
+        """Step ``step`` is done; ``applied``: its optimizer step ran (False: a non-finite loss
+        or gradient norm skipped it)."""
+        self.step = step
+        self.nonfinite_run = 0 if applied else self.nonfinite_run + 1
+
+    def state_dict(self) -> dict[str, float]:
+        return {"step": self.step, "beta": self.beta}
+
+    @classmethod
+    def from_state_dict(cls, state: dict) -> TrainState:
+        return cls(step=int(state["step"]), beta=float(state["beta"]))
+
+
+@dataclass
+class Trainer:
+    """What the optimization phase works with: the loss module (``PolicyLoss``, DDP-wrapped when
+    data parallel), the optimizer and its trainable parameters, and where it runs."""
+
+    policy: torch.nn.Module
+    optimizer: torch.optim.Optimizer
+    params: list[torch.nn.Parameter]
+    cfg: Config
+    world: dist.DistInfo = field(default_factory=dist.DistInfo)
+    device: torch.device = field(default_factory=lambda: torch.device("cpu"))
+    # sft.mix_coef > 0: the plain NLL module on the same model (the supervised microbatches)
+    sft_loss: torch.nn.Module | None = None
+
+
+@dataclass
+class Run:
+    """One training run from setup to the final model: what setup loaded and built (fixed after
+    it), the stateful helpers, and ``state``."""
+
+    cfg: Config
+    device: torch.device
+    world: dist.DistInfo
+    out: Path
+    logger: MetricsLogger
+    task: Task
+    tokenizer: object
+    model: torch.nn.Module
+    amp: torch.dtype | None
+    trainer: Trainer
+    scheduler: torch.optim.lr_scheduler.LRScheduler
+    policy_loss: torch.nn.Module  # PolicyLoss itself (no DDP): the no-grad passes and the probe
+    ref_model: torch.nn.Module | None
+    ref_loss: torch.nn.Module | None
+    sampler: PromptSampler
+    health: HealthMonitor
+    kl_ctl: AdaptiveKLController | None
+    state: TrainState
+    eval_subset: list
+    backend: object = None  # the rollout backend (set last by setup: it needs the rest)
+    pass_rates: PassRateTable | None = None  # per-prompt pass rates, when an option uses them
+    sft_steps: int = 0
+    local_prompts: int = 0  # prompts per step on this rank
+
+    @property
+    def ckpt_root(self) -> Path:
+        return self.out / "checkpoints"
+
+    def loss_options(self) -> LossOptions:
+        """This step's loss options: ``loss.*`` with the current β (0 with ``loss.kl_in_reward``:
+        the KL is in the rewards then)."""
+        base = self.cfg.loss.loss_options()
+        return base.with_beta(0.0 if self.cfg.loss.kl_in_reward else self.state.beta)
+
+    def scoring_options(self) -> LossOptions:
+        """The options of the no-grad passes that only read log-probs (π_old, π_ref, the KL in
+        the reward, the weight-sync probe): ``loss.*`` with β = 0, so that no reference is needed."""
+        return self.cfg.loss.loss_options().with_beta(0.0)
