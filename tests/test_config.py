@@ -180,6 +180,8 @@ DOMAINS: dict[str, tuple[list[str], list[str]]] = {
     "loss.kl_early_stop": (["null", "0.3"], ["0", "-0.3"]),
     "loss.entropy_coef": (["0", "0.01", "-0.01"], []),  # negative: an entropy penalty, allowed
     "loss.advantage_eps": (["0", "1e-6"], ["-1e-6"]),
+    "loss.sapo_tau_pos": (["1.0", "0.5"], ["0", "-1"]),
+    "loss.sapo_tau_neg": (["1.05", "2"], ["0", "-1"]),
     "loss.chunk_size": (["auto", "1"], ["0", "-1", "2.5"]),
     "sft.steps": (["0", "10"], ["-1"]),
     "sft.lr": (["0", "1e-3"], ["-1e-3"]),

@@ -158,6 +158,18 @@ def test_gspo_two_pass_matches_float64_reference(variant, backend):
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("level", ["token", "sequence"])
+def test_sapo_matches_float64_reference(level, backend):
+    """SAPO's gate (nothing clipped) in the fused head, one-pass at the token level and two-pass on
+    GSPO's sequence ratio; a different loss than grpo_clip on the same inputs."""
+    seq = dict(importance_sampling_level="sequence", sequence_ids=GSPO_IDS) if level == "sequence" else {}
+    ours, ref = _check_variant(backend, dict(OPTIONS, loss_type="sapo", **seq))
+    assert not ours.clipped.any()
+    _, plain = _check_variant("torch_chunked", dict(OPTIONS, **seq))
+    assert abs(ref.loss.item() - plain.loss.item()) > 1e-4
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
 def test_top_entropy_quantile_two_pass_matches_float64_reference(backend):
     """The threshold needs every row's entropy (two-pass, chunks of 12): the loss and gradients of
     the reference that materializes the logits; a different loss than ρ = 1."""

@@ -45,6 +45,11 @@ CASES = {
         dict(importance_sampling_level="sequence", beta=0.04),
     ),
     "gspo-cispo": (dict(off_policy=True), dict(importance_sampling_level="sequence", loss_type="cispo")),
+    # SAPO's gate on ratios 0.3 … 4 of both signs of A (nothing clipped; GSPO's: the fused head's test)
+    "sapo-off-policy": (
+        dict(off_policy=True, with_ref=True),
+        dict(loss_type="sapo", beta=0.04, sapo_tau_neg=1.3),
+    ),
     # 80/20: the pg term on the top 30% entropy rows of the call (KL and bonus on all)
     "top-entropy-0.3": (
         dict(off_policy=True, with_ref=True),

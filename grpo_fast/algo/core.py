@@ -351,6 +351,11 @@ def _policy_gradient(
         loss, meta = grpo_clip_loss(advantages, log_ratio, torch.zeros_like(log_ratio), o)
         return loss, meta["clipped"]
     ratio = torch.exp(log_ratio)
+    if o.type == "sapo":
+        # τ by the advantage's sign (A = 0 takes τ_neg, as TRL: its term is 0 either way)
+        tau = torch.where(advantages > 0, ratio.new_tensor(o.sapo_tau_pos), ratio.new_tensor(o.sapo_tau_neg))
+        loss = -(4.0 / tau) * torch.sigmoid(tau * (ratio - 1.0)) * advantages
+        return loss, torch.zeros_like(loss, dtype=torch.bool)  # a gate, never a clip
     if o.type == "cispo":
         low = 1 - o.clip_low
         high = 1 + o.clip_high if o.delta is None else min(1 + o.clip_high, o.delta)
@@ -385,6 +390,11 @@ def grpo_token_loss(
     - ``cispo`` (MiniMax-M1): ``pg = −sg(clip(r, 1 − clip_low, 1 + clip_high))·A·log π``: the
       importance weight is clipped and detached (``sg``), so every token keeps a gradient,
       ``−ŵ·A·∇log π``, bounded by the clip range instead of cut off.
+    - ``sapo`` (SAPO, arXiv 2511.20347; TRL's ``loss_type="sapo"``): ``pg = −(4/τ)·σ(τ·(r − 1))·A``
+      with ``τ = sapo_tau_pos`` where ``A > 0``, else ``sapo_tau_neg``: a smooth gate in place of
+      the clip (``clip_*`` unused, nothing ``clipped``). On-policy ``σ(0) = 1/2``, so ``pg = −2A/τ``
+      and its gradient ``−4σ(1 − σ)·r·A·∇log π = −A·∇log π``, GRPO's; off-policy the gradient's
+      weight ``4σ(1 − σ)·r`` falls smoothly as ``r`` leaves 1 (faster for the larger ``τ_neg``).
 
     ``delta = δ > 1`` caps the ratio of the unclipped term at δ for every type (``min(r, δ)``;
     for ``cispo`` the weight's upper bound is ``min(1 + clip_high, δ)``): a token with ``r > δ``
@@ -411,8 +421,9 @@ def grpo_token_loss(
 
     Example:
         ``A = 1``, ``log π − log π_old = 0.5``: ``r = e^0.5 ≈ 1.6487``; ``grpo_clip`` gives
-        ``ℓ = −1.2`` (clipped, no gradient), ``reinforce_with_baseline`` ``ℓ ≈ −1.6487``, and
-        with ``log π = −1`` ``cispo`` gives ``ℓ = −1.2·1·(−1) = 1.2`` with gradient ``−1.2``.
+        ``ℓ = −1.2`` (clipped, no gradient), ``reinforce_with_baseline`` ``ℓ ≈ −1.6487``,
+        with ``log π = −1`` ``cispo`` gives ``ℓ = −1.2·1·(−1) = 1.2`` with gradient ``−1.2``, and
+        ``sapo`` (τ = 1) ``ℓ = −4·σ(0.6487) ≈ −2.6269`` with gradient ``−4σ(1 − σ)·r ≈ −1.4867``.
 
     Args:
         logprobs: ``[...]`` per-token log π (differentiable).

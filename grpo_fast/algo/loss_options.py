@@ -36,12 +36,13 @@ from grpo_fast.domains import DomainError, OneOf, Range, check_fields, option
 
 __all__ = ["IMPORTANCE_SAMPLING_LEVELS", "KL_ESTIMATORS", "LOSS_TYPES", "LossOptions"]
 
-LOSS_TYPES = ("no_baseline", "reinforce_with_baseline", "grpo_clip", "cispo")
+LOSS_TYPES = ("no_baseline", "reinforce_with_baseline", "grpo_clip", "cispo", "sapo")
 KL_ESTIMATORS = ("k1", "k2", "k3")
 IMPORTANCE_SAMPLING_LEVELS = ("token", "sequence")
 
 # Loss types whose policy-gradient term is the advantage times something (grpo_clip:
-# −min(r·A, clip(r)·A); reinforce/no_baseline: −r·A; cispo: −sg(ŵ)·A·log π): zero, with a zero
+# −min(r·A, clip(r)·A); reinforce/no_baseline: −r·A; cispo: −sg(ŵ)·A·log π; sapo: −g_τ(r)·A, the
+# gate's τ chosen by A's sign but the term still A times a function of r): zero, with a zero
 # gradient, wherever A = 0. A type whose term is not (an advantage-free regularizer, a gate
 # that shifts with A's sign only) must stay out of this set, or the loop's zero-advantage skip
 # would drop tokens that carry gradient.
@@ -58,17 +59,22 @@ class LossOptions:
     Fields (config key ``loss.<field>``):
         type: the policy-gradient term ``pg``: ``grpo_clip`` (the clipped surrogate),
             ``reinforce_with_baseline`` / ``no_baseline`` (``−r·A``, never clipped), ``cispo``
-            (``−sg(clip(r))·A·log π``).
+            (``−sg(clip(r))·A·log π``), ``sapo`` (``−(4/τ)·σ(τ·(r − 1))·A``: a smooth gate in
+            place of the clip, no clip range).
         clip_low, clip_high: the clip range ``[1 − clip_low, 1 + clip_high]`` (clip_high >
             clip_low is DAPO's clip-higher; GSPO's are small, e.g. 3e-4 / 4e-4).
         dual_clip: ``c > 1`` bounds a negative-advantage token's loss at ``−c·A`` (grpo_clip only).
-        delta: ``δ > 1`` caps the unclipped term's ratio at δ, every type (INTELLECT-2).
+        delta: ``δ > 1`` caps the unclipped term's ratio at δ, every type but ``sapo``, whose
+            gate is bounded already (INTELLECT-2).
         importance_sampling_level: ``token`` (``r_t``) or ``sequence`` (GSPO: the response's
             ``exp(mean_t(log π − log π_old))`` for each of its tokens).
         top_entropy_quantile: ``ρ ∈ (0, 1]``: ``pg`` only on the top-ρ-entropy tokens (80/20).
         beta: the KL coefficient β (≥ 0; the adaptive controller changes it from step to step).
         kl_estimator: ``k1``, ``k2`` or ``k3`` (``grpo_fast.algo.core.kl_penalty``).
-        entropy_coef: the entropy bonus ``c`` (negative: an entropy penalty).
+        entropy_coef: the entropy bonus ``c`` (negative: an entropy penalty; the adaptive
+            controller, ``loss.entropy_target``, changes it from step to step).
+        sapo_tau_pos, sapo_tau_neg: SAPO's gate temperatures for ``A > 0`` and ``A ≤ 0``
+            (``type="sapo"`` only; TRL's ``sapo_temperature_pos/neg`` defaults, 1.0 and 1.05).
     """
 
     type: str = option("grpo_clip", OneOf(LOSS_TYPES))
@@ -81,6 +87,8 @@ class LossOptions:
     beta: float = option(0.0, Range(0))
     kl_estimator: str = option("k3", OneOf(KL_ESTIMATORS))
     entropy_coef: float = option(0.0, Range())
+    sapo_tau_pos: float = option(1.0, Range(0, lo_open=True))
+    sapo_tau_neg: float = option(1.05, Range(0, lo_open=True))
 
     def __post_init__(self) -> None:
         self.validate()
@@ -96,6 +104,13 @@ class LossOptions:
             raise DomainError(
                 prefix + "dual_clip",
                 f"{prefix}dual_clip applies only to {type_label}='grpo_clip', not {self.type!r}",
+            )
+        if self.delta is not None and self.type == "sapo":
+            type_label = prefix + labels.get("type", "type")
+            raise DomainError(
+                prefix + "delta",
+                f"{prefix}delta caps an unbounded ratio; {type_label}='sapo' bounds it with its gate "
+                f"(at most 4/τ·|A|): leave {prefix}delta unset",
             )
 
     @classmethod
