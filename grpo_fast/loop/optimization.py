@@ -19,7 +19,7 @@ import torch
 from grpo_fast import dist
 from grpo_fast.algo.core import kl_early_stop
 from grpo_fast.algo.loss_options import LossOptions
-from grpo_fast.algo.sampler_correction import sampler_importance_weights
+from grpo_fast.algo.sampler_correction import cut_importance_weights, raw_importance_weights
 from grpo_fast.config import Config
 from grpo_fast.loop.rollout_phase import RolloutBatch
 from grpo_fast.loop.state import Run, Trainer
@@ -138,7 +138,7 @@ def prepare_old_and_ref(
     r = cfg.rollout
     several_epochs = cfg.loss.needs_old_logprobs(cfg.train.epochs_per_rollout_batch)
     trainer_old = r.is_correction or (several_epochs and r.old_logprobs == "trainer")
-    weights, out = [], []
+    weights, raw_weights, out = [], [], []
     for mb in mbs:
         old, loss_weights, ref = mb.old_logprobs, mb.loss_weights, mb.ref_logprobs
         if several_epochs and r.old_logprobs == "sampler":
@@ -147,22 +147,25 @@ def prepare_old_and_ref(
             with torch.no_grad():
                 old = policy_loss(mb, options, temperature).logprobs
         if r.is_correction:
-            rho = sampler_importance_weights(
-                old, mb.sampler_logprobs, mb.sequence_ids, level=r.is_level, mode=r.is_mode, cap=r.is_cap
-            )
+            raw = raw_importance_weights(old, mb.sampler_logprobs, mb.sequence_ids, level=r.is_level)
+            rho = cut_importance_weights(raw, mode=r.is_mode, cap=r.is_cap)
             loss_weights = loss_weights * rho
             weights.append(rho)
+            raw_weights.append(raw)
         if ref_loss is not None:
             with torch.no_grad():
                 ref = ref_loss(mb, options, temperature).logprobs
         out.append(dataclasses.replace(mb, old_logprobs=old, ref_logprobs=ref, loss_weights=loss_weights))
     if not weights:
         return out, {}
-    rho = torch.cat(weights)
+    rho, raw = torch.cat(weights), torch.cat(raw_weights)
     cut = (rho == r.is_cap) if r.is_mode == "truncate" else (rho == 0)
     return out, {  # host-device syncs, once per step
         "rollout/is_weight_mean": rho.mean().item(),
         "rollout/is_cut_fraction": cut.float().mean().item(),
+        # ρ before the cut (fp64): how far the sampler is off, which the cut hides
+        "rollout/is_weight_raw_mean": raw.mean().item(),
+        "rollout/is_weight_raw_max": raw.max().item(),
     }
 
 
