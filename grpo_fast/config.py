@@ -75,6 +75,11 @@ class DataConfig:
     reward: str | list[str] = AUTO
     # One weight per data.reward entry (a list); None = every weight 1.
     reward_weights: list[float] | None = None
+    # How a list of rewards makes the advantage: sum (normalize Σ_k w_k·reward_k within its group)
+    # | normalize_each (GDPO: normalize each reward within its group, loss.scale_rewards as for the
+    # sum, then Σ_k w_k·normalized_k; the shaping terms, overlong and KL, as one more reward of
+    # weight 1). The same as sum with one reward and no shaping (grpo_fast.algo.core.normalize_each_reward).
+    reward_aggregation: str = option("sum", OneOf(("sum", "normalize_each")))
     eval_subset_size: int = option(1024, _NONNEG)  # subset evaluated every eval_every steps (fixed seed)
     # A reward function that raises or returns a non-number: raise (stop the run, one line naming
     # the function, the exception and the response) | zero (score it 0, count train/reward_errors)

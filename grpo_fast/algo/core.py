@@ -44,6 +44,7 @@ __all__ = [
     "kl_penalty",
     "length_norm_weights",
     "loss_parts",
+    "normalize_each_reward",
     "normalize_group_rewards",
     "overlong_penalty",
     "sequence_mean",
@@ -168,6 +169,43 @@ def normalize_group_rewards(
         "advantage_abs_mean": advantages.abs().mean().item(),
     }
     return advantages, metadata
+
+
+def normalize_each_reward(
+    part_rewards: Sequence[torch.Tensor],
+    weights: Sequence[float],
+    group_size: int | Sequence[int],
+    advantage_eps: float,
+    *,
+    scale_rewards: str,
+    reduce_sums: Callable[[list[float]], list[float]] | None = None,
+) -> torch.Tensor:
+    """``data.reward_aggregation=normalize_each`` (GDPO): each reward normalized within its group
+    (``normalize_group_rewards`` with ``scale_rewards``: centred, then scaled by the group's, the
+    batch's or no std), then weighted and summed: ``A = Σ_k w_k·normalize(r_k)``, ``[B]`` fp32.
+    With one reward of weight 1 this is ``normalize_group_rewards(r_1)`` bit for bit (``sum``).
+    Unlike TRL's ``multi_objective_aggregation="normalize_then_sum"``, the sum is not normalized
+    again over the batch.
+
+    Why: normalizing the weighted sum lets one reward's spread drown another's, and distinct
+    reward combinations collapse to the same advantage; each reward's own group-normalized
+    signal keeps them apart.
+
+    Example (one group of 4, ``scale_rewards="group"``, ε = 0): ``r_1 = [1, 0, 0, 0]`` (mean 0.25,
+    std 0.5) gives ``[1.5, −0.5, −0.5, −0.5]``; ``r_2 = [0, 1, 1, 1]`` gives ``[−1.5, 0.5, 0.5,
+    0.5]``; weights ``[1, 0.5]``: ``A = [0.75, −0.25, −0.25, −0.25]``. Normalizing the sum
+    ``[1, 0.5, 0.5, 0.5]`` (mean 0.625, std 0.25) would give ``[1.5, −0.5, −0.5, −0.5]``.
+    """
+    if not part_rewards or len(part_rewards) != len(weights):
+        raise ValueError(f"{len(part_rewards)} rewards need as many weights, got {len(weights)}")
+    total = None
+    for rewards, w in zip(part_rewards, weights):
+        adv, _ = normalize_group_rewards(
+            rewards, group_size, advantage_eps, scale_rewards=scale_rewards, reduce_sums=reduce_sums
+        )
+        term = float(w) * adv
+        total = term if total is None else total + term
+    return total
 
 
 def informative_groups(raw_rewards: torch.Tensor, group_size: int | Sequence[int]) -> list[bool]:

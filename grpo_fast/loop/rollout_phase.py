@@ -18,7 +18,12 @@ from dataclasses import dataclass, field
 import torch
 
 from grpo_fast import dist
-from grpo_fast.algo.core import informative_groups, normalize_group_rewards, overlong_penalty
+from grpo_fast.algo.core import (
+    informative_groups,
+    normalize_each_reward,
+    normalize_group_rewards,
+    overlong_penalty,
+)
 from grpo_fast.loop.state import Run
 from grpo_fast.obs.metrics import PhaseProgress
 from grpo_fast.policy.batch import Sequence, make_microbatches
@@ -94,17 +99,24 @@ def rollout_phase(run: Run, step: int, progress: PhaseProgress) -> RolloutBatch:
         )
         meta["rollout/overlong_penalty_mean"] = penalty.mean().item()
         rewards = rewards + penalty
+    shaping = penalty if cfg.data.overlong_buffer > 0 else None  # the shaping terms' sum
     kl_tokens = None
     if cfg.loss.kl_in_reward:  # β·Σ k1 of each response leaves its reward (verl's use_kl_in_reward)
         kl_sums, kl_tokens = response_kl_k1(run, rollout, temperature)
-        rewards = rewards - run.state.beta * kl_sums
+        kl_term = run.state.beta * kl_sums
+        rewards = rewards - kl_term
+        shaping = -kl_term if shaping is None else shaping - kl_term
+    reduce_sums = lambda sums: dist.all_reduce_sum(sums, run.device)  # batch: std over all ranks
     advantages, norm_meta = normalize_group_rewards(
         rewards,
         rollout.sizes,
         cfg.loss.advantage_eps,
         scale_rewards=cfg.loss.scale_rewards,
-        reduce_sums=lambda sums: dist.all_reduce_sum(sums, run.device),  # batch: std over all ranks
+        reduce_sums=reduce_sums,
     )
+    if cfg.data.reward_aggregation == "normalize_each":  # GDPO: each reward normalized in its group
+        advantages = _normalize_each(run, groups, shaping, reduce_sums)
+        norm_meta["advantage_abs_mean"] = advantages.abs().mean().item()
     if cfg.loss.type == "no_baseline":  # REINFORCE without a baseline: A = the raw reward
         advantages = rewards
     reward_meta = {**norm_meta, **_score_means(groups.scores)}
@@ -121,6 +133,29 @@ def rollout_phase(run: Run, step: int, progress: PhaseProgress) -> RolloutBatch:
         scores=groups.scores,
         extra=meta,
         seconds=time.perf_counter() - t0,
+    )
+
+
+def _normalize_each(run: Run, groups: _Groups, shaping: torch.Tensor | None, reduce_sums) -> torch.Tensor:
+    """``data.reward_aggregation=normalize_each``: ``[R]`` advantages from each reward (a weighted
+    reward's parts, ``"reward/NAME"`` of every score, with their weights; else the one reward)
+    normalized in its group, weighted and summed, the shaping terms (overlong, KL) as one more
+    reward of weight 1 (``grpo_fast.algo.core.normalize_each_reward``)."""
+    cfg, names = run.cfg, run.task.reward_parts
+    if names:
+        parts = [torch.tensor([float(s[f"reward/{n}"]) for s in groups.scores]) for n in names]
+        weights = list(run.task.reward_fn.weights)
+    else:
+        parts, weights = [groups.rewards], [1.0]
+    if shaping is not None:
+        parts, weights = [*parts, shaping], [*weights, 1.0]
+    return normalize_each_reward(
+        parts,
+        weights,
+        groups.rollout.sizes,
+        cfg.loss.advantage_eps,
+        scale_rewards=cfg.loss.scale_rewards,
+        reduce_sums=reduce_sums,
     )
 
 
