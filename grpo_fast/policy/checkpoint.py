@@ -226,8 +226,15 @@ def load_state(path: Path) -> dict[str, Any]:
 
 
 def load_model_weights(model: torch.nn.Module, path: Path) -> None:
-    """Load the safetensors weights saved by ``save_pretrained`` into ``model`` (same architecture)."""
+    """Load the safetensors weights saved by ``save_pretrained`` into ``model`` (same architecture);
+    for a LoRA policy, the adapter its checkpoints hold."""
     from safetensors.torch import load_file
+
+    from grpo_fast.policy.lora import is_lora, load_adapter_weights
+
+    if is_lora(model):
+        load_adapter_weights(model, Path(path))
+        return
 
     files = sorted(Path(path).glob("*.safetensors"))
     if not files:

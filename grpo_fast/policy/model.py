@@ -58,46 +58,78 @@ def load_tokenizer(name_or_path: str):
     return tok
 
 
-def load_policy(cfg: Config, tokenizer, device: torch.device, hf_config=None) -> nn.Module:
-    """The trainable causal LM, on ``device``, in ``model.dtype`` (auto = fp32 master weights).
+def policy_dtype(cfg: Config, device: torch.device) -> torch.dtype:
+    """The dtype the policy's weights load in: ``model.dtype``, or for ``auto`` fp32 master
+    weights; under LoRA the frozen base needs no master copy, so ``auto`` is the autocast dtype
+    (bf16 on CUDA) while peft keeps the adapter in fp32."""
+    if cfg.model.dtype != AUTO:
+        return _DTYPES[cfg.model.dtype]
+    amp = autocast_dtype(cfg, device)
+    return amp if (cfg.model.lora.r and amp is not None) else torch.float32
+
+
+def load_policy(
+    cfg: Config, tokenizer, device: torch.device, hf_config=None, base_path: str | None = None
+) -> nn.Module:
+    """The trainable causal LM, on ``device``, in ``policy_dtype``; with ``model.lora.r > 0`` a
+    peft model whose adapter alone trains (``grpo_fast.policy.lora``), on a 4-bit base with
+    ``model.load_in_4bit``.
 
     ``hf_config``: build a randomly initialized model of that architecture instead of loading
-    ``model.name_or_path`` (benchmarks of real shapes without weights).
+    ``model.name_or_path`` (benchmarks of real shapes without weights). ``base_path``: load the
+    base from this folder instead (the built-in model written to ``output_dir/base`` for LoRA).
     """
     m = cfg.model
-    dtype = torch.float32 if m.dtype == AUTO else _DTYPES[m.dtype]
-    if m.name_or_path == tiny.BUILTIN_NAME and hf_config is None:
+    dtype = policy_dtype(cfg, device)
+    source = base_path or m.name_or_path
+    if source == tiny.BUILTIN_NAME and hf_config is None:
         model = tiny.build_model(tokenizer, seed=cfg.seed).to(dtype)
     else:
-        from transformers import AutoModelForCausalLM
-
-        attn = m.attn_implementation
-        if attn == AUTO:
-            has_fa2 = importlib.util.find_spec("flash_attn") is not None
-            attn = "flash_attention_2" if device.type == "cuda" and has_fa2 else "sdpa"
-        if hf_config is not None:
-            with torch.device(device):  # initialize in place: a 1.5 B fp32 model is 6 GB
-                model = AutoModelForCausalLM.from_config(hf_config, attn_implementation=attn, dtype=dtype)
-        else:
-            try:
-                model = AutoModelForCausalLM.from_pretrained(
-                    m.name_or_path,
-                    dtype=dtype,
-                    attn_implementation=attn,
-                    trust_remote_code=m.trust_remote_code,
-                )
-            except (OSError, ValueError) as exc:
-                raise ConfigError(
-                    f"model.name_or_path={m.name_or_path!r}: cannot load the model ({exc})"
-                ) from None
-    model.to(device)
+        model = _from_hub_or_folder(cfg, source, dtype, device, hf_config)
+    if not m.load_in_4bit:  # bitsandbytes placed the 4-bit model already
+        model.to(device)
     model.config.use_cache = False  # training; generate() turns the cache on for itself
+    if m.lora.r:
+        from grpo_fast.policy.lora import apply_lora
+
+        model = apply_lora(model, m.lora, source)
     if m.gradient_checkpointing:
         enable_checkpointing(model)
     # from_pretrained returns eval mode, and transformers checkpoints only in training mode: the
     # policy stays in train mode (rollout backends switch to eval and back around generate).
     model.train()
     return model
+
+
+def _from_hub_or_folder(cfg: Config, source: str, dtype: torch.dtype, device: torch.device, hf_config):
+    from transformers import AutoModelForCausalLM
+
+    m = cfg.model
+    attn = m.attn_implementation
+    if attn == AUTO:
+        has_fa2 = importlib.util.find_spec("flash_attn") is not None
+        attn = "flash_attention_2" if device.type == "cuda" and has_fa2 else "sdpa"
+    if hf_config is not None:
+        with torch.device(device):  # initialize in place: a 1.5 B fp32 model is 6 GB
+            return AutoModelForCausalLM.from_config(hf_config, attn_implementation=attn, dtype=dtype)
+    extra = {}
+    if m.load_in_4bit:
+        from transformers import BitsAndBytesConfig
+
+        extra = dict(
+            quantization_config=BitsAndBytesConfig(
+                load_in_4bit=True,
+                bnb_4bit_quant_type="nf4",
+                bnb_4bit_compute_dtype=autocast_dtype(cfg, device) or torch.float32,
+            ),
+            device_map={"": device},
+        )
+    try:
+        return AutoModelForCausalLM.from_pretrained(
+            source, dtype=dtype, attn_implementation=attn, trust_remote_code=m.trust_remote_code, **extra
+        )
+    except (OSError, ValueError) as exc:
+        raise ConfigError(f"model.name_or_path={m.name_or_path!r}: cannot load the model ({exc})") from None
 
 
 def enable_checkpointing(model: nn.Module) -> None:

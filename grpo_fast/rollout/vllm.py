@@ -20,7 +20,11 @@ from __future__ import annotations
 
 import logging
 import os
+import shutil
+import tempfile
+import weakref
 from collections.abc import Callable, Iterable
+from pathlib import Path
 from typing import Any, Protocol
 
 import torch
@@ -48,6 +52,9 @@ VLLM_MANAGED_ARGS = {
     "logprobs_mode": "the trainer's log-probs: processed_logprobs",
     "tensor_parallel_size": "one engine per rank",
     "distributed_executor_backend": "torchrun",
+    "enable_lora": "model.lora and rollout.lora_sync",
+    "max_lora_rank": "model.lora.r",
+    "max_loras": "one adapter at a time",
 }
 
 
@@ -65,6 +72,8 @@ class Engine(Protocol):
     def prompt_logprobs(self, token_ids: list[int]) -> list[float]: ...
 
     def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None: ...
+
+    def load_adapter(self, folder: str) -> None: ...
 
     def wake_up(self, tags: list[str]) -> None: ...
 
@@ -121,6 +130,7 @@ class VLLMEngine:
         sleep_level: int = 1,
         data_parallel: bool = False,
         extra_args: dict[str, Any] | None = None,
+        lora_rank: int = 0,
     ):
         # The V1 engine exposes its model to this process only without multiprocessing.
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
@@ -146,6 +156,9 @@ class VLLMEngine:
         # external launcher makes vLLM join the existing process group instead of spawning
         # workers (LOCAL_RANK picks the device), as TRL's and verl's colocate modes do.
         extra = {"distributed_executor_backend": "external_launcher"} if data_parallel else {}
+        if lora_rank:  # rollout.lora_sync=adapter: the base serves, one adapter at a time on top
+            extra.update(enable_lora=True, max_lora_rank=_lora_rank_slot(lora_rank), max_loras=1)
+        self.lora_request = None  # the adapter every generate and probe uses (load_adapter)
         self.llm = LLM(
             model=model_path,
             dtype=dtype,
@@ -173,7 +186,10 @@ class VLLMEngine:
             for j in range(len(prompt_ids))
         ]
         outs = self.llm.generate(
-            [TokensPrompt(prompt_token_ids=p) for p in prompt_ids], per_prompt, use_tqdm=False
+            [TokensPrompt(prompt_token_ids=p) for p in prompt_ids],
+            per_prompt,
+            use_tqdm=False,
+            lora_request=self.lora_request,
         )
         result = []
         for out in outs:
@@ -213,7 +229,8 @@ class VLLMEngine:
         from vllm.inputs import TokensPrompt
 
         sp = VSP(max_tokens=1, temperature=1.0, prompt_logprobs=0)
-        out = self.llm.generate([TokensPrompt(prompt_token_ids=list(token_ids))], sp, use_tqdm=False)[0]
+        prompt = [TokensPrompt(prompt_token_ids=list(token_ids))]
+        out = self.llm.generate(prompt, sp, use_tqdm=False, lora_request=self.lora_request)[0]
         return [d[t].logprob for t, d in zip(token_ids[1:], out.prompt_logprobs[1:])]
 
     def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
@@ -231,6 +248,19 @@ class VLLMEngine:
             finalize_layerwise_reload(model, model_config)
 
         self.llm.apply_model(push)
+
+    def load_adapter(self, folder: str) -> None:
+        """Serve the peft adapter saved in ``folder`` from now on: a new ``LoRARequest`` id (the
+        engine caches adapters by id), loaded at once; the previous adapter is removed, so one is
+        held at a time."""
+        from vllm.lora.request import LoRARequest
+
+        previous = self.lora_request
+        lora_id = 1 if previous is None else previous.lora_int_id + 1
+        self.lora_request = LoRARequest(f"grpo_fast_{lora_id}", lora_id, folder)
+        self.llm.llm_engine.add_lora(self.lora_request)
+        if previous is not None:
+            self.llm.llm_engine.remove_lora(previous.lora_int_id)
 
     def wake_up(self, tags: list[str]) -> None:
         self.llm.wake_up(tags=tags)
@@ -278,9 +308,15 @@ class VLLMBackend:
         tokenizer,
         sleep_level: int = 1,
         probe: WeightSyncProbe | None = None,
+        lora_sync: str | None = None,
     ):
         self.engine = engine
         self.tokenizer = tokenizer
+        # None: full weights every push; "adapter": the peft adapter alone (a RAM-backed folder
+        # per push, the previous one deleted once the engine holds the new); "merged": the
+        # adapter merged into a copy of the base's affected weights, pushed as full weights
+        self.lora_sync = lora_sync
+        self._adapter_dir: Path | None = None
         # Where the platform has no sleep mode, sleep and wake are skipped (the engine stays awake).
         self.sleep_level = sleep_level if getattr(engine, "supports_sleep", True) else 0
         self.probe = probe
@@ -301,8 +337,12 @@ class VLLMBackend:
             self.engine.wake_up(["weights"])
             self.calls.append("wake_up(weights)")
             self.weights_asleep = False
-        self.engine.load_weights(_hf_named_tensors(model))
-        self.calls.append("load_weights")
+        if self.lora_sync == "adapter":
+            self._push_adapter(model, step)
+        else:
+            named = merged_named_tensors(model) if self.lora_sync == "merged" else _hf_named_tensors(model)
+            self.engine.load_weights(named)
+            self.calls.append("load_weights")
         self.pushes += 1
         self.engine.reset_prefix_cache()  # cached prefixes were computed with the old weights
         self.calls.append("reset_prefix_cache")
@@ -315,6 +355,24 @@ class VLLMBackend:
                     f"step {step}: vLLM is not serving the pushed weights: mean |Δ log p| = {diff:.3g} on "
                     f"the probe sequence > rollout.weight_sync_tolerance={self.probe.tolerance:g}"
                 )
+
+    def _push_adapter(self, model: torch.nn.Module, step: int) -> None:
+        """The adapter alone, through a folder in RAM (``/dev/shm`` where there is one): peft's
+        ``save_pretrained`` (adapter_config.json + adapter_model.safetensors), then the engine's
+        new LoRA request; the previous push's folder is deleted."""
+        if self._adapter_dir is None:
+            shm = Path("/dev/shm")
+            self._adapter_dir = Path(
+                tempfile.mkdtemp(prefix="grpo_fast_adapters_", dir=shm if shm.is_dir() else None)
+            )
+            weakref.finalize(self, shutil.rmtree, str(self._adapter_dir), True)
+        folder = self._adapter_dir / f"step_{step:06d}_{self.pushes}"
+        getattr(model, "module", model).save_pretrained(str(folder), safe_serialization=True)
+        self.engine.load_adapter(str(folder))
+        self.calls.append("load_adapter")
+        for old in self._adapter_dir.iterdir():
+            if old != folder:
+                shutil.rmtree(old, ignore_errors=True)
 
     def sleep(self) -> None:
         if self.sleep_level and not (self.weights_asleep and self.kv_asleep):
@@ -359,6 +417,39 @@ class VLLMBackend:
         )
 
 
+@torch.no_grad()
+def merged_named_tensors(model: torch.nn.Module) -> Iterable[tuple[str, torch.Tensor]]:
+    """A peft LoRA policy's weights under the base's Hugging Face names, each adapted layer's
+    weight merged: ``W + (alpha / r)·B·A`` in a new tensor, one layer at a time (the model is
+    left as it is); every other tensor a view. What ``rollout.lora_sync=merged`` pushes."""
+    from peft.tuners.lora import LoraLayer
+
+    base = getattr(model, "module", model).get_base_model()
+    adapted = {
+        f"{name}.weight": module
+        for name, module in base.named_modules()
+        if isinstance(module, LoraLayer) and "default" in module.lora_A
+    }
+    for name, tensor in base.state_dict().items():
+        if ".lora_" in name:
+            continue
+        clean = name.replace(".base_layer.", ".")
+        module = adapted.get(clean)
+        if module is None:
+            yield clean, tensor.detach()
+        else:
+            weight = module.get_base_layer().weight
+            yield clean, weight + module.get_delta_weight("default").to(weight.dtype)
+
+
+def _lora_rank_slot(rank: int) -> int:
+    """The smallest ``max_lora_rank`` vLLM accepts (1, 8, 16, 32, ... 512) that holds ``rank``."""
+    for slot in (1, 8, 16, 32, 64, 128, 256, 320, 512):
+        if rank <= slot:
+            return slot
+    raise ConfigError(f"model.lora.r={rank}: vLLM serves LoRA ranks up to 512")
+
+
 def _hf_named_tensors(model: torch.nn.Module) -> Iterable[tuple[str, torch.Tensor]]:
     """The policy's tensors under their Hugging Face names, as views (no copy).
 
@@ -386,6 +477,7 @@ def _build(ctx: BackendContext) -> VLLMBackend:
     when given; then the current policy pushed and probed."""
     cfg, r = ctx.cfg, ctx.cfg.rollout
     engine = ctx.engine
+    lora_sync = r.lora_sync if hasattr(getattr(ctx.model, "module", ctx.model), "peft_config") else None
     if engine is None:
         path = ctx.model_path or cfg.model.name_or_path
         if path.startswith("builtin:"):
@@ -403,8 +495,11 @@ def _build(ctx: BackendContext) -> VLLMBackend:
             sleep_level=r.sleep_level,
             data_parallel=multi,
             extra_args=dict(r.vllm_kwargs),
+            lora_rank=cfg.model.lora.r if lora_sync == "adapter" else 0,
         )
-    backend = VLLMBackend(engine, ctx.tokenizer, sleep_level=r.sleep_level, probe=ctx.probe)
+    backend = VLLMBackend(
+        engine, ctx.tokenizer, sleep_level=r.sleep_level, probe=ctx.probe, lora_sync=lora_sync
+    )
     backend.update_weights(ctx.model, step=0)  # the (possibly warm-started or resumed) policy
     return backend
 
