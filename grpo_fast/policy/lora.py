@@ -18,6 +18,7 @@ exists only in this run (the built-in model) is written once to ``output_dir/bas
 from __future__ import annotations
 
 import contextlib
+import warnings
 from pathlib import Path
 
 import torch
@@ -62,7 +63,9 @@ def apply_lora(model: nn.Module, lora_cfg, base_path: str) -> nn.Module:
     )
     if lora_cfg.target_modules != "all-linear":
         _check_targets(model, list(lora_cfg.target_modules))
-    peft_model = get_peft_model(model, config)
+    with warnings.catch_warnings():  # peft 0.21 asks transformers 5.24 a deprecated question
+        warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
+        peft_model = get_peft_model(model, config)
     peft_model.peft_config["default"].base_model_name_or_path = str(base_path)
     return peft_model
 

@@ -6,6 +6,7 @@ The module that turns a microbatch into the GRPO loss is ``grpo_fast.policy.loss
 from __future__ import annotations
 
 import importlib.util
+import logging
 from pathlib import Path
 
 import torch
@@ -40,6 +41,9 @@ def quiet_transformers() -> None:
 
     hf_logging.disable_progress_bar()
     hub_logging.set_verbosity_error()
+    # bitsandbytes 0.50 warns at import that an optional inference kernel for AVX512-BF16 CPUs
+    # (the `kernels` package) is missing; training never uses it (_keep_nf4_trainable).
+    logging.getLogger("bitsandbytes.backends.cpu.ops").setLevel(logging.ERROR)
 
 
 def load_tokenizer(name_or_path: str):
@@ -88,6 +92,8 @@ def load_policy(
         model = _from_hub_or_folder(cfg, source, dtype, device, hf_config)
     if not m.load_in_4bit:  # bitsandbytes placed the 4-bit model already
         model.to(device)
+    else:
+        _keep_nf4_trainable(model)
     model.config.use_cache = False  # training; generate() turns the cache on for itself
     if m.lora.r:
         from grpo_fast.policy.lora import apply_lora
@@ -99,6 +105,19 @@ def load_policy(
     # policy stays in train mode (rollout backends switch to eval and back around generate).
     model.train()
     return model
+
+
+def _keep_nf4_trainable(model: nn.Module) -> None:
+    """The one reach-in into bitsandbytes (0.50.2): on a CPU with AVX512-BF16, a ``Linear4bit``
+    run in eval mode without gradients (our rollouts and evaluations) repacks its weight in place
+    for inference (``packing_format_for_cpu``), and its next training forward then fails ("a view
+    of a leaf Variable that requires grad is being used in an in-place operation"). The policy
+    generates and trains with the same weights, so that repacking is turned off."""
+    import bitsandbytes as bnb
+
+    for module in model.modules():
+        if isinstance(module, bnb.nn.Linear4bit):
+            module.support_avx512bf16_for_cpu = False
 
 
 def _from_hub_or_folder(cfg: Config, source: str, dtype: torch.dtype, device: torch.device, hf_config):

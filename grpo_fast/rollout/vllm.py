@@ -309,9 +309,14 @@ class VLLMBackend:
         sleep_level: int = 1,
         probe: WeightSyncProbe | None = None,
         lora_sync: str | None = None,
+        push_base: bool = False,
     ):
         self.engine = engine
         self.tokenizer = tokenizer
+        # QLoRA: vLLM 0.32-0.33 has no bitsandbytes loader, so it serves the base in its own dtype;
+        # the first push sends the trainer's NF4 base dequantized (the values the trainer computes
+        # with), so that sampler and trainer agree; the adapter follows every push.
+        self.push_base = push_base
         # None: full weights every push; "adapter": the peft adapter alone (a RAM-backed folder
         # per push, the previous one deleted once the engine holds the new); "merged": the
         # adapter merged into a copy of the base's affected weights, pushed as full weights
@@ -338,6 +343,9 @@ class VLLMBackend:
             self.calls.append("wake_up(weights)")
             self.weights_asleep = False
         if self.lora_sync == "adapter":
+            if self.push_base and self.pushes == 0:
+                self.engine.load_weights(dequantized_base_tensors(model))
+                self.calls.append("load_weights(base)")
             self._push_adapter(model, step)
         else:
             named = merged_named_tensors(model) if self.lora_sync == "merged" else _hf_named_tensors(model)
@@ -442,6 +450,21 @@ def merged_named_tensors(model: torch.nn.Module) -> Iterable[tuple[str, torch.Te
             yield clean, weight + module.get_delta_weight("default").to(weight.dtype)
 
 
+@torch.no_grad()
+def dequantized_base_tensors(model: torch.nn.Module) -> Iterable[tuple[str, torch.Tensor]]:
+    """A peft policy's frozen base under its Hugging Face names, a 4-bit (bitsandbytes NF4) weight
+    dequantized into the compute dtype, one at a time; the adapter's tensors left out."""
+    import bitsandbytes as bnb
+
+    base = getattr(model, "module", model).get_base_model()
+    for name, p in base.named_parameters():
+        if ".lora_" in name:
+            continue
+        if isinstance(p, bnb.nn.Params4bit):
+            p = bnb.functional.dequantize_4bit(p.data, p.quant_state)
+        yield name.replace(".base_layer.", "."), p.detach()
+
+
 def _lora_rank_slot(rank: int) -> int:
     """The smallest ``max_lora_rank`` vLLM accepts (1, 8, 16, 32, ... 512) that holds ``rank``."""
     for slot in (1, 8, 16, 32, 64, 128, 256, 320, 512):
@@ -498,7 +521,12 @@ def _build(ctx: BackendContext) -> VLLMBackend:
             lora_rank=cfg.model.lora.r if lora_sync == "adapter" else 0,
         )
     backend = VLLMBackend(
-        engine, ctx.tokenizer, sleep_level=r.sleep_level, probe=ctx.probe, lora_sync=lora_sync
+        engine,
+        ctx.tokenizer,
+        sleep_level=r.sleep_level,
+        probe=ctx.probe,
+        lora_sync=lora_sync,
+        push_base=bool(lora_sync and cfg.model.load_in_4bit),
     )
     backend.update_weights(ctx.model, step=0)  # the (possibly warm-started or resumed) policy
     return backend
