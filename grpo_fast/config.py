@@ -210,6 +210,13 @@ class LossConfig(LossOptions):
     target_kl: float | None = option(None, Range(0, lo_open=True, none_ok=True))
     # stop the inner epochs once KL(π_old‖π) exceeds this
     kl_early_stop: float | None = option(None, Range(0, lo_open=True, none_ok=True))
+    # Adaptive entropy coefficient when set (Skywork-OR1; TRL's use_adaptive_entropy): after each
+    # step, loss.entropy_coef (the start value) rises by entropy_coef_step, up to entropy_coef_max,
+    # while the step's mean token entropy is at or below entropy_target, and falls by it (down to
+    # 0) above; the loss applies it only while the last step's entropy was at or below the target.
+    entropy_target: float | None = option(None, Range(0, lo_open=True, none_ok=True))
+    entropy_coef_max: float = option(1.0, _NONNEG)
+    entropy_coef_step: float = option(0.005, _POSITIVE)
     scale_rewards: str = option("group", OneOf(SCALE_REWARDS))  # the advantage's std: group | batch | none
     advantage_eps: float = option(1e-6, _NONNEG)
     kernel_backend: str = option(AUTO, OneOf(KERNEL_BACKENDS))  # auto | triton | torch_chunked | eager
@@ -651,6 +658,11 @@ def _check_train_and_loss(cfg: Config) -> None:
         raise ConfigError("loss.target_kl needs an initial loss.beta > 0 to adapt")
     if lo.kl_in_reward and lo.beta <= 0:
         raise ConfigError("loss.kl_in_reward=true needs loss.beta > 0 (the weight of the KL in the reward)")
+    if lo.entropy_target is not None and not 0 <= lo.entropy_coef <= lo.entropy_coef_max:
+        raise ConfigError(
+            f"loss.entropy_target: the adaptive coefficient starts at loss.entropy_coef={lo.entropy_coef:g}, "
+            f"which must be in [0, loss.entropy_coef_max={lo.entropy_coef_max:g}]"
+        )
 
 
 def _check_machine(cfg: Config, preset: str | None) -> None:

@@ -27,8 +27,8 @@ Each step reads top to bottom (the phases live in ``grpo_fast.loop``):
     rollout_phase       sample prompts → generate → rewards → advantages      loop/rollout_phase.py
     optimization_phase  microbatches → fused lm_head + loss → backward →      loop/optimization.py
                         clip → step → LR step → weight push
-    totals, β, state    one all-reduce of the step's sums; the adaptive β;    loop/stats.py, loop/state.py
-                        the step counter and the non-finite-step counter
+    totals, β, state    one all-reduce of the step's sums; the adaptive β and  loop/stats.py, loop/state.py
+                        entropy coefficient; the step and non-finite-step counters
     step_metrics        the metrics row                                       loop/stats.py
     end_of_step         health, eval, samples, log; stops; checkpoint         loop/step_end.py
 """
@@ -133,6 +133,8 @@ def _train(cfg: Config, device: torch.device, world: dist.DistInfo, out: Path, e
             )
             if run.kl_ctl is not None:  # β follows the KL it penalizes (in the loss, or in the rewards)
                 run.state.set_beta(run.kl_ctl.update(totals["kl"], int(result.counts["seqs"])))
+            if cfg.loss.entropy_target is not None:  # the entropy coefficient follows the mean entropy
+                run.state.update_entropy_coef(totals["entropy"], cfg.loss)  # (all ranks' mean: one value)
             run.state.finish_step(step, applied=not result.stats.nonfinite)
             row = step_metrics(run, step, batch, result, totals, time.perf_counter() - t0)
             end_of_step(run, step, batch, result, row, progress)

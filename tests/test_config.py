@@ -178,6 +178,9 @@ DOMAINS: dict[str, tuple[list[str], list[str]]] = {
     "loss.beta": (["0", "0.1"], ["-0.1"]),
     "loss.target_kl": (["null"], ["0", "-0.1"]),  # a value needs loss.beta > 0: see CONTEXT
     "loss.kl_early_stop": (["null", "0.3"], ["0", "-0.3"]),
+    "loss.entropy_target": (["null", "0.5"], ["0", "-0.5"]),
+    "loss.entropy_coef_max": (["0", "0.1"], ["-0.1"]),
+    "loss.entropy_coef_step": (["0.005"], ["0", "-0.005"]),
     "loss.entropy_coef": (["0", "0.01", "-0.01"], []),  # negative: an entropy penalty, allowed
     "loss.advantage_eps": (["0", "1e-6"], ["-1e-6"]),
     "loss.sapo_tau_pos": (["1.0", "0.5"], ["0", "-1"]),

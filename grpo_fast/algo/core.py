@@ -29,6 +29,8 @@ __all__ = [
     "LENGTH_NORMS",
     "SCALE_REWARDS",
     "AdaptiveKLController",
+    "adaptive_entropy_coef",
+    "applied_entropy_coef",
     "GRPOLossOutput",
     "LossParts",
     "RowOutputs",
@@ -628,6 +630,32 @@ class AdaptiveKLController:
         self.beta = float(state["beta"])
         self.target_kl = float(state["target_kl"])
         self.horizon = int(state["horizon"])
+
+
+def adaptive_entropy_coef(
+    coef: float, entropy: float, target: float, step_size: float, coef_max: float
+) -> float:
+    """One step of the adaptive entropy coefficient (Skywork-OR1's adaptive entropy control; TRL's
+    ``use_adaptive_entropy``): ``c ← min(c + Δ, c_max)`` when the step's mean token entropy is at
+    or below ``target``, else ``max(c − Δ, 0)``. The coefficient enters the loss (``−c·H``) only
+    while the last measured entropy is at or below the target (``applied_entropy_coef``). A NaN
+    entropy leaves ``c`` as it is.
+
+    Example: ``c = 0.01``, Δ = 0.005, target 0.5, c_max 0.012: ``H = 0.4`` → ``min(0.015, 0.012) =
+    0.012``; ``H = 0.6`` → ``0.005``; from ``c = 0.003``, ``H = 0.6`` → ``max(−0.002, 0) = 0``.
+    """
+    if math.isnan(entropy):
+        return coef
+    if entropy <= target:
+        return min(coef + step_size, coef_max)
+    return max(coef - step_size, 0.0)
+
+
+def applied_entropy_coef(coef: float, last_entropy: float, target: float) -> float:
+    """The entropy coefficient a step's loss uses: ``coef`` if the last step's mean token entropy
+    was at or below ``target``, else 0 (TRL's gate; ``last_entropy = inf`` before the first step,
+    so the first step applies none). Example: ``(0.02, 0.4, 0.5) → 0.02``, ``(0.02, 0.6, 0.5) → 0.0``."""
+    return coef if last_entropy <= target else 0.0
 
 
 def kl_early_stop(approx_kl: float, threshold: float | None) -> bool:

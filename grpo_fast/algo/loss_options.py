@@ -145,6 +145,15 @@ class LossOptions:
         in the reward); itself when unchanged."""
         return self if beta == self.beta else dataclasses.replace(self, beta=beta)
 
+    def with_entropy_coef(self, entropy_coef: float) -> LossOptions:
+        """These options with ``entropy_coef`` (the adaptive entropy controller's value,
+        ``loss.entropy_target``); itself when unchanged."""
+        return (
+            self
+            if entropy_coef == self.entropy_coef
+            else dataclasses.replace(self, entropy_coef=entropy_coef)
+        )
+
     @property
     def needs_all_rows(self) -> bool:
         """The row math needs statistics over all rows before any gradient: GSPO's sequence ratio

@@ -132,10 +132,16 @@ def _build_run(cfg, device, world, out, logger, task, tokenizer, model, amp) -> 
         sampler=sampler,
         health=HealthMonitor(HealthThresholds(**thresholds)),
         kl_ctl=kl_ctl,
-        state=TrainState(beta=cfg.loss.beta),
+        state=TrainState(beta=cfg.loss.beta, entropy_coef=_entropy_coef_start(cfg)),
         eval_subset=task.eval_subset(cfg.data.eval_subset_size, cfg.seed),
         pass_rates=pass_rates,
     )
+
+
+def _entropy_coef_start(cfg: Config) -> float | None:
+    """The adaptive entropy coefficient's start, ``loss.entropy_coef``, with ``loss.entropy_target``
+    (None without it: the coefficient is then ``loss.entropy_coef`` throughout)."""
+    return cfg.loss.entropy_coef if cfg.loss.entropy_target is not None else None
 
 
 def _prompt_sampler(cfg: Config, task: Task) -> tuple[PassRateTable | None, PromptSampler]:

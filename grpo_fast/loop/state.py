@@ -9,13 +9,14 @@ step updates the health monitor.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
 from grpo_fast import dist
-from grpo_fast.algo.core import AdaptiveKLController
+from grpo_fast.algo.core import AdaptiveKLController, adaptive_entropy_coef, applied_entropy_coef
 from grpo_fast.algo.difficulty import PassRateTable
 from grpo_fast.algo.loss_options import LossOptions
 from grpo_fast.algo.prompt_sampler import PromptSampler
@@ -27,17 +28,32 @@ from grpo_fast.task.loader import Task
 
 @dataclass
 class TrainState:
-    """What changes from step to step. ``step`` and ``beta`` survive a resume (``state_dict``);
-    ``nonfinite_run`` counts the steps in a row whose update was not applied (a run stops after
-    ``train.max_nonfinite_steps`` of them) and starts from 0 in each process."""
+    """What changes from step to step. ``step``, ``beta`` and the adaptive entropy coefficient
+    survive a resume (``state_dict``); ``nonfinite_run`` counts the steps in a row whose update
+    was not applied (a run stops after ``train.max_nonfinite_steps`` of them) and starts from 0
+    in each process. ``entropy_coef``: the adaptive entropy controller's coefficient
+    (``loss.entropy_target``; None without it), ``entropy_last`` the mean token entropy it last
+    saw (inf before the first step)."""
 
     step: int = 0
     beta: float = 0.0
     nonfinite_run: int = 0
+    entropy_coef: float | None = None
+    entropy_last: float = math.inf
 
     def set_beta(self, beta: float) -> None:
         """The adaptive KL controller's new β (``loss.target_kl``)."""
         self.beta = float(beta)
+
+    def update_entropy_coef(self, entropy: float, loss_cfg) -> None:
+        """The adaptive entropy controller after a step whose mean token entropy over all ranks
+        was ``entropy`` (``loss.entropy_target``, ``entropy_coef_step``, ``entropy_coef_max``):
+        the same on every rank, since every rank passes the step's global mean."""
+        lo = loss_cfg
+        self.entropy_coef = adaptive_entropy_coef(
+            self.entropy_coef, entropy, lo.entropy_target, lo.entropy_coef_step, lo.entropy_coef_max
+        )
+        self.entropy_last = float(entropy)
 
     def finish_step(self, step: int, applied: bool) -> None:
         """Step ``step`` is done; ``applied``: its optimizer step ran (False: a non-finite loss
@@ -46,11 +62,19 @@ class TrainState:
         self.nonfinite_run = 0 if applied else self.nonfinite_run + 1
 
     def state_dict(self) -> dict[str, float]:
-        return {"step": self.step, "beta": self.beta}
+        state = {"step": self.step, "beta": self.beta}
+        if self.entropy_coef is not None:
+            state.update(entropy_coef=self.entropy_coef, entropy_last=self.entropy_last)
+        return state
 
     @classmethod
     def from_state_dict(cls, state: dict) -> TrainState:
-        return cls(step=int(state["step"]), beta=float(state["beta"]))
+        entropy = {}
+        if "entropy_coef" in state:
+            entropy = dict(
+                entropy_coef=float(state["entropy_coef"]), entropy_last=float(state["entropy_last"])
+            )
+        return cls(step=int(state["step"]), beta=float(state["beta"]), **entropy)
 
 
 @dataclass
@@ -103,9 +127,16 @@ class Run:
 
     def loss_options(self) -> LossOptions:
         """This step's loss options: ``loss.*`` with the current β (0 with ``loss.kl_in_reward``:
-        the KL is in the rewards then)."""
-        base = self.cfg.loss.loss_options()
-        return base.with_beta(0.0 if self.cfg.loss.kl_in_reward else self.state.beta)
+        the KL is in the rewards then) and, with ``loss.entropy_target``, the adaptive entropy
+        coefficient (0 while the last step's entropy was above the target)."""
+        lo = self.cfg.loss
+        options = lo.loss_options().with_beta(0.0 if lo.kl_in_reward else self.state.beta)
+        if self.state.entropy_coef is None:
+            return options
+        s = self.state
+        return options.with_entropy_coef(
+            applied_entropy_coef(s.entropy_coef, s.entropy_last, lo.entropy_target)
+        )
 
     def scoring_options(self) -> LossOptions:
         """The options of the no-grad passes that only read log-probs (π_old, π_ref, the KL in

@@ -194,6 +194,8 @@ def step_metrics(run, step: int, batch, result, totals: dict, step_s: float) -> 
         "train/entropy_threshold": totals["entropy_threshold"],
         "train/kl": totals["kl"],
         "train/beta": run.state.beta,
+        # loss.entropy_target: the adaptive coefficient after this step's update
+        **({"train/entropy_coef": run.state.entropy_coef} if run.state.entropy_coef is not None else {}),
         "train/lr": result.lr,
         "train/temperature": batch.temperature,
         "time/rollout_s": batch.seconds,
