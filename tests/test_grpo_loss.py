@@ -14,7 +14,16 @@ import torch
 from grpo_fast.algo.core import GRPOLossOutput, eager_grpo_loss_from_logits, grpo_token_loss
 from grpo_fast.algo.loss_options import LossOptions
 from grpo_fast.ops import grpo_loss_from_logits
-from grpo_fast.testing import GRPOInputs, assert_close_to_reference, backend_device, make_grpo_inputs
+from grpo_fast.testing import (
+    GRPOInputs,
+    assert_close_to_reference,
+    backend_device,
+    logit_grad_scale,
+    logit_scale,
+    make_grpo_inputs,
+    output_scales,
+    row_upstream_grads,
+)
 
 pytestmark = pytest.mark.filterwarnings("ignore:.*encountered in:RuntimeWarning")  # numpy, interpreter
 
@@ -99,15 +108,28 @@ def _check_against_reference(
     )
     ref, grad64 = _run(eager_grpo_loss_from_logits, inputs, torch.float64, cpu, **options)
     eager, grad_eager = _run(eager_grpo_loss_from_logits, inputs, dtype, cpu, **options)
-    loss_scale = _loss_terms_size(ref, inputs, **options)
+    scales = output_scales(
+        inputs.logits.to(dtype),
+        options.get("temperature", 1.0),
+        ref.logprobs,
+        inputs.ref_logprobs,
+        options.get("kl_estimator", "k3"),
+    )
+    scales["loss"] = _loss_terms_size(ref, inputs, **options)
     for name in ("loss", "logprobs", "entropy", "kl"):
         a, r, e = getattr(ours, name), getattr(ref, name), getattr(eager, name)
         assert (a is None) == (r is None), name
         if a is not None:
             assert a.dtype == torch.float32, name
-            assert_close_to_reference(a, r, e, name=name, scale=loss_scale if name == "loss" else None)
+            assert_close_to_reference(a, r, e, name=name, scale=scales[name])
     assert torch.equal(ours.clipped.cpu(), ref.clipped), "clipped differs from the float64 reference"
-    assert_close_to_reference(grad, grad64, grad_eager, name="grad_logits")
+    rows = dict(old_logprobs=inputs.old_logprobs, ref_logprobs=inputs.ref_logprobs, **options)
+    g_lp, g_h = row_upstream_grads(
+        inputs.logits.to(dtype), inputs.labels, inputs.advantages, inputs.loss_weights, 0.7, **rows
+    )
+    temperature = options.get("temperature", 1.0)
+    grad_scale = logit_grad_scale(inputs.logits.to(dtype), inputs.labels, temperature, g_lp, g_h)
+    assert_close_to_reference(grad, grad64, grad_eager, name="grad_logits", scale=grad_scale)
     return ours
 
 
@@ -405,8 +427,17 @@ def test_real_shape_on_gpu(case):
     sub = GRPOInputs(*(None if t is None else t[rows] for t in vars(inputs).values()))
     ref, grad64 = _run(eager_grpo_loss_from_logits, sub, torch.float64, device, **options)
     eager, grad_eager = _run(eager_grpo_loss_from_logits, sub, torch.bfloat16, device, **options)
+    zs = logit_scale(sub.logits, options.get("temperature", 1.0))
+    scale = {"logprobs": zs + ref.logprobs.detach().abs().cpu(), "entropy": zs}
     for name in ("logprobs", "entropy"):
         assert_close_to_reference(
-            getattr(ours, name)[rows.to(device)], getattr(ref, name), getattr(eager, name), name=name
+            getattr(ours, name)[rows.to(device)],
+            getattr(ref, name),
+            getattr(eager, name),
+            name=name,
+            scale=scale[name],
         )
-    assert_close_to_reference(grad[rows.to(device)], grad64, grad_eager, name="grad_logits")
+    rows_kw = dict(old_logprobs=sub.old_logprobs, ref_logprobs=sub.ref_logprobs, **options)
+    g_lp, g_h = row_upstream_grads(sub.logits, sub.labels, sub.advantages, sub.loss_weights, 0.7, **rows_kw)
+    grad_scale = logit_grad_scale(sub.logits, sub.labels, options.get("temperature", 1.0), g_lp, g_h)
+    assert_close_to_reference(grad[rows.to(device)], grad64, grad_eager, name="grad_logits", scale=grad_scale)

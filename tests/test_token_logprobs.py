@@ -17,7 +17,7 @@ import torch
 
 from grpo_fast.algo.core import eager_token_logprobs_and_entropy
 from grpo_fast.ops import token_logprobs_and_entropy
-from grpo_fast.testing import assert_close_to_reference, backend_device
+from grpo_fast.testing import assert_close_to_reference, backend_device, logit_grad_scale, logit_scale
 
 pytestmark = pytest.mark.filterwarnings("ignore:.*encountered in:RuntimeWarning")  # numpy, interpreter
 
@@ -62,8 +62,11 @@ def _check_against_reference(
     ref = run(eager_token_logprobs_and_entropy, logits.to(dtype).double(), torch.device("cpu"))
     eager = run(eager_token_logprobs_and_entropy, logits.to(dtype), torch.device("cpu"))
     assert ours[0].dtype == ours[1].dtype == torch.float32
-    for name, a, r, e in zip(("logprobs", "entropy", "grad_logits"), ours, ref, eager):
-        assert_close_to_reference(a, r, e, name=name)
+    zs = logit_scale(logits.to(dtype), temperature)  # what each row's log-softmax subtracts
+    lps = zs + ref[0].detach().abs().nan_to_num(0.0, 0.0, 0.0)  # z_y/T = log π + logsumexp
+    gs = logit_grad_scale(logits.to(dtype), labels, temperature, g_lp, g_h)
+    for name, a, r, e, scale in zip(("logprobs", "entropy", "grad_logits"), ours, ref, eager, (lps, zs, gs)):
+        assert_close_to_reference(a, r, e, name=name, scale=scale)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -103,6 +106,31 @@ def test_huge_logits(backend, dtype):
     logits[1::3, ::5] = -1e4
     logits[2::3] += 1e4
     _check_against_reference(logits, _finite_labels(logits, seed=5), dtype, 1.0, backend)
+
+
+def test_huge_logits_leave_ordinary_rows_their_own_tolerance():
+    """``test_huge_logits``' rows: eager's fp32 log-prob is ~1e-3 off where the label's logit is
+    −1e4 (log π ≈ −1e4, an fp32 ulp there), ~1e-6 at most elsewhere. An op 100x eager's worst
+    ordinary-row error off on one ordinary row, still below the extreme rows' error, is off: the
+    tolerance of an entry is its own (one from the worst row passed it)."""
+    logits = _random_logits(36, 4099, seed=5)
+    logits[::3, ::7] = 1e4
+    logits[1::3, ::5] = -1e4
+    logits[2::3] += 1e4
+    labels = _finite_labels(logits, seed=5)
+    ref, _ = eager_token_logprobs_and_entropy(logits.double(), labels)
+    eager, _ = eager_token_logprobs_and_entropy(logits, labels)
+    err = (eager.double() - ref).abs()
+    extreme = ref.abs() > 1000
+    worst_ordinary, worst = err[~extreme].max().item(), err[extreme].max().item()
+    assert worst > 300 * worst_ordinary  # the spread one tolerance for all rows would hide
+    scale = logit_scale(logits) + ref.abs()
+    assert_close_to_reference(eager, ref, eager, name="logprobs", scale=scale)
+    row = int((~extreme).nonzero()[0])
+    bad = eager.clone()
+    bad[row] += 100 * worst_ordinary
+    with pytest.raises(AssertionError, match=rf"(?s)1 of 36 entries.*at \({row},\)"):
+        assert_close_to_reference(bad, ref, eager, name="logprobs", scale=scale)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -216,12 +244,32 @@ def test_inplace_grad_refuses_reuse(backend):
 
 def test_assert_helper_reports_mismatch():
     ref = torch.tensor([1.0, 2.0, math.nan, -math.inf], dtype=torch.float64)
-    eager = torch.tensor([1.0, 2.001, math.nan, -math.inf])  # eager is off by 1e-3
-    assert_close_to_reference(torch.tensor([1.0015, 2.0, math.nan, -math.inf]), ref, eager)
+    eager = torch.tensor([1.0, 2.001, math.nan, -math.inf])  # eager is off by 1e-3 on entry 1 only
+    assert_close_to_reference(torch.tensor([1.0, 2.0015, math.nan, -math.inf]), ref, eager)
+    # entry 0: eager is exact there, so 1.5e-3 off is off (one tolerance from the worst entry,
+    # 2 x 1e-3, passed it)
+    with pytest.raises(AssertionError, match=r"(?s)1 of 4 entries.*at \(0,\).*tolerance 2 x 0 \+"):
+        assert_close_to_reference(torch.tensor([1.0015, 2.0, math.nan, -math.inf]), ref, eager)
     with pytest.raises(AssertionError, match=r"(?s)1 of 4 entries.*max abs err 0\.003.*at \(1,\)"):
         assert_close_to_reference(torch.tensor([1.0, 2.003, math.nan, -math.inf]), ref, eager)
     with pytest.raises(AssertionError, match=r"(?s)actual: 4 values, 0 NaN, 1 inf.*at \(2,\)"):
         assert_close_to_reference(torch.tensor([1.0, 2.0, 0.0, -math.inf]), ref, eager)
+
+
+def test_assert_helper_tolerance_per_row_and_scale():
+    """A 2-D tensor's entries share their row's eager error (a row of a gradient comes out of the
+    same reductions); the atol is two fp32 ulps of the row's largest |ref| by default, of the given
+    ``scale`` otherwise (a float for every entry, a tensor per entry)."""
+    ref = torch.tensor([[1.0, 1.0], [1.0, 1.0]], dtype=torch.float64)
+    eager = torch.tensor([[1.0, 1.001], [1.0, 1.0]])  # row 0 is 1e-3 off somewhere, row 1 exact
+    assert_close_to_reference(torch.tensor([[1.0019, 1.0], [1.0, 1.0]]), ref, eager)
+    with pytest.raises(AssertionError, match=r"(?s)1 of 4 entries.*at \(1, 0\)"):
+        assert_close_to_reference(torch.tensor([[1.0, 1.0], [1.0001, 1.0]]), ref, eager)
+    ulp_off = torch.tensor([[1.0, 1.0], [1.0, 1.0 + 2**-22]])  # 2 fp32 ulps at 1: the default atol
+    assert_close_to_reference(ulp_off, ref, ref.float())
+    with pytest.raises(AssertionError, match=r"at \(1, 1\)"):
+        assert_close_to_reference(ulp_off, ref, ref.float(), scale=0.5)
+    assert_close_to_reference(ulp_off, ref, ref.float(), scale=torch.tensor([0.5, 1.0]))  # per column
 
 
 def test_eager_backend_is_the_reference():
@@ -334,7 +382,13 @@ def test_real_shape_on_gpu():
 
     ref = run(sub.double())
     eager = run(sub.clone())
-    for name, a, r, e in zip(
-        ("logprobs", "entropy", "grad_logits"), (lp[rows], h[rows], logits.grad[rows]), ref, eager
+    zs = logit_scale(sub, 0.7)
+    gs = logit_grad_scale(sub, labels[rows], 0.7, g_lp[rows], g_h[rows])
+    for name, a, r, e, scale in zip(
+        ("logprobs", "entropy", "grad_logits"),
+        (lp[rows], h[rows], logits.grad[rows]),
+        ref,
+        eager,
+        (zs + ref[0].detach().abs().cpu(), zs, gs),
     ):
-        assert_close_to_reference(a, r, e, name=name)
+        assert_close_to_reference(a, r, e, name=name, scale=scale)
