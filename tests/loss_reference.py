@@ -145,11 +145,38 @@ def plain_grpo_loss(
     temperature: float = 1.0,
 ) -> PlainResult:
     """The loss ``Σ_t w_t·ℓ_t`` of ``N`` tokens (module docstring), its parts and ``∂/∂logits``."""
-    o = options
     n = len(labels)
     log_p = [_log_softmax(row, temperature) for row in logits]
     lp = [log_p[t][labels[t]] for t in range(n)]
     ent = [-sum(math.exp(x) * x for x in row if x > -math.inf) for row in log_p]
+    result = plain_row_loss(lp, ent, advantages, weights, options, old_logprobs=old_logprobs,
+                            ref_logprobs=ref_logprobs, sequence_ids=sequence_ids)  # fmt: skip
+    for t in range(n):
+        p = [math.exp(x) for x in log_p[t]]
+        row = []
+        for j, pj in enumerate(p):
+            d_lp_dz = ((1.0 if j == labels[t] else 0.0) - pj) / temperature
+            d_h_dz = -pj * (log_p[t][j] + ent[t]) / temperature if pj > 0 else 0.0
+            row.append(result.g_lp[t] * d_lp_dz + result.g_h[t] * d_h_dz)
+        result.grad_logits.append(row)
+    return result
+
+
+def plain_row_loss(
+    lp: list[float],
+    ent: list[float],
+    advantages: list[float],
+    weights: list[float],
+    options: PlainOptions,
+    *,
+    old_logprobs: list[float] | None = None,
+    ref_logprobs: list[float] | None = None,
+    sequence_ids: list[int] | None = None,
+) -> PlainResult:
+    """The loss of ``plain_grpo_loss`` from the per-token log-probs and entropies themselves
+    (``∂loss/∂lp``, ``∂loss/∂H``; no logits, no ``grad_logits``)."""
+    o = options
+    n = len(lp)
     old = list(lp) if old_logprobs is None else list(old_logprobs)
     token_log_ratio = [lp[t] - old[t] for t in range(n)]
     members: dict[int, list[int]] = {}
@@ -201,15 +228,6 @@ def plain_grpo_loss(
             g_h[t] -= w * o.entropy_coef
         per_token.append(term)
         loss += w * term
-    grad = []
-    for t in range(n):
-        p = [math.exp(x) for x in log_p[t]]
-        row = []
-        for j, pj in enumerate(p):
-            d_lp_dz = ((1.0 if j == labels[t] else 0.0) - pj) / temperature
-            d_h_dz = -pj * (log_p[t][j] + ent[t]) / temperature if pj > 0 else 0.0
-            row.append(g_lp[t] * d_lp_dz + g_h[t] * d_h_dz)
-        grad.append(row)
     return PlainResult(
         loss,
         per_token,
@@ -222,7 +240,7 @@ def plain_grpo_loss(
         kl_sum,
         ent_sum,
         threshold,
-        grad,
+        [],
         g_lp,
         g_h,
         g_lp_size,

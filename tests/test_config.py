@@ -124,8 +124,34 @@ def test_cli_bad_config_is_one_line_exit_2_no_traceback(args, needle):
 )
 @pytest.mark.parametrize("preset", list(PRESETS))
 def test_shipped_experiment_files_layer_on_every_preset(path, preset):
-    cfg = load_config(preset, [str(Path(__file__).parent.parent / "configs" / path)], check_device=False)
-    assert cfg.steps > 0
+    """Every key the file sets has the file's value; every other key keeps the preset's."""
+    import yaml
+
+    from grpo_fast.config import to_dict
+
+    file = Path(__file__).parent.parent / "configs" / path
+    cfg = _flat(to_dict(load_config(preset, [str(file)], check_device=False)))
+    base = _flat(to_dict(load_config(preset, check_device=False)))
+    named = _flat(yaml.safe_load(file.read_text()))
+    assert named and set(named) <= set(cfg), sorted(set(named) - set(cfg))
+    for key, value in named.items():
+        assert _same(cfg[key], value), f"{path} sets {key}={value!r}, the {preset} config has {cfg[key]!r}"
+    changed = {k for k in cfg if k not in named and not _same(cfg[k], base[k])}
+    assert not changed, f"{path} on {preset} changed keys it does not name: {sorted(changed)}"
+
+
+def _flat(tree: dict, prefix: str = "") -> dict:
+    """``{"a": {"b": 1}} -> {"a.b": 1}``."""
+    out = {}
+    for k, v in tree.items():
+        out.update(_flat(v, f"{prefix}{k}.") if isinstance(v, dict) else {f"{prefix}{k}": v})
+    return out
+
+
+def _same(got, want) -> bool:
+    """Config values equal up to YAML's lists for tuples."""
+    norm = lambda v: tuple(v) if isinstance(v, list | tuple) else v
+    return norm(got) == norm(want)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -237,7 +263,26 @@ def _cases(kind: str) -> list:
 
 @pytest.mark.parametrize(("key", "value"), _cases("good"))
 def test_numeric_key_accepts_its_domain(key, value):
-    load_config(overrides=[*CONTEXT.get(key, []), f"{key}={value}"], check_device=False)
+    """The value is accepted and is what the config holds afterwards (not clamped, not dropped)."""
+    cfg = load_config(overrides=[*CONTEXT.get(key, []), f"{key}={value}"], check_device=False)
+    got = cfg
+    for part in key.split("."):
+        got = getattr(got, part)
+    assert _same(got, _literal(value)), f"{key}={value} gave {got!r}"
+
+
+def _literal(text: str):
+    """An override's value as the config should hold it: null, a number, a list, or the word."""
+    if text == "null":
+        return None
+    if text.startswith("["):
+        return [_literal(x) for x in text.strip("[]").split(",")]
+    for kind in (int, float):
+        try:
+            return kind(text)
+        except ValueError:
+            pass
+    return text
 
 
 @pytest.mark.parametrize(("key", "value"), _cases("bad"))

@@ -125,6 +125,22 @@ def test_cispo_hand_values():
         core.grpo_token_loss(lp, adv, LossOptions(dual_clip=3.0, type="cispo"))
 
 
+def test_delta_below_the_clip_range_marks_only_capped_or_clipped_tokens():
+    """grpo_clip with δ = 1.1 < 1 + clip_high = 1.2, ratios inside the clip range:
+    A = −1, r = e^0.14 ≈ 1.1503 > δ: −min(min(r, δ)·A, clip(r)·A) = −min(−1.1, −1.1503) = 1.1503, the
+    clip branch with the clamp inactive: the gradient −A·r = 1.1503 flows, not clipped;
+    A = +1, r = 1.1503 > δ: −min(1.1, 1.1503) = −1.1, the cap decides: no gradient, clipped."""
+    lp = torch.tensor([0.14, 0.14], requires_grad=True)
+    loss, meta = core.grpo_token_loss(
+        lp, torch.tensor([-1.0, 1.0]), LossOptions(delta=1.1), old_logprobs=torch.zeros(2)
+    )
+    r = math.exp(0.14)
+    torch.testing.assert_close(loss.detach(), torch.tensor([r, -1.1]))
+    assert meta["clipped"].tolist() == [False, True]
+    loss.sum().backward()
+    torch.testing.assert_close(lp.grad, torch.tensor([r, 0.0]))
+
+
 def test_delta_caps_the_unclipped_ratio_hand_values():
     lp = torch.tensor([1.0, 0.5, 1.5], requires_grad=True)
     adv = torch.tensor([1.0, 1.0, -1.0])

@@ -45,10 +45,24 @@ def test_checkpoint_is_atomic_loadable_and_pruned(tmp_path):
 
 
 def test_final_model_replacement_keeps_a_complete_copy(tmp_path):
+    """Saving over an existing folder (the final model of an extended run) leaves exactly one
+    folder holding the new weights and tokenizer, complete, and nothing of the old copy."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
     tok = tiny.build_tokenizer()
-    ckpt.save_pretrained_atomic(tiny.build_model(tok, seed=0), tok, tmp_path / "final")
-    ckpt.save_pretrained_atomic(tiny.build_model(tok, seed=1), tok, tmp_path / "final")
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["final"]
+    first, second = tiny.build_model(tok, seed=0), tiny.build_model(tok, seed=1)
+    ckpt.save_pretrained_atomic(first, tok, tmp_path / "final")
+    files = sorted(p.name for p in (tmp_path / "final").iterdir())
+    ckpt.save_pretrained_atomic(second, tok, tmp_path / "final")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["final"]  # no .tmp, no .old left
+    assert sorted(p.name for p in (tmp_path / "final").iterdir()) == files and "model.safetensors" in files
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path / "final")
+    for name, value in second.state_dict().items():
+        assert torch.equal(loaded.state_dict()[name], value), name  # the second model's weights
+    assert not torch.equal(loaded.lm_head.weight, first.lm_head.weight)
+    assert (
+        AutoTokenizer.from_pretrained(tmp_path / "final")("12+3=")["input_ids"] == tok("12+3=")["input_ids"]
+    )
 
 
 def test_rng_state_round_trip():
@@ -174,6 +188,34 @@ def test_hf_backend_groups_stop_and_eos():
         prompts, SamplingParams(n=1, temperature=0.0, top_p=1.0, max_tokens=5, min_tokens=0)
     )
     assert greedy.response_ids == again.response_ids
+
+
+def test_hf_backend_keeps_each_response_with_its_prompt(monkeypatch):
+    """Each response stays under the prompt it answers, through left padding, several generate
+    calls (two prompts per call) and the expansion into groups: a policy answering each row's own
+    prompt (tests/answer_oracle.py: right on a group's even samples, off by one on the odd ones)
+    earns the tiny reward exactly on the even samples when every response is graded against its
+    own prompt's answer."""
+    import answer_oracle
+
+    tok = tiny.build_tokenizer()
+    answer_oracle.install(monkeypatch, tok)
+    backend = HFBackend(tiny.build_model(tok, seed=0), tok, generation_batch_size=6)
+    questions = ["12+34=", "5+7=", "60+21=", "9+9=", "33+44="]  # answers differ by more than 1
+    out = backend.generate(
+        [tok(q)["input_ids"] for q in questions],
+        SamplingParams(n=3, temperature=1.0, top_p=1.0, max_tokens=4, min_tokens=0),
+    )
+    prompts = [tok.decode(p) for p in out.response_prompt_ids()]
+    assert prompts == [q for q in questions for _ in range(3)]
+    judged = [answer_oracle.judge(p, r) for p, r in zip(prompts, out.response_text)]
+    assert judged == ["right", "off_by_one", "right"] * len(questions)
+    rewards = [
+        tiny.tiny_reward_fn(r, answer_oracle.expected(p, 0))["reward"]
+        for p, r in zip(prompts, out.response_text)
+    ]
+    assert rewards == [1.0, 0.0, 1.0] * len(questions)
+    assert set(out.finish_reason) == {"stop"}
 
 
 def test_hf_backend_cuts_at_a_stop_string_and_keeps_it():

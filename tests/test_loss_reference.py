@@ -44,12 +44,13 @@ N = sum(LENGTHS) + 2  # 20 tokens: chunks of 8 cut responses 3 and 6 (the fused 
 V, D = 11, 6
 MAX_LENGTH = 6  # Dr. GRPO's constant
 # per response: a target ratio r = exp(lp − old) for its tokens (×(1 ± 2%) jitter) and its advantage;
-# with ε = 0.2 (or ε_high = 0.28), δ ∈ {1.25, 2.5}, dual clip 3: r = 1.6 with A > 0 is clipped high,
-# 0.6 with A < 0 low, 3.6 with A < 0 dual-clipped (and capped by either δ), 1.1 and 0.9 inside the
-# range, 1.45 with A < 0 above it on the side the min keeps unclipped (capped by δ = 1.25)
-RESPONSES = [(1.6, 1.0), (0.6, -0.8), (1.1, 0.5), (3.6, -1.2), (0.9, 0.7), (1.45, -0.4)]
+# with ε = 0.2 (or ε_high = 0.28), δ ∈ {1.1, 2.5}, dual clip 3: r = 1.6 with A > 0 is clipped high,
+# 0.6 with A < 0 low, 3.6 with A < 0 dual-clipped (and capped by either δ), 0.9 inside the range,
+# 1.45 with A < 0 above it on the side the min keeps unclipped (capped by δ = 1.1), 1.15 with A < 0
+# inside the range but above δ = 1.1: the min takes clip(r)·A = r·A, not clipped, gradient −A·r
+RESPONSES = [(1.6, 1.0), (0.6, -0.8), (1.15, -0.5), (3.6, -1.2), (0.9, 0.7), (1.45, -0.4)]
 TEMPERATURES = (1.0, 0.7)
-BOUNDARIES = (0.8, 1.2, 1.28, 1.25, 2.5, 3.0)  # ratios must keep away: fp32 may not flip a branch
+BOUNDARIES = (0.8, 1.2, 1.28, 1.1, 2.5, 3.0)  # ratios must keep away: fp32 may not flip a branch
 
 
 def _inputs(seed: int = 0):
@@ -97,7 +98,7 @@ def _combos() -> list[dict]:
     coprime periods, so that every pair of their values meets across the list."""
     out = []
     structural = itertools.product(
-        LOSS_TYPES, ["token", "sequence"], [False, True], [None, 3.0], [None, 1.25, 2.5], [1.0, 0.4]
+        LOSS_TYPES, ["token", "sequence"], [False, True], [None, 3.0], [None, 1.1, 2.5], [1.0, 0.4]
     )
     for kind, level, off_policy, dual, delta, rho in structural:
         if (dual is not None and kind != "grpo_clip") or (delta is not None and kind == "sapo"):
@@ -170,7 +171,7 @@ def test_combinations_cover_every_option_value_with_every_loss_type():
         assert {(c["beta"], c["kl_estimator"] if c["with_ref"] else None) for c in mine} == set(KL_CASES)
         assert {(c["clip_low"], c["clip_high"]) for c in mine} == set(CLIPS)
         assert seen("temperature") == {"0.7", "1.0"}
-        assert seen("delta") == ({"None"} if kind == "sapo" else {"None", "1.25", "2.5"})
+        assert seen("delta") == ({"None"} if kind == "sapo" else {"None", "1.1", "2.5"})
         assert seen("dual_clip") == ({"None", "3.0"} if kind == "grpo_clip" else {"None"})
 
 

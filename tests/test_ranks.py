@@ -1,8 +1,10 @@
 """What must agree across data-parallel ranks and what must differ, on 2 CPU ranks (gloo): the
-health monitor's temperature boost agrees, the hf sampling streams differ."""
+health monitor's temperature boost agrees, the hf sampling streams differ, and each rank rewards
+and trains every response under the prompt it answers."""
 
 import socket
 
+import pytest
 import torch
 import torch.multiprocessing as mp
 
@@ -92,6 +94,53 @@ def test_each_rank_samples_its_own_stream(tmp_path):
     assert plain0 == plain1  # the bug: the same prompts would get the same samples on both ranks
     assert own0 != own1
     assert restored0 and restored1  # the global RNG is left as it was: ranks stay in lockstep
+
+
+def _own_prompt_worker(rank, world_size, port, out_dir):
+    """Two GRPO steps of the tiny preset on this rank, with the answering policy of
+    tests/answer_oracle.py; saves what each training sequence was judged."""
+    import answer_oracle
+
+    from grpo_fast.config import load_config
+    from grpo_fast.policy import loss as loss_mod
+    from grpo_fast.train import run
+
+    join_cpu_ranks(rank, world_size, port)
+    tok = tiny.build_tokenizer()
+    answer_oracle.install_in_process(tok)
+    seen = []
+    real = loss_mod.PolicyLoss.forward
+
+    def recording(self, mb, *a, **k):
+        if torch.is_grad_enabled():
+            seen.extend(answer_oracle.check_microbatch(mb, tok))
+        return real(self, mb, *a, **k)
+
+    loss_mod.PolicyLoss.forward = recording
+    overrides = [f"output_dir={out_dir}", "steps=2", "sft.steps=0", "eval_every=0", "checkpoint_every=0",
+                 "rollout.batch_size=32", "train.micro_batch_size=5", "logging.progress=false"]  # fmt: skip
+    run(load_config("tiny", overrides=overrides))
+    torch.save(seen, f"{out_dir}/seen_{rank}.pt")
+    dist.shutdown()
+
+
+@pytest.mark.slow
+def test_each_rank_rewards_and_trains_responses_under_their_own_prompts(tmp_path):
+    """Each rank draws its own share of the prompts: with a policy answering each row's own prompt
+    (right on a group's even samples, off by one on the odd ones), the global reward mean is exactly
+    1/2 on every step, and on both ranks every training sequence holds a response behind the prompt
+    it answers, its advantage positive exactly where it is right."""
+    import json
+
+    mp.spawn(_own_prompt_worker, args=(2, _free_port(), str(tmp_path)), nprocs=2, join=True)
+    rows = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    steps = [r for r in rows if r["step"] > 0]
+    assert [(r["world_size"], r["train/reward_mean"], r["train/accuracy"]) for r in steps] == [
+        (2, 0.5, 0.5)
+    ] * 2
+    for rank in (0, 1):
+        seen = torch.load(tmp_path / f"seen_{rank}.pt")
+        assert len(seen) == 2 * 16 and sorted(set(seen)) == ["off_by_one-", "right+"], (rank, seen)
 
 
 def test_one_rank_sampling_is_unchanged():

@@ -11,6 +11,7 @@ import copy
 import json
 import math
 import re
+from dataclasses import replace
 
 import pytest
 import torch
@@ -143,6 +144,30 @@ def test_orchestration_order_and_weight_push():
     ]
     for (name, a), b in zip(model.state_dict().items(), engine.model.state_dict().values()):
         torch.testing.assert_close(a, b, msg=name)
+
+
+def test_vllm_backend_keeps_each_response_with_its_prompt(monkeypatch):
+    """The engine's groups (one list of n completions per prompt) become the rollout's responses
+    in prompt order: with a policy answering each row's own prompt (tests/answer_oracle.py: right on
+    a group's even samples, off by one on the odd ones), every response graded against its own
+    prompt's answer earns the tiny reward exactly on the even samples."""
+    import answer_oracle
+
+    tok, model = _tiny()
+    answer_oracle.install(monkeypatch, tok)  # the engine's copy of the model answers too
+    backend = VLLMBackend(FakeVLLMEngine(model, tok), tok, sleep_level=1)
+    backend.update_weights(model)
+    questions = ["12+34=", "5+7=", "60+21=", "9+9="]
+    out = backend.generate([tok(q)["input_ids"] for q in questions], replace(PARAMS, n=3, max_tokens=4))
+    prompts = [tok.decode(p) for p in out.response_prompt_ids()]
+    assert prompts == [q for q in questions for _ in range(3)]
+    judged = [answer_oracle.judge(p, r) for p, r in zip(prompts, out.response_text)]
+    assert judged == ["right", "off_by_one", "right"] * len(questions)
+    rewards = [
+        tiny.tiny_reward_fn(r, answer_oracle.expected(p, 0))["reward"]
+        for p, r in zip(prompts, out.response_text)
+    ]
+    assert rewards == [1.0, 0.0, 1.0] * len(questions)
 
 
 def test_no_sleep_mode_on_the_platform_keeps_the_engine_awake():

@@ -314,14 +314,60 @@ def test_loss_type_sweep_cispo_on_and_off_policy(tmp_path):
     assert any(not torch.equal(w_clip[k], w_cispo[k]) for k in w_clip)
 
 
-def test_delta_sweep_caps_the_second_epoch(tmp_path):
+def _record_loss_calls(monkeypatch) -> list:
+    """Patch the loss module to keep ``(options, output, microbatch)`` of every training call."""
+    from grpo_fast.policy import loss as loss_mod
+
+    calls = []
+    real = loss_mod.PolicyLoss.forward
+
+    def recording(self, mb, options, temperature):
+        out = real(self, mb, options, temperature)
+        if torch.is_grad_enabled():
+            calls.append((options, out, mb))
+        return out
+
+    monkeypatch.setattr(loss_mod.PolicyLoss, "forward", recording)
+    return calls
+
+
+def _plain_row_loss(out, mb, **options):
+    """tests/loss_reference.py's plain loss of a training call's own per-token inputs (its
+    log-probs, entropies, advantages, weights, π_old), with ``options``."""
+    from loss_reference import PlainOptions, plain_row_loss
+
+    old = None if mb.old_logprobs is None else mb.old_logprobs.tolist()
+    return plain_row_loss(
+        out.logprobs.detach().tolist(), out.entropy.detach().tolist(), mb.advantages.tolist(),
+        mb.loss_weights.tolist(), PlainOptions(**options), old_logprobs=old,
+    )  # fmt: skip
+
+
+def _loss_size(plain, mb) -> float:
+    return sum(abs(w * x) for w, x in zip(mb.loss_weights.tolist(), plain.per_token))
+
+
+def test_delta_sweep_caps_the_second_epoch(tmp_path, monkeypatch):
     """With two epochs the second sees ratios ≠ 1; δ = 1.01 caps every r > 1.01 (no gradient
-    there), so its weights differ from the uncapped run's, and the sweep's values parse."""
+    there): each training call of the capped run has the loss and clipped tokens of the plain
+    reference (tests/loss_reference.py) with δ = 1.01 on its own inputs, not those without, so
+    its weights differ from the uncapped run's; and the sweep's values parse."""
+    calls = _record_loss_calls(monkeypatch)
     runs = _run_sweep_in_process(
         "delta", tmp_path, values=["null", "1.01"], extra=["train.epochs_per_rollout_batch=2"]
     )
     (_, w_none), (_, w_capped) = runs.values()
     assert any(not torch.equal(w_none[k], w_capped[k]) for k in w_none)
+    capped = [(out, mb) for options, out, mb in calls if options.delta == 1.01]
+    assert len(capped) == len(calls) // 2 == 4  # 2 steps × 2 epochs, one microbatch each
+    bites = 0
+    for out, mb in capped:
+        plain = _plain_row_loss(out, mb, delta=1.01)
+        assert out.loss.item() == pytest.approx(plain.loss, abs=1e-6 * _loss_size(plain, mb))
+        assert out.clipped.tolist() == plain.clipped
+        uncapped = _plain_row_loss(out, mb)
+        bites += abs(uncapped.loss - plain.loss) > 1e-4 * _loss_size(plain, mb)
+    assert bites >= 1  # the cap changed the loss of at least one second epoch
     assert [r.value for r in plan_sweep("tiny", "delta", out=tmp_path)] == ["null", "1.5", "3"]
     with pytest.raises(ConfigError, match=r"'big' is not a positive number for loss\.delta"):
         plan_sweep("tiny", "delta", ["big"], out=tmp_path)
@@ -343,11 +389,23 @@ def test_importance_sampling_level_sweep_gspo(tmp_path):
     assert any(not torch.equal(w_tok[k], w_seq[k]) for k in w_tok)
 
 
-def test_top_entropy_quantile_sweep(tmp_path):
-    """ρ = 0.2 trains on the top-20%-entropy tokens only: a positive logged threshold (0 when
-    off) and different weights."""
+def test_top_entropy_quantile_sweep(tmp_path, monkeypatch):
+    """ρ = 0.2 trains on the top-20%-entropy tokens only: each training call's threshold is the
+    0.8-quantile of its weighted tokens' entropies and its loss the plain reference's with ρ = 0.2
+    on its own inputs (tests/loss_reference.py), the logged threshold is the call's (0 when off),
+    and the weights differ from ρ = 1's."""
+    calls = _record_loss_calls(monkeypatch)
     runs = _run_sweep_in_process("top_entropy_quantile", tmp_path)
     assert list(runs) == ["1", "0.2"]
     (full, w_full), (top, w_top) = runs.values()
-    assert full["train/entropy_threshold"] == 0.0 and top["train/entropy_threshold"] > 0
+    assert full["train/entropy_threshold"] == 0.0
     assert any(not torch.equal(w_full[k], w_top[k]) for k in w_full)
+    top_calls = [(out, mb) for options, out, mb in calls if options.top_entropy_quantile == 0.2]
+    assert len(top_calls) == len(calls) // 2 == 2  # 2 steps, one microbatch each
+    for out, mb in top_calls:
+        plain = _plain_row_loss(out, mb, top_entropy_quantile=0.2)
+        assert out.entropy_threshold.item() == pytest.approx(plain.threshold, rel=1e-6)
+        assert out.loss.item() == pytest.approx(plain.loss, abs=1e-6 * _loss_size(plain, mb))
+        everything = _plain_row_loss(out, mb)
+        assert abs(everything.loss - plain.loss) > 1e-4 * _loss_size(plain, mb)  # the quantile bites
+    assert top["train/entropy_threshold"] == pytest.approx(top_calls[0][0].entropy_threshold.item(), rel=1e-6)

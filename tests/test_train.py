@@ -13,6 +13,7 @@ import torch
 
 from grpo_fast.config import load_config
 from grpo_fast.policy import loss as loss_mod
+from grpo_fast.task import tiny
 from grpo_fast.train import run
 
 REQUIRED_KEYS = {
@@ -104,8 +105,36 @@ def test_on_policy_skips_the_old_logprob_pass(tmp_path, monkeypatch):
         )
     )
     assert len(calls) == 2 * 2  # 2 steps × 2 microbatches of 16 sequences
-    rows = _rows(tmp_path / "two" / "metrics.jsonl")
-    assert all(r["train/clip_fraction"] >= 0 for r in rows if "train/clip_fraction" in r)
+    rows = [r for r in _rows(tmp_path / "two" / "metrics.jsonl") if r["step"] > 0]
+    # the logged step is its first epoch: π_old's pass gave log-probs equal to the trained ones,
+    # so every ratio is exactly 1 and nothing is clipped
+    assert [r["train/clip_fraction"] for r in rows] == [0.0, 0.0]
+
+
+def test_each_response_is_rewarded_and_trained_under_its_own_prompt(tmp_path, monkeypatch):
+    """End to end with a policy that answers each row's own prompt (tests/answer_oracle.py: right
+    on a group's even samples, off by one on the odd ones): every step's reward mean is exactly
+    1/2 (each response graded against its own prompt's answer), and every training sequence holds a
+    response behind the prompt it answers, its advantage positive exactly where it is right
+    (microbatches of 7 mix the groups)."""
+    import answer_oracle
+
+    tok = tiny.build_tokenizer()
+    answer_oracle.install(monkeypatch, tok)
+    seen = []
+    real = loss_mod.PolicyLoss.forward
+
+    def recording(self, mb, *a, **k):
+        if torch.is_grad_enabled():
+            seen.extend(answer_oracle.check_microbatch(mb, tok))
+        return real(self, mb, *a, **k)
+
+    monkeypatch.setattr(loss_mod.PolicyLoss, "forward", recording)
+    overrides = ("steps=2", "sft.steps=0", "eval_every=0", "checkpoint_every=0", "train.micro_batch_size=7")
+    rows = [r for r in _rows(run(_quick(tmp_path, *overrides)) / "metrics.jsonl") if r["step"] > 0]
+    assert [r["train/reward_mean"] for r in rows] == [0.5, 0.5]
+    assert [r["train/accuracy"] for r in rows] == [0.5, 0.5]
+    assert len(seen) == 2 * 32 and sorted(set(seen)) == ["off_by_one-", "right+"], seen
 
 
 def test_kl_penalty_and_entropy_bonus_run_and_log(tmp_path):
@@ -122,9 +151,18 @@ def test_kl_penalty_and_entropy_bonus_run_and_log(tmp_path):
             "train.packing=true",
         )
     )
-    rows = _rows(out / "metrics.jsonl")
+    rows = [r for r in _rows(out / "metrics.jsonl") if r["step"] > 0]
     assert rows[0]["train/kl"] == pytest.approx(0.0, abs=1e-6)  # π = π_ref before the first update
     assert rows[1]["train/kl"] > 0 and rows[1]["train/beta"] != 0.1  # the controller moved β
+    # token-mean weights (1/N each, nothing skipped with β ≠ 0): the bonus is −c times the logged
+    # mean entropy and the KL term β times the logged KL, with the β each step used (step 2: the
+    # one the controller set after step 1); the loss holds both
+    betas = [0.1, rows[0]["train/beta"]]
+    for r, beta in zip(rows, betas):
+        assert r["train/loss_entropy"] == pytest.approx(-0.01 * r["train/entropy_mean"], rel=1e-5)
+        assert r["train/loss_kl"] == pytest.approx(beta * r["train/kl"], rel=1e-5, abs=1e-9)
+        total = r["train/loss_pg"] + r["train/loss_kl"] + r["train/loss_entropy"]
+        assert r["train/loss"] == pytest.approx(total, rel=1e-5, abs=1e-7)
 
 
 def _cli(preset: str, *args: str, timeout: int = 120, **env: str) -> subprocess.CompletedProcess:

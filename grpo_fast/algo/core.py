@@ -304,7 +304,7 @@ def grpo_clip_loss(
     unclipped = capped * advantages
     clipped = torch.clamp(ratio, 1 - o.clip_low, 1 + o.clip_high) * advantages
     loss = -torch.minimum(unclipped, clipped)
-    is_clipped = clipped < unclipped
+    is_clipped = (clipped < unclipped) & ((ratio < 1 - o.clip_low) | (ratio > 1 + o.clip_high))
     if o.delta is not None:
         is_clipped = is_clipped | ((unclipped <= clipped) & (ratio > o.delta))
     if o.dual_clip is not None:
