@@ -1,6 +1,8 @@
 """fused_linear_grpo_loss forward + backward from hidden states: the materialized eager path,
 torch.compile of it, torch_chunked, triton, and Liger-Kernel's fused-linear GRPO loss (CUDA only).
-And a ``chunk_size`` axis: rows of logits per lm_head chunk, default against smaller and larger.
+And a ``chunk_size`` axis: rows of logits per lm_head chunk, default against smaller and larger; and
+a ``frozen_head`` axis: the lm_head trainable (full fine-tuning) or frozen (LoRA: no ``[V, D]`` fp32
+gradient, 2 GEMMs a chunk instead of 3).
 
 The op is matmul-bound: 3 GEMMs of 2·N·D·V FLOP each (logits, grad_hidden, grad_weight), so CUDA
 cases report ``tflops``.
@@ -146,4 +148,33 @@ def test_gpu_chunk_size(run_bench, benchmark, chunk_size):
     run_bench(
         build_chunk_step, chunk_size, n, d, v, torch.bfloat16, "cuda",
         device=torch.device("cuda"), rounds=10, flops=3 * 2 * n * d * v,
+    )  # fmt: skip
+
+
+# The frozen_head axis (LoRA, issue 21): the same problem with the lm_head weight trainable (3
+# GEMMs a chunk, an fp32 [V, D] gradient accumulator) and frozen (2 GEMMs, no accumulator).
+HEADS = {"trainable": False, "frozen": True}
+
+
+def build_head_step(head: str, n: int, d: int, v: int, dtype: torch.dtype, device: str):
+    backend = "triton" if device == "cuda" else "torch_chunked"
+    return fused_linear_workload(backend, n, d, v, dtype, device, frozen_head=HEADS[head])
+
+
+@pytest.mark.parametrize("head", list(HEADS))
+def test_cpu_frozen_head(run_bench, benchmark, head):
+    n, d, v = 1024, 256, 32768
+    benchmark.extra_info["impl"] = "torch_chunked"
+    run_bench(build_head_step, head, n, d, v, torch.float32, "cpu", device=torch.device("cpu"), rounds=3)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("head", list(HEADS))
+def test_gpu_frozen_head(run_bench, benchmark, head):
+    n, d, v = 8192, 1536, 151936
+    benchmark.extra_info["impl"] = "triton"
+    gemms = 2 if HEADS[head] else 3
+    run_bench(
+        build_head_step, head, n, d, v, torch.bfloat16, "cuda",
+        device=torch.device("cuda"), rounds=10, flops=gemms * 2 * n * d * v,
     )  # fmt: skip

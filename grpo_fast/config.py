@@ -34,7 +34,7 @@ from grpo_fast.algo.core import LENGTH_NORMS, SCALE_REWARDS
 from grpo_fast.algo.difficulty import CURRICULA
 from grpo_fast.algo.loss_options import LossOptions
 from grpo_fast.algo.sampler_correction import IS_LEVELS, IS_MODES
-from grpo_fast.domains import AUTO, DomainError, OneOf, Range, check_fields, option
+from grpo_fast.domains import AUTO, AutoOrBool, DomainError, OneOf, Range, check_fields, option
 from grpo_fast.errors import ConfigError
 from grpo_fast.ops._backend import BACKENDS as KERNEL_BACKENDS
 from grpo_fast.rollout.registry import backend as rollout_backend
@@ -49,6 +49,23 @@ _POSITIVE = Range(0, lo_open=True)
 
 
 @dataclass(frozen=True)
+class LoRAConfig:
+    """``model.lora``: a LoRA adapter (peft) on a frozen base; the embeddings and the lm_head stay
+    frozen. Off while ``r`` is 0."""
+
+    r: int = option(0, Range(0, integer=True))  # the adapter's rank; 0 = off (full fine-tuning)
+    alpha: float = option(16.0, Range(0, lo_open=True))  # the update is scaled by alpha / r
+    dropout: float = option(0.0, Range(0, 1, hi_open=True))
+    # "all-linear" (every linear layer of the decoder: attention and MLP projections) or a list
+    # of module names (e.g. [q_proj, v_proj]); each must match a linear layer of the model
+    target_modules: Any = "all-linear"
+    # The adapter's learning rate is train.lr × lr_scale (the warm start's: sft.lr × lr_scale):
+    # LoRA's best learning rate is about 10× full fine-tuning's, nearly whatever the rank
+    # (Schulman et al. 2025, "LoRA Without Regret"), so a preset's lr carries over.
+    lr_scale: float = option(10.0, _POSITIVE)
+
+
+@dataclass(frozen=True)
 class ModelConfig:
     name_or_path: str = "Qwen/Qwen2.5-Math-1.5B"
     # The dtype the trained weights are kept in; auto = float32 (master weights, with bf16
@@ -58,6 +75,10 @@ class ModelConfig:
     attn_implementation: str = option(AUTO, OneOf(("auto", "flash_attention_2", "sdpa", "eager")))
     gradient_checkpointing: bool = False
     trust_remote_code: bool = False
+    lora: LoRAConfig = field(default_factory=LoRAConfig)
+    # QLoRA: the frozen base in 4-bit NF4 (bitsandbytes; on CUDA, and on CPU with bnb ≥ 0.50),
+    # computing in the run's precision (bf16 under autocast, else fp32); needs model.lora.r > 0
+    load_in_4bit: bool = False
 
 
 @dataclass(frozen=True)
@@ -112,6 +133,9 @@ class RolloutConfig:
     batch_size: int = option(256, _POSITIVE)  # responses per step (a multiple of group_size)
     temperature: float = option(1.0, _POSITIVE)
     top_p: float = option(1.0, Range(0, 1, lo_open=True))
+    # top-k sampling: only the top_k most likely tokens (after the temperature, before top_p, as
+    # vLLM and transformers apply them); 0 = off. The trainer's log-probs follow (loss.truncated_logprobs).
+    top_k: int = option(0, Range(0, integer=True))
     max_tokens: int = option(1024, _POSITIVE)  # response tokens
     min_tokens: int = option(4, _NONNEG)
     max_prompt_tokens: int = option(512, _POSITIVE)  # longer prompts are left-truncated, with a warning
@@ -155,6 +179,10 @@ class RolloutConfig:
     adaptive_group_size: bool = False
     min_group_size: int = option(2, Range(2))
     max_group_size: int = 16  # at least min_group_size
+    # With model.lora, what a backend with its own weights (vllm) gets after each step: adapter (the
+    # adapter alone, served as a LoRA request) | merged (the adapter merged into a copy of the
+    # base's affected weights, pushed as full weights: faster decoding, not with a 4-bit base)
+    lora_sync: str = option("adapter", OneOf(("adapter", "merged")))
     # More keyword arguments for vllm.LLM, e.g. {enforce_eager: true, max_num_seqs: 128}; those
     # grpo_fast sets itself (grpo_fast.rollout.vllm.VLLM_MANAGED_ARGS) are refused.
     vllm_kwargs: dict[str, Any] = field(default_factory=dict)
@@ -185,6 +213,9 @@ class TrainConfig:
     # dtype of the final model in output_dir/final: auto (the trained weights' dtype) | float32
     # | bfloat16 | float16 (e.g. bfloat16 for serving: half the size of fp32 master weights)
     save_dtype: str = option(AUTO, OneOf(_DTYPES))
+    # With model.lora: also write output_dir/final_merged, the adapter merged into the base
+    # (Hugging Face format, train.save_dtype), for serving without peft
+    save_merged: bool = False
     # A step whose loss or gradient norm is NaN/inf is not applied (optimizer step skipped, logged);
     # this many in a row stop the run (the checkpoint before them is intact).
     max_nonfinite_steps: int = option(3, _POSITIVE)
@@ -219,6 +250,11 @@ class LossConfig(LossOptions):
     entropy_coef_step: float = option(0.005, _POSITIVE)
     scale_rewards: str = option("group", OneOf(SCALE_REWARDS))  # the advantage's std: group | batch | none
     advantage_eps: float = option(1e-6, _NONNEG)
+    # The trainer's log-probs, entropies and gradients under truncated sampling (rollout.top_k > 0
+    # or rollout.top_p < 1): those of the distribution the sampler drew from, log π(a) − log Σ_kept π
+    # (true), or of the full vocabulary (false: what TRL and verl compute, off by the kept mass).
+    # auto = true whenever the sampler truncates (grpo_fast.policy.loss.trainer_truncation).
+    truncated_logprobs: Any = option(AUTO, AutoOrBool())
     kernel_backend: str = option(AUTO, OneOf(KERNEL_BACKENDS))  # auto | triton | torch_chunked | eager
     # rows of logits per lm_head chunk, or auto (memory budget)
     chunk_size: Any = option(AUTO, Range(1, integer=True, auto_ok=True))
@@ -248,6 +284,17 @@ class SFTConfig:
     # > 0: during GRPO, add mix_coef × the per-token-mean NLL of the step's prompts' ground-truth
     # solutions (data.solution_field) to the GRPO loss, logged separately; 0 = pure RL.
     mix_coef: float = option(0.0, _NONNEG)
+    # Under model.lora, what the warm start trains: adapter (the adapter GRPO then goes on
+    # training) | base (the whole model, frozen afterwards as the adapter's base and written to
+    # output_dir/base; π_ref is then the warm-started policy) | auto: base for the built-in model,
+    # whose warm start stands in for pretraining (random weights), adapter for any other.
+    target: str = option(AUTO, OneOf(("auto", "adapter", "base")))
+
+    def resolved_target(self, model_name: str) -> str:
+        """``target`` with ``auto`` resolved for ``model.name_or_path``."""
+        if self.target != AUTO:
+            return self.target
+        return "base" if model_name.startswith("builtin:") else "adapter"
 
 
 @dataclass(frozen=True)
@@ -273,13 +320,18 @@ class HealthConfig:
 @dataclass(frozen=True)
 class Config:
     output_dir: str = "runs/grpo"
-    seed: int = option(0, _NONNEG)  # numpy refuses a negative seed
+    seed: int = option(0, Range(0, 2**32 - 1, integer=True))  # numpy's seeds: 0 .. 2^32 - 1
     steps: int = option(200, _POSITIVE)
     eval_every: int = option(10, _NONNEG)  # subset evaluation (data.eval_subset_size problems); 0 = never
     full_eval_every: int = option(50, _NONNEG)  # the whole eval set; 0 = never
     checkpoint_every: int = option(50, _NONNEG)  # 0 = only the final model
     keep_checkpoints: int = option(2, _POSITIVE)
+    # continue the run in output_dir from its latest checkpoint (the run-defining keys of
+    # ON_RESUME must match its config.yaml)
     resume: bool = False
+    # a fresh run into an output_dir that holds a run deletes that run's files first
+    # (grpo_fast.obs.run_folder.RUN_FILES); without it such a run stops, naming what is there
+    overwrite: bool = False
     device: str = AUTO  # auto | cpu | cuda | cuda:N
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
@@ -367,6 +419,48 @@ PRESETS: dict[str, dict[str, Any]] = {
 }
 GPU_PRESETS = ("rtx4090", "h100")
 
+# Every key, by what ``resume=true`` may do with it (grpo_fast.obs.run_folder.check_resume):
+# "run": it defines what the run's metrics mean (model, data, task, reward, sizes, seed, loss,
+# rollout and warm-start options): a resume must keep the run's value, or it stops naming it;
+# "safe": how long, how often, where, how fast, what is logged: a resume may change it, and
+# config.yaml records the change. A new key goes in one of the two (tests/test_run_folder.py).
+ON_RESUME: dict[str, tuple[str, ...]] = {
+    "run": (
+        "seed",
+        *("model.name_or_path", "model.dtype", "model.load_in_4bit", "model.lora.r", "model.lora.alpha"),
+        *("model.lora.dropout", "model.lora.target_modules", "model.lora.lr_scale"),
+        *("data.task", "data.train_path", "data.eval_path", "data.hub_name", "data.question_field"),
+        *("data.answer_field", "data.prompt_template", "data.reward", "data.reward_weights"),
+        *("data.eval_subset_size", "data.reward_errors", "data.overlong_buffer", "data.overlong_penalty"),
+        *("data.solution_field", "data.difficulty_field", "data.reward_aggregation"),
+        *("rollout.backend", "rollout.group_size", "rollout.batch_size", "rollout.temperature"),
+        *("rollout.top_p", "rollout.max_tokens", "rollout.min_tokens", "rollout.max_prompt_tokens"),
+        *("rollout.eval_temperature", "rollout.is_correction", "rollout.is_level", "rollout.is_mode"),
+        *("rollout.is_cap", "rollout.old_logprobs", "rollout.dynamic_sampling"),
+        *("rollout.max_sampling_rounds", "rollout.difficulty_filter", "rollout.curriculum"),
+        *("rollout.adaptive_group_size", "rollout.min_group_size", "rollout.max_group_size"),
+        *("train.lr", "train.optimizer", "train.betas", "train.weight_decay", "train.warmup_steps"),
+        *("train.schedule", "train.min_lr_ratio", "train.grad_clip", "train.epochs_per_rollout_batch"),
+        *("train.skip_zero_advantage", "train.mixed_precision"),
+        *(f"loss.{f.name}" for f in dataclasses.fields(LossOptions)),  # every loss option
+        *("loss.length_norm", "loss.mask_truncated", "loss.kl_in_reward", "loss.target_kl"),
+        *("loss.kl_early_stop", "loss.scale_rewards", "loss.advantage_eps"),
+        *("sft.steps", "sft.lr", "sft.batch_size", "sft.target_accuracy", "sft.check_every"),
+        *("sft.check_size", "sft.mix_coef", "sft.target", "health.auto_temperature"),
+    ),
+    "safe": (
+        *("output_dir", "steps", "eval_every", "full_eval_every", "checkpoint_every"),
+        *("keep_checkpoints", "resume", "overwrite", "device"),
+        *("model.attn_implementation", "model.gradient_checkpointing", "model.trust_remote_code"),
+        *("rollout.generation_batch_size", "rollout.gpu_memory_utilization", "rollout.sleep_level"),
+        *("rollout.weight_sync_tolerance", "rollout.lora_sync", "rollout.vllm_kwargs"),
+        *("train.micro_batch_size", "train.packing", "train.save_dtype", "train.save_merged"),
+        *("train.max_nonfinite_steps", "loss.kernel_backend", "loss.chunk_size"),
+        *("logging.wandb", "logging.wandb_project", "logging.wandb_mode", "logging.progress"),
+        *("logging.sample_every", "logging.samples_per_dump", "health.enabled", "health.thresholds"),
+    ),
+}
+
 PRESET_SUMMARIES = {
     "tiny": "any CPU, first run: built-in model, tokenizer and task, SFT warm start, 500 steps",
     "smoke": "a real model before a long run: group 2, 8 responses, 3 steps",
@@ -436,10 +530,16 @@ def _check_keys(tree: Any, cls: type, where: str, prefix: str = "") -> None:
 
 def _load_yaml(path: str) -> dict:
     p = Path(path)
+    if p.is_dir():
+        raise ConfigError(f"config file {path} is a folder, not a YAML file")
     if not p.is_file():
         raise ConfigError(f"config file {path} not found")
     try:
-        data = yaml.safe_load(p.read_text())
+        data = yaml.safe_load(p.read_bytes().decode("utf-8"))
+    except UnicodeDecodeError as exc:
+        raise ConfigError(f"config file {path} is not UTF-8 ({exc.reason} at byte {exc.start})") from None
+    except (OSError, RecursionError) as exc:
+        raise ConfigError(f"config file {path} cannot be read: {exc}") from None
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
         line = f" line {mark.line + 1}" if mark is not None else ""
@@ -576,16 +676,14 @@ def validate(cfg: Config, preset: str | None = None, check_device: bool = True) 
     the backend's library), so that a GPU preset can be planned on a CPU.
     """
     for key, value in _numeric_leaves(cfg):  # NaN/inf is meaningless for every numeric key
-        if not math.isfinite(value):
+        if isinstance(value, float) and not math.isfinite(value):  # (an int is finite, however long)
             raise ConfigError(f"{key}={value} is not a finite number")
     try:
-        for f in dataclasses.fields(cfg):
-            if _is_section(f):
-                check_fields(getattr(cfg, f.name), f"{f.name}.")
-        check_fields(cfg)
+        _check_table(cfg)
         cfg.loss.validate("loss.")  # the loss options' relations (dual_clip with its type)
     except DomainError as exc:
         raise ConfigError(str(exc)) from None
+    _check_model(cfg)
     _check_rollout(cfg)
     _check_reward(cfg.data)
     _check_train_and_loss(cfg)
@@ -600,6 +698,46 @@ def validate(cfg: Config, preset: str | None = None, check_device: bool = True) 
     HealthThresholds(**cfg.health.thresholds)  # its own consistency checks raise ConfigError
     if check_device:
         _check_machine(cfg, preset)
+
+
+def _check_table(section: Any, prefix: str = "") -> None:
+    """Every field of ``section`` and of its sub-sections against its declared domain."""
+    check_fields(section, prefix)
+    for f in dataclasses.fields(section):
+        if _is_section(f):
+            _check_table(getattr(section, f.name), f"{prefix}{f.name}.")
+
+
+def _check_model(cfg: Config) -> None:
+    """LoRA and QLoRA: the target modules' form (whether they match the model is checked when it
+    loads), 4-bit only with an adapter, and a KL reference that is the policy GRPO starts from."""
+    m, lora = cfg.model, cfg.model.lora
+    targets = lora.target_modules
+    if not (
+        targets == "all-linear"
+        or (isinstance(targets, list) and targets and all(isinstance(t, str) and t for t in targets))
+    ):
+        raise ConfigError(
+            f"model.lora.target_modules must be 'all-linear' or a list of module names, got {targets!r}"
+        )
+    if m.load_in_4bit and lora.r == 0:
+        raise ConfigError(
+            "model.load_in_4bit=true needs an adapter to train (model.lora.r > 0): a 4-bit base cannot be "
+            "fine-tuned itself"
+        )
+    needs_ref = cfg.loss.beta > 0 or cfg.loss.target_kl is not None or cfg.loss.kl_in_reward
+    on_adapter = cfg.sft.resolved_target(m.name_or_path) == "adapter"
+    if lora.r and cfg.sft.steps > 0 and on_adapter and needs_ref:
+        raise ConfigError(
+            "model.lora with a warm start on the adapter (sft.steps > 0, sft.target=adapter) and a KL "
+            "reference (loss.beta > 0): π_ref is the base with the adapter off, which would not hold the "
+            "warm start; set sft.target=base, sft.steps=0 or loss.beta=0"
+        )
+    if cfg.rollout.lora_sync == "merged" and m.load_in_4bit:
+        raise ConfigError(
+            "rollout.lora_sync=merged merges the adapter into the base, which is lossy for a 4-bit base "
+            "(model.load_in_4bit=true): use rollout.lora_sync=adapter"
+        )
 
 
 def _check_rollout(cfg: Config) -> None:
@@ -658,6 +796,10 @@ def _check_train_and_loss(cfg: Config) -> None:
         raise ConfigError("loss.target_kl needs an initial loss.beta > 0 to adapt")
     if lo.kl_in_reward and lo.beta <= 0:
         raise ConfigError("loss.kl_in_reward=true needs loss.beta > 0 (the weight of the KL in the reward)")
+    if lo.truncated_logprobs is True and not (cfg.rollout.top_k > 0 or cfg.rollout.top_p < 1):
+        raise ConfigError(
+            "loss.truncated_logprobs=true needs a truncating sampler: rollout.top_p < 1 or rollout.top_k > 0"
+        )
     if lo.entropy_target is not None and not 0 <= lo.entropy_coef <= lo.entropy_coef_max:
         raise ConfigError(
             f"loss.entropy_target: the adaptive coefficient starts at loss.entropy_coef={lo.entropy_coef:g}, "
@@ -676,6 +818,33 @@ def _check_machine(cfg: Config, preset: str | None) -> None:
     missing = rollout_backend(cfg.rollout.backend).missing()
     if missing is not None:
         raise ConfigError(missing)
+    if cfg.model.load_in_4bit:
+        why = nf4_unavailable(cfg.device)
+        if why is not None:
+            raise ConfigError(f"model.load_in_4bit=true: {why}")
+
+
+def nf4_unavailable(device: str) -> str | None:
+    """Why bitsandbytes cannot serve a 4-bit NF4 base on ``device`` (``cfg.device``), or None.
+
+    bitsandbytes ≥ 0.50 runs NF4 ``Linear4bit`` on CUDA and on the CPU (checked here: forward,
+    backward and a peft LoRA step of a tiny Qwen2 in NF4); other devices (mps, ...) it does not.
+    """
+    import importlib.metadata
+    import importlib.util
+
+    import torch
+
+    if importlib.util.find_spec("bitsandbytes") is None:
+        return "bitsandbytes is not installed (pip install 'bitsandbytes>=0.50')"
+    kind = ("cuda" if torch.cuda.is_available() else "cpu") if device == AUTO else device.split(":")[0]
+    if kind not in ("cuda", "cpu"):
+        return f"bitsandbytes has no 4-bit kernels for device={device!r} (CUDA or CPU)"
+    version = importlib.metadata.version("bitsandbytes")
+    major, minor = (int(x) for x in version.split(".")[:2])
+    if kind == "cpu" and (major, minor) < (0, 50):
+        return f"bitsandbytes {version} has no CPU 4-bit kernels; bitsandbytes >= 0.50 has"
+    return None
 
 
 def _check_reward(d: DataConfig) -> None:

@@ -358,9 +358,13 @@ def fused_linear_workload(
     dtype: torch.dtype = torch.float32,
     device: str = "cpu",
     seed: int = 0,
+    frozen_head: bool = False,
     **options,
 ) -> Callable[[], None]:
     """Build inputs for one GRPO fwd+bwd through an lm_head on ``device``; return the step.
+
+    ``frozen_head``: the lm_head weight does not train (LoRA): the op's frozen path, with no
+    ``[V, D]`` gradient and one GEMM less per chunk.
 
     ``options``: more ``fused_linear_grpo_loss`` arguments (``chunk_size``, a loss variant's
     keys); ``importance_sampling_level="sequence"`` gets ``sequence_ids`` of 64-token responses.
@@ -375,7 +379,8 @@ def fused_linear_workload(
 
     g = torch.Generator(device).manual_seed(seed)
     hidden = torch.randn(n, d, generator=g, device=device).to(dtype).requires_grad_()
-    weight = (torch.randn(v, d, generator=g, device=device) / math.sqrt(d)).to(dtype).requires_grad_()
+    weight = (torch.randn(v, d, generator=g, device=device) / math.sqrt(d)).to(dtype)
+    weight.requires_grad_(not frozen_head)
     labels = torch.randint(0, v, (n,), generator=g, device=device)
     advantages = torch.randn(n, generator=g, device=device)
     loss_weights = torch.full((n,), 1.0 / n, device=device)

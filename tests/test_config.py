@@ -162,7 +162,7 @@ def _same(got, want) -> bool:
 # NaN and ±inf are refused for every key on top of these (meaningless for all of them).
 # A key added to Config without a row here fails test_every_numeric_key_has_a_domain_row.
 DOMAINS: dict[str, tuple[list[str], list[str]]] = {
-    "seed": (["0", "12345"], ["-1"]),
+    "seed": (["0", "12345", "4294967295"], ["-1", "4294967296", "1" + "0" * 400]),
     "steps": (["1"], ["0", "-1"]),
     "eval_every": (["0", "5"], ["-1"]),
     "full_eval_every": (["0", "5"], ["-1"]),
@@ -219,6 +219,11 @@ DOMAINS: dict[str, tuple[list[str], list[str]]] = {
     "sft.check_every": (["1"], ["0", "-1"]),
     "sft.check_size": (["1"], ["0", "-1"]),
     "sft.mix_coef": (["0", "0.1"], ["-0.1"]),
+    "model.lora.r": (["0", "8"], ["-1"]),
+    "model.lora.alpha": (["0.5", "32"], ["0", "-1"]),
+    "model.lora.dropout": (["0", "0.5"], ["-0.1", "1"]),
+    "model.lora.lr_scale": (["1", "10"], ["0", "-1"]),
+    "model.lora.target_modules": (["all-linear", "[q_proj,v_proj]"], ["7", "[]", "all"]),
     "logging.sample_every": (["0", "10"], ["-1"]),
     "logging.samples_per_dump": (["0", "16"], ["-1"]),
 }

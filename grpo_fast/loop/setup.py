@@ -8,6 +8,8 @@ resume from the latest checkpoint, the rollout backend; then the step-0 evaluati
 from __future__ import annotations
 
 import copy
+import dataclasses
+import json
 import random
 from pathlib import Path
 
@@ -18,20 +20,23 @@ from grpo_fast import dist
 from grpo_fast.algo.core import AdaptiveKLController
 from grpo_fast.algo.difficulty import PassRateTable
 from grpo_fast.algo.prompt_sampler import PromptSampler
-from grpo_fast.config import Config, to_yaml
+from grpo_fast.config import Config
 from grpo_fast.errors import ConfigError
-from grpo_fast.loop.checkpointing import restore
+from grpo_fast.loop.checkpointing import restore, stop_within
 from grpo_fast.loop.optim import build_optimizer, build_scheduler
 from grpo_fast.loop.sft import sft_warm_start
 from grpo_fast.loop.state import Run, Trainer, TrainState
 from grpo_fast.loop.step_end import evaluate_run
+from grpo_fast.obs import run_folder
 from grpo_fast.obs.health import HealthMonitor, HealthThresholds
 from grpo_fast.obs.metrics import MetricsLogger
 from grpo_fast.policy import checkpoint as ckpt
 from grpo_fast.policy.batch import Sequence, make_microbatches
+from grpo_fast.policy.lora import AdapterOffLoss, is_lora, trainable_counts
 from grpo_fast.policy.loss import PolicyLoss, build_policy_loss
-from grpo_fast.policy.model import autocast_dtype, load_policy, load_tokenizer
+from grpo_fast.policy.model import autocast_dtype, load_policy, load_tokenizer, policy_dtype
 from grpo_fast.rollout import BackendContext, backend, make_backend
+from grpo_fast.task import tiny
 from grpo_fast.task.loader import Task, load_task
 from grpo_fast.tools import plan
 
@@ -55,13 +60,16 @@ def setup(cfg: Config, device: torch.device, world: dist.DistInfo, out: Path, en
     logger = MetricsLogger(cfg, out, enabled=world.is_main)
 
     task: Task = load_task(cfg)  # the data first: a bad file fails in seconds, before any model loads
+    ckpt.check_model_folder(cfg.model.name_or_path, "re-save or re-download the model")
     tokenizer = load_tokenizer(cfg.model.name_or_path)
     task.tokenizer = tokenizer
-    model = load_policy(cfg, tokenizer, device)
+    model, warm_base = _load_model(cfg, out, tokenizer, device, world)
     amp = autocast_dtype(cfg, device)
-    cfg = plan.resolve_auto(cfg, model.config, device, world.world_size)
-    if world.is_main:
-        (out / "config.yaml").write_text(to_yaml(cfg))
+    _announce_plan(cfg, world, logger)  # what the run will do, once its inputs have loaded
+    asked, cfg = cfg, plan.resolve_auto(cfg, model.config, device, world.world_size)
+    cfg, clamped = plan.clamp_micro_batch(cfg, world.world_size)
+    if clamped:
+        logger.event(clamped)
     n_prompts = cfg.rollout.batch_size // cfg.rollout.group_size
     if n_prompts % world.world_size:
         raise ConfigError(
@@ -69,40 +77,122 @@ def setup(cfg: Config, device: torch.device, world: dist.DistInfo, out: Path, en
             f"evenly over {world.world_size} ranks"
         )
     resume_from = ckpt.latest_checkpoint(out / "checkpoints") if cfg.resume else None
-    if cfg.resume and resume_from is None:
+    sft_from = run_folder.resumable(out) if cfg.resume and resume_from is None else None  # a warm start's
+    if world.is_main:  # config.yaml: the run's config; a resume adds a dated line of what it changed
+        seen = {"device": str(device), "model.dtype": str(next(model.parameters()).dtype).split(".")[-1]}
+        seen["train.mixed_precision"] = {torch.bfloat16: "bf16", torch.float16: "fp16"}.get(amp, "no")
+        autos = run_folder.resolved_from_auto(asked, cfg, seen)
+        run_folder.record_config(out, cfg, resume_from or sft_from, autos)
+    if cfg.resume and resume_from is None and sft_from is None:
         logger.event(f"resume=true but {out / 'checkpoints'} holds no checkpoint: starting from scratch")
     sft_steps = 0
     if resume_from is None and cfg.sft.steps > 0:
         sft_steps = sft_warm_start(
-            cfg, model, tokenizer, task, device, amp, out if world.is_main else None, logger
+            cfg, model, tokenizer, task, device, amp, out if world.is_main else None, logger, world, sft_from
         )
+    if warm_base:  # the warm start made the base (sft.target=base): it is frozen, the adapter goes on it
+        model = _adapter_on_warm_base(cfg, model, out, tokenizer, device, world, sft_steps)
     run = _build_run(cfg, device, world, out, logger, task, tokenizer, model, amp)
     run.sft_steps, run.local_prompts = sft_steps, n_prompts // world.world_size
     if resume_from is not None:
         restore(run, resume_from)
         logger.truncate_after(run.state.step)
         logger.event(f"resumed from {resume_from} at step {run.state.step}")
+        sft_steps = run.sft_steps  # the run's warm start, for a step-0 row not written yet
     run.backend = _make_backend(run, engine)
 
-    if run.state.step == 0 and cfg.eval_every and run.eval_subset:
-        row = evaluate_run(run, 0, full=False)
-        logger.log(0, {**row, "sft/steps": sft_steps, "world_size": world.world_size})
+    model_row = _announce_trainable(run)
+    if run.state.step == 0 and cfg.eval_every and run.eval_subset and not logger.has_row(0):
+        with stop_within(run, 0, "the evaluation before GRPO"):  # a signal: the warm start kept
+            row = evaluate_run(run, 0, full=False)
+        logger.log(0, {**row, "sft/steps": sft_steps, "world_size": world.world_size, **model_row})
         logger.event(f"step 0 (before GRPO): eval/accuracy {row['eval/accuracy']:.3f}")
     return run
+
+
+def _announce_trainable(run: Run) -> dict[str, float]:
+    """Under LoRA: one line with the trainable share (and the 4-bit base), and the
+    ``model/trainable_params`` / ``model/trainable_fraction`` metrics of the step-0 row."""
+    if not is_lora(run.model):
+        return {}
+    trainable, total = trainable_counts(run.model)
+    base = (
+        "a 4-bit NF4 base"
+        if run.cfg.model.load_in_4bit
+        else f"a frozen {policy_dtype(run.cfg, run.device)} base"
+    )
+    run.logger.event(
+        f"LoRA r={run.cfg.model.lora.r} on {base}: {trainable:,} of {total:,} parameters train "
+        f"({100 * trainable / total:.2f}%)"
+    )
+    return {"model/trainable_params": float(trainable), "model/trainable_fraction": trainable / total}
+
+
+def _load_model(cfg: Config, out: Path, tokenizer, device, world) -> tuple[torch.nn.Module, bool]:
+    """The policy, and whether the warm start is to make its LoRA base first (``sft.target=base``
+    with a warm start not done yet: the model is then the plain base, the adapter comes after)."""
+    folder = out / "base"
+    warm_base = (
+        cfg.model.lora.r
+        and cfg.sft.steps > 0
+        and cfg.sft.resolved_target(cfg.model.name_or_path) == "base"
+        and not (folder / "config.json").is_file()  # written once the warm start is done
+    )
+    if warm_base:
+        plain = dataclasses.replace(
+            cfg.model, lora=dataclasses.replace(cfg.model.lora, r=0), load_in_4bit=False
+        )
+        return load_policy(dataclasses.replace(cfg, model=plain), tokenizer, device), True
+    return load_policy(cfg, tokenizer, device, base_path=_lora_base(cfg, out, tokenizer, world)), False
+
+
+def _adapter_on_warm_base(cfg: Config, model, out: Path, tokenizer, device, world, sft_steps: int):
+    """After a warm start of the whole model under LoRA: that model is the base, written once to
+    ``output_dir/base`` (rank 0; its ``warm_start.json`` says how many steps made it), then loaded
+    as the run's base (in 4-bit with ``model.load_in_4bit``) with a fresh adapter on it."""
+    folder = out / "base"
+    if world.is_main:
+        ckpt.save_pretrained_atomic(model, tokenizer, folder)
+        (folder / "warm_start.json").write_text(json.dumps({"sft_steps": sft_steps}) + "\n")
+    dist.barrier()
+    del model
+    return load_policy(cfg, tokenizer, device, base_path=str(folder.resolve()))
+
+
+def _lora_base(cfg: Config, out: Path, tokenizer, world: dist.DistInfo) -> str | None:
+    """Under LoRA, the folder of a base that exists only in this run (the built-in model):
+    written once to ``output_dir/base`` (rank 0), so that the adapter's
+    ``base_model_name_or_path`` resolves and a 4-bit base loads through bitsandbytes. None
+    otherwise (the base is ``model.name_or_path``)."""
+    folder = out / "base"
+    if cfg.model.lora.r and (folder / "config.json").is_file():  # made by this run's warm start, or before
+        return str(folder.resolve())
+    if not (cfg.model.lora.r and cfg.model.name_or_path == tiny.BUILTIN_NAME):
+        return None
+    if world.is_main and not (folder / "config.json").is_file():
+        base = tiny.build_model(tokenizer, seed=cfg.seed)
+        ckpt.save_pretrained_atomic(base, tokenizer, folder)
+    dist.barrier()
+    return str(folder.resolve())
 
 
 def _build_run(cfg, device, world, out, logger, task, tokenizer, model, amp) -> Run:
     """The run's modules and helpers around the loaded (and possibly warm-started) policy."""
     kl_ctl = AdaptiveKLController(cfg.loss.beta, cfg.loss.target_kl) if cfg.loss.target_kl else None
     # The KL reference is the policy GRPO starts from (after any warm start), frozen, kept in
-    # the autocast dtype when there is one (bf16: half the memory of fp32 master weights).
-    ref_model = None
-    if cfg.loss.beta > 0 or kl_ctl is not None:
+    # the autocast dtype when there is one (bf16: half the memory of fp32 master weights). Under
+    # LoRA it is the same model with the adapter off: no second copy.
+    ref_model = ref_loss = None
+    lora = is_lora(model)
+    policy_loss = build_policy_loss(cfg, model, amp)
+    if (cfg.loss.beta > 0 or kl_ctl is not None) and lora:
+        ref_loss = AdapterOffLoss(policy_loss)
+    elif cfg.loss.beta > 0 or kl_ctl is not None:
         ref_model = copy.deepcopy(model).eval().requires_grad_(False)
         if amp is not None:
             ref_model.to(amp)
+        ref_loss = build_policy_loss(cfg, ref_model, amp)
     optimizer = build_optimizer(cfg, model.parameters())
-    policy_loss = build_policy_loss(cfg, model, amp)
     policy = policy_loss
     if world.enabled:
         from torch.nn.parallel import DistributedDataParallel as DDP
@@ -128,7 +218,7 @@ def _build_run(cfg, device, world, out, logger, task, tokenizer, model, amp) -> 
         scheduler=build_scheduler(cfg, optimizer),
         policy_loss=policy_loss,
         ref_model=ref_model,
-        ref_loss=build_policy_loss(cfg, ref_model, amp) if ref_model is not None else None,
+        ref_loss=ref_loss,
         sampler=sampler,
         health=HealthMonitor(HealthThresholds(**thresholds)),
         kl_ctl=kl_ctl,
@@ -136,6 +226,26 @@ def _build_run(cfg, device, world, out, logger, task, tokenizer, model, amp) -> 
         eval_subset=task.eval_subset(cfg.data.eval_subset_size, cfg.seed),
         pass_rates=pass_rates,
     )
+
+
+def _announce_plan(cfg: Config, world: dist.DistInfo, logger) -> None:
+    """One line, before anything loads: the warm start, the GRPO steps, the evaluations."""
+    s, r = cfg.sft, cfg.rollout
+    first = ""
+    if cfg.resume:
+        first = f"continue the run in {cfg.output_dir} from its latest checkpoint, then "
+    elif s.steps > 0:
+        until = ""
+        if s.target_accuracy is not None:
+            until = (
+                f" (it stops once greedy accuracy on {s.check_size} training problems reaches "
+                f"{s.target_accuracy:g}, checked every {s.check_every} steps)"
+            )
+        first = f"an SFT warm start of up to {s.steps} steps{until}, then "
+    grpo = f"GRPO to step {cfg.steps}, {r.batch_size // r.group_size} prompts × {r.group_size} responses each"
+    evals = f", an evaluation every {cfg.eval_every} steps" if cfg.eval_every else ""
+    ranks = f", on {world.world_size} ranks" if world.enabled else ""
+    logger.event(f"plan: {first}{grpo}{evals}{ranks}; the progress lines give the time left")
 
 
 def _entropy_coef_start(cfg: Config) -> float | None:
@@ -184,7 +294,9 @@ def _make_backend(run: Run, engine):
         return make_backend(ctx)
     from grpo_fast.rollout.vllm import WeightSyncProbe, vllm_dtype, weight_sync_tolerance
 
-    if engine is None and (cfg.model.name_or_path.startswith("builtin:") or run.sft_steps > 0):
+    if engine is None and is_lora(model):  # the engine serves the base; the adapter (or merge) is pushed
+        ctx.model_path = getattr(model, "module", model).peft_config["default"].base_model_name_or_path
+    elif engine is None and (cfg.model.name_or_path.startswith("builtin:") or run.sft_steps > 0):
         model_path = run.out / "rollout_init"
         if world.is_main:
             ckpt.save_pretrained_atomic(model, tokenizer, model_path, dtype=vllm_dtype(model, run.amp))
@@ -199,7 +311,8 @@ def _make_backend(run: Run, engine):
         seq = Sequence(tokens=list(token_ids), n_prompt=1, advantage=0.0, weight=0.0)
         mb = make_microbatches([seq], 1, tokenizer.pad_token_id, packing=False)[0].to(run.device)
         with torch.no_grad():
-            return run.policy_loss(mb, options, 1.0).logprobs  # the fused op, as the loss computes them
+            # the fused op, as the loss computes them; the full vocabulary's, as vLLM's prompt log-probs
+            return run.policy_loss(mb, options, 1.0, truncated=False).logprobs
 
     ctx.probe = WeightSyncProbe(probe_ids, trainer_logprobs, weight_sync_tolerance(cfg, model, run.amp))
     return make_backend(ctx)

@@ -1,6 +1,10 @@
 """The end of a step: health checks, evaluation, samples and the metrics line; then the stops
 (non-finite steps in a row, a pending SIGTERM/SIGINT) and the periodic checkpoint. And the end
-of the run: the final checkpoint and model.
+of the run: the final checkpoint and model, and the summary on stdout (where the model is, the
+final evaluation, the report's command).
+
+A signal during an evaluation ends it after its current generate chunk (one process): the
+step's row is written without it, the step is checkpointed and the run stops.
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ from grpo_fast.loop.checkpointing import save_checkpoint
 from grpo_fast.loop.state import Run
 from grpo_fast.obs.metrics import PhaseProgress
 from grpo_fast.policy import checkpoint as ckpt
+from grpo_fast.policy.lora import is_lora, merged_model
 from grpo_fast.tools.evaluate import evaluate
 
 
@@ -26,9 +31,10 @@ def evaluate_run(run: Run, step: int, full: bool, progress: PhaseProgress | None
     """Greedy accuracy on the eval subset (``full``: the whole eval set), split over ranks; rank 0
     writes the first ``logging.samples_per_dump`` records to ``samples/eval_step_<step>.jsonl``."""
     examples = run.task.eval if full else run.eval_subset
+    preempt.check_unit()  # a signal before it began: not a chunk of it
     if progress is not None:
         progress.phase("eval", len(examples[run.world.rank :: run.world.world_size]))
-    advance = progress.advance_phase if progress is not None else None
+    advance = preempt.unit_callback(progress.advance_phase if progress is not None else None)
     metrics, records = evaluate(
         run.backend, run.task, examples, run.cfg, run.device, world=run.world, progress=advance
     )
@@ -43,32 +49,41 @@ def end_of_step(run: Run, step: int, batch, result, row: dict, progress: PhasePr
     """Health checks, evaluation, samples and the metrics line; then the stops (non-finite
     steps in a row, a pending SIGTERM/SIGINT) and the periodic checkpoint."""
     cfg, out = run.cfg, run.out
+    warnings = []  # printed after the step's own line
     if cfg.health.enabled:
         for ev in run.health.update(step, row, batch.rollout.response_text):
             row[f"health/{ev.kind}"] = ev.value
-            run.logger.event(f"[health] step {step} {ev.severity}: {ev.message} — {ev.suggestion}")
+            warnings.append(f"[health] step {step} {ev.severity}: {ev.message} — {ev.suggestion}")
             if run.world.is_main:
                 with open(out / "health.jsonl", "a") as fh:
                     fh.write(json.dumps(ev.to_dict()) + "\n")
-    if cfg.eval_every and (step % cfg.eval_every == 0 or step == cfg.steps) and run.eval_subset:
-        row.update(evaluate_run(run, step, full=False, progress=progress))
-    if cfg.full_eval_every and (step % cfg.full_eval_every == 0 or step == cfg.steps):
-        row.update(evaluate_run(run, step, full=True, progress=progress))
+    cut = None  # the signal that cut this step's evaluation short
+    try:
+        if cfg.eval_every and (step % cfg.eval_every == 0 or step == cfg.steps) and run.eval_subset:
+            row.update(evaluate_run(run, step, full=False, progress=progress))
+        if cfg.full_eval_every and (step % cfg.full_eval_every == 0 or step == cfg.steps):
+            row.update(evaluate_run(run, step, full=True, progress=progress))
+    except preempt.Interrupt as stop:
+        cut = stop.signum
     if run.world.is_main and cfg.logging.sample_every and step % cfg.logging.sample_every == 0:
         records = _sample_records(run.task, batch.examples, batch.rollout, cfg)
         _dump_samples(out / "samples" / f"step_{step}.jsonl", records)
     run.logger.log(step, row)
     run.logger.summary(step, cfg.steps, row)
+    for line in warnings:
+        run.logger.event(line)
     progress.step_done()
     _stop_after_nonfinite_steps(run, step, result.stats.nonfinite)
-    signum = preempt.pending(run.world, run.device)  # SIGTERM/SIGINT during this step
+    signum = cut or preempt.pending(run.world, run.device)  # SIGTERM/SIGINT during this step
     due = cfg.checkpoint_every and step % cfg.checkpoint_every == 0 and step < cfg.steps
     if due or signum is not None:
         save_checkpoint(run, step)
+        signum = signum or preempt.pending(run.world, run.device)  # or during the write
     if signum is not None:
         where = run.ckpt_root / ckpt.step_dir_name(step)
+        during = f"step {step}'s evaluation (cut short: the step's row has none)" if cut else f"step {step}"
         raise Preempted(
-            f"{signal.Signals(signum).name} during step {step}: checkpoint {where} written "
+            f"{signal.Signals(signum).name} during {during}: checkpoint {where} written "
             "after it; resume=true continues from there",
             signum,
         )
@@ -91,21 +106,41 @@ def _stop_after_nonfinite_steps(run: Run, step: int, what: str) -> None:
     )
 
 
-def finish(run: Run, t_start: float) -> None:
+def finish(run: Run, t_start: float, first: int = 0) -> None:
     """The final checkpoint and model. With checkpoints on, the last step leaves one too (the
-    loop skips it), so that ``resume=true steps=N`` extends a finished run from its final step."""
+    loop skips it), so that ``resume=true steps=N`` extends a finished run from its final step.
+    ``first``: the step this process started after (a resume's), for the summary."""
     cfg = run.cfg
     last = ckpt.latest_checkpoint(run.ckpt_root)
     if cfg.checkpoint_every and (last is None or last.name != ckpt.step_dir_name(run.state.step)):
         save_checkpoint(run, run.state.step)
     if run.world.is_main:
         save_dtype = None if cfg.train.save_dtype == "auto" else getattr(torch, cfg.train.save_dtype)
-        ckpt.save_pretrained_atomic(run.model, run.tokenizer, run.out / "final", dtype=save_dtype)
-        run.logger.event(
-            f"done: {cfg.steps} steps in {time.perf_counter() - t_start:.1f}s; model in {run.out / 'final'}"
-        )
+        if is_lora(run.model):  # the adapter in peft's format; merged for serving on request
+            ckpt.save_pretrained_atomic(run.model, run.tokenizer, run.out / "final")
+            if cfg.train.save_merged:
+                merged = merged_model(run.out / "final", save_dtype)
+                ckpt.save_pretrained_atomic(merged, run.tokenizer, run.out / "final_merged")
+        else:
+            ckpt.save_pretrained_atomic(run.model, run.tokenizer, run.out / "final", dtype=save_dtype)
+        print(_summary(run, time.perf_counter() - t_start, first), flush=True)
     dist.barrier()
     run.logger.close()
+
+
+def _summary(run: Run, seconds: float, first: int) -> str:
+    """The run's result, for stdout: the steps this process ran and the step reached, the final
+    model's folder, the last evaluation, the report's command."""
+    step, n = run.state.step, run.state.step - first
+    ran = f"{n} step{'s' * (n != 1)} in {seconds:.1f}s"
+    if first:
+        ran += f" (resumed at step {first}; now at step {step})"
+    lines = [f"done: {ran}; model in {run.out / 'final'}"]
+    last = run.logger.last_eval()
+    if last is not None:
+        lines.append(f"final eval: {last[1]} {last[2]:.3f} at step {last[0]}")
+    lines.append(f"report: grpo-fast report {run.out}")
+    return "\n".join(lines)
 
 
 def _sample_records(task, examples, rollout, cfg) -> list[dict]:

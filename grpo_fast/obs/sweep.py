@@ -132,6 +132,8 @@ SWEEPS: dict[str, SweepSpec] = {
     "difficulty_filter": SweepSpec(
         key="rollout.difficulty_filter", defaults=("null", "[0,0.9]"), nullable=True, band=True
     ),
+    # full fine-tuning (0) against LoRA adapters of rank 8 and 32 (model.lora.*'s other keys as set)
+    "lora_rank": SweepSpec(key="model.lora.r", defaults=("0", "8", "32"), allow_zero=True),
 }
 
 
@@ -187,8 +189,10 @@ def plan_sweep(
             raise ConfigError(f"override {item!r}: the sweep sets output_dir per run; use --out")
     if values is None and (spec.choices or spec.defaults):
         values = spec.defaults
-    elif values is None:
-        values = [f"{v:.3g}" for v in (lr_grid or LRGrid()).values()]
+    elif values is None:  # the grid, and the preset's own lr (the tiny preset's 2e-4 is off the grid)
+        grid = [f"{v:.3g}" for v in (lr_grid or LRGrid()).values()]
+        own = _preset_lr(preset)
+        values = sorted({*grid, own} if own and float(own) not in map(float, grid) else grid, key=float)
     values = [_check_value(sweep, spec, v) for v in values]
     duplicates = sorted({v for v in values if values.count(v) > 1})
     if duplicates:
@@ -275,10 +279,27 @@ def summarize_sweep(
     return path
 
 
+def _preset_lr(preset: str) -> str | None:
+    """A known preset's ``train.lr`` (its own, else the default), as a sweep value; None otherwise."""
+    from grpo_fast.config import PRESETS, TrainConfig
+
+    if preset not in PRESETS:
+        return None
+    return f"{PRESETS[preset].get('train', {}).get('lr', TrainConfig().lr):.3g}"
+
+
+def _values_help() -> str:
+    """``--values``' help: each sweep's default values, from ``SWEEPS`` and ``LRGrid``."""
+    g = LRGrid()
+    lr = f"lr: {g.num} points from {g.low:g} to {g.high:g} (--lr-range, --num) and the preset's own lr"
+    rest = [f"{name}: {' '.join(spec.defaults)}" for name, spec in SWEEPS.items() if spec.defaults]
+    return "values to sweep; the defaults: " + "; ".join([lr, *rest])
+
+
 @cli_errors
-def main(argv: Sequence[str] | None = None) -> int:
+def main(argv: Sequence[str] | None = None, prog: str = "python -m grpo_fast.sweep") -> int:
     parser = argparse.ArgumentParser(
-        prog="python -m grpo_fast.sweep",
+        prog=prog,
         description="Sequential ablation runs of grpo_fast.train, plotted together.",
     )
     parser.add_argument("--preset", required=True, help="train preset of every run")
@@ -286,7 +307,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "--config", action="append", default=[], metavar="FILE", help="train config file (repeatable)"
     )
     parser.add_argument("--sweep", required=True, choices=list(SWEEPS), help="the setting to vary")
-    parser.add_argument("--values", nargs="+", metavar="V", help="values to sweep (default: see SWEEPS)")
+    parser.add_argument("--values", nargs="+", metavar="V", help=_values_help())
     parser.add_argument("--lr-range", nargs=2, type=float, metavar=("LOW", "HIGH"), help="lr grid bounds")
     parser.add_argument("--num", type=int, help="number of lr grid points")
     parser.add_argument("--out", metavar="DIR", help="sweep output folder (default: runs/sweep_<sweep>)")

@@ -255,3 +255,65 @@ def load_model_weights(model: torch.nn.Module, path: Path) -> None:
         )
     if tied:
         model.tie_weights()
+
+
+# The JSON files of a Hugging Face model folder (and of a peft adapter's), each checked to parse.
+_JSON_FILES = (
+    "config.json",
+    "generation_config.json",
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "adapter_config.json",
+    "model.safetensors.index.json",
+)
+
+
+def check_model_folder(path: str | Path, fix: str) -> None:
+    """Refuse a damaged model folder before anything loads it: ``CheckpointError`` naming the
+    first file whose JSON does not parse or whose safetensors header or length is wrong (a
+    truncated or corrupted file: a full disk, a copy cut short), with ``fix``, what to do about
+    it. A path that is not a folder (a hub name, ``builtin:tiny``) is left alone.
+
+    Example: ``check_model_folder("runs/tiny/final", "re-save it")`` →
+    ``CheckpointError("model file runs/tiny/final/model.safetensors is damaged (its header
+    promises 1787680 bytes of tensors, the file has 1048568 after it); re-save it")``.
+    """
+    folder = Path(path).expanduser()
+    if not folder.is_dir():
+        return
+    for name in _JSON_FILES:
+        file = folder / name
+        if file.is_file():
+            try:
+                json.loads(file.read_bytes().decode("utf-8"))
+            except (ValueError, UnicodeDecodeError) as exc:
+                raise CheckpointError(
+                    f"model file {file} is damaged (not valid JSON: {exc}); {fix}"
+                ) from None
+    for file in sorted(folder.glob("*.safetensors")):
+        why = _safetensors_damage(file)
+        if why is not None:
+            raise CheckpointError(f"model file {file} is damaged ({why}); {fix}")
+
+
+def _safetensors_damage(file: Path) -> str | None:
+    """What is wrong with a safetensors file's layout (8-byte header length, JSON header, tensor
+    bytes up to the largest data offset), or None: read from its header, no tensor loaded."""
+    size = file.stat().st_size
+    with open(file, "rb") as fh:
+        head = fh.read(8)
+        if len(head) < 8:
+            return f"{size} bytes: shorter than a safetensors header"
+        n = int.from_bytes(head, "little")
+        if n > size - 8:
+            return f"its header length {n} exceeds the file's {size} bytes"
+        try:
+            header = json.loads(fh.read(n).decode("utf-8"))
+            ends = [int(v["data_offsets"][1]) for k, v in header.items() if k != "__metadata__"]
+        except (ValueError, UnicodeDecodeError, KeyError, TypeError, IndexError):
+            return "its header is not valid safetensors JSON"
+    data = size - 8 - n
+    if max(ends, default=0) != data:
+        return f"its header promises {max(ends, default=0)} bytes of tensors, the file has {data} after it"
+    return None

@@ -34,6 +34,7 @@ def dry_run(preset: str, config_files: list[str], overrides: list[str]) -> int:
         validate(cfg, preset, check_device=True)
     except ConfigError as exc:
         problems.append(str(exc))
+    problems += _run_problems(cfg)  # what the real run checks before it trains, the same lines
 
     print(f"dry run of preset {preset!r}: the resolved config (value  # source)")
     width = max(map(len, sources))
@@ -42,6 +43,11 @@ def dry_run(preset: str, config_files: list[str], overrides: list[str]) -> int:
 
     print("\nmemory plan:")
     print(_plan_text(cfg, torch))
+    from grpo_fast.tools.plan import clamp_micro_batch
+
+    clamped = clamp_micro_batch(cfg)[1]  # the line the run prints (one rank)
+    if clamped:
+        print(f"  {clamped}")
 
     print("\ndata:")
     try:
@@ -69,6 +75,50 @@ def dry_run(preset: str, config_files: list[str], overrides: list[str]) -> int:
     return 2 if problems else 0
 
 
+def _trainable_text(cfg: Config, plan) -> str:
+    """What trains: every parameter, or (LoRA) the adapter's share, on a frozen or NF4 base."""
+    try:
+        arch = _offline_arch(cfg, plan)
+    except UserError as exc:
+        return f"  trainable parameters: unknown ({exc})"
+    trainable = plan.trainable_params(cfg, arch)
+    if not cfg.model.lora.r:
+        return f"  trainable parameters: all {arch.num_params:,} (full fine-tuning)"
+    base = "a 4-bit NF4 base (bitsandbytes)" if cfg.model.load_in_4bit else "a frozen base"
+    return (
+        f"  trainable parameters: {trainable:,} of {arch.num_params:,} ({100 * trainable / arch.num_params:.2f}%): "
+        f"LoRA r={cfg.model.lora.r} on {base}"
+    )
+
+
+def _run_problems(cfg: Config) -> list[str]:
+    """The real run's stops before training that need no model: ``output_dir`` (not creatable, not
+    writable, in use, holding a run, a resume that changes a run-defining key), a local model
+    folder that is missing or damaged. Nothing is created or locked."""
+    from grpo_fast.obs import run_folder
+    from grpo_fast.policy.checkpoint import check_model_folder
+
+    found = []
+    out = Path(cfg.output_dir)
+    why = run_folder.output_dir_problem(out)
+    owner = run_folder.in_use(out) if why is None and out.is_dir() else None
+    if why is not None or owner is not None:
+        found.append(why or f"output_dir {out} is in use by {owner}")
+    else:
+        try:
+            run_folder.check_folder(out, cfg)
+        except UserError as exc:
+            found.append(str(exc))
+    name = cfg.model.name_or_path
+    try:
+        if name.startswith(("/", "./", "../", "~")) and not Path(name).expanduser().is_dir():
+            raise ConfigError(f"model.name_or_path={name!r}: no such folder")
+        check_model_folder(name, "re-save or re-download the model")
+    except UserError as exc:
+        found.append(str(exc))
+    return found
+
+
 def _plan_text(cfg: Config, torch) -> str:
     """The planner's table for the run's GPU, or what ``auto`` resolves to on a CPU."""
     from grpo_fast.tools import plan
@@ -79,7 +129,8 @@ def _plan_text(cfg: Config, torch) -> str:
         return (
             "  device cpu: the planner sizes GPU memory only; on the CPU "
             f"train.micro_batch_size={resolved.train.micro_batch_size}, "
-            f"loss.chunk_size={cfg.loss.chunk_size} (the fused op's own budget)"
+            f"loss.chunk_size={cfg.loss.chunk_size} (the fused op's own budget)\n"
+            + _trainable_text(cfg, plan)
         )
     if torch.cuda.is_available():
         index = torch.device(device).index or 0
@@ -119,6 +170,14 @@ def _offline_arch(cfg: Config, plan):
     return plan.Arch.from_hf_config(hf)
 
 
+def _shortened(text: str, width: int) -> str:
+    """``repr(text)``, its middle left out past ``width`` characters (a data line can be megabytes)."""
+    if len(text) <= width:
+        return repr(text)
+    half = width // 2
+    return f"{text[:half]!r} … [{len(text) - 2 * half:,} more characters] … {text[-half:]!r}"
+
+
 def _offline_tokenizer(name: str):
     from grpo_fast.policy.model import load_tokenizer
     from grpo_fast.task import tiny
@@ -140,8 +199,9 @@ def _offline_tokenizer(name: str):
 
 def _print_sample_prompt(task, cfg: Config) -> None:
     ex = task.train[0]
-    print(f"  sample prompt (train[0], template {cfg.data.prompt_template!r}; answer {ex.answer!r}):")
-    print("    " + repr(task.prompt_text(ex)))
+    answer = _shortened(ex.answer, 80)
+    print(f"  sample prompt (train[0], template {cfg.data.prompt_template!r}; answer {answer}):")
+    print("    " + _shortened(task.prompt_text(ex), 400))
     try:
         task.tokenizer = _offline_tokenizer(cfg.model.name_or_path)
     except UserError as exc:

@@ -12,6 +12,8 @@ Metrics: ``accuracy`` (mean answer reward), ``format_rate`` (mean format reward)
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import functools
 import json
 import sys
 from pathlib import Path
@@ -20,7 +22,8 @@ import torch
 
 from grpo_fast import dist
 from grpo_fast.config import Config, load_config
-from grpo_fast.errors import cli_errors
+from grpo_fast.errors import ConfigError, UserError, cli_errors
+from grpo_fast.policy.checkpoint import check_model_folder
 from grpo_fast.rollout.sampling import sampling_params
 from grpo_fast.task.data import Example
 
@@ -80,8 +83,8 @@ def evaluate(
     return metrics, records
 
 
-def parse_args(argv):
-    p = argparse.ArgumentParser(prog="python -m grpo_fast.evaluate", description=__doc__.split("\n\n")[0])
+def parse_args(argv, prog: str = "python -m grpo_fast.evaluate"):
+    p = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n\n")[0])
     p.add_argument("--model", required=True, help="a checkpoint folder, a hub name, or builtin:tiny")
     p.add_argument("--preset", default="tiny", help="the preset whose task, template and sampling to use")
     p.add_argument("--config", action="append", default=[], metavar="FILE.yaml")
@@ -91,8 +94,25 @@ def parse_args(argv):
     return p.parse_args(argv)
 
 
+def _name_the_flag(main):
+    """The errors of loading ``--model`` (``model.name_or_path`` inside) name the flag the user
+    typed: ``--model 'x': no such folder``."""
+
+    @functools.wraps(main)
+    def wrapper(*args, **kwargs):
+        try:
+            return main(*args, **kwargs)
+        except UserError as exc:
+            exc.args = (str(exc).replace("model.name_or_path=", "--model "),)
+            raise
+
+    return wrapper
+
+
 @cli_errors
-def main(argv: list[str] | None = None) -> int:
+@_name_the_flag
+def main(argv: list[str] | None = None, prog: str = "python -m grpo_fast.evaluate") -> int:
+    from grpo_fast.policy.lora import adapter_base, load_with_adapter
     from grpo_fast.policy.model import (
         autocast_dtype,
         load_policy,
@@ -103,13 +123,24 @@ def main(argv: list[str] | None = None) -> int:
     from grpo_fast.rollout import BackendContext, make_backend
     from grpo_fast.task.loader import load_task
 
-    args = parse_args(argv)
+    args = parse_args(argv, prog)
+    if args.limit is not None and args.limit < 1:
+        raise ConfigError(f"--limit must be at least 1 (the problems to evaluate), got {args.limit}")
+    check_model_folder(args.model, "re-save or re-download the model")  # a damaged file: one line
     quiet_transformers()
-    cfg = load_config(args.preset, args.config, [*args.overrides, f"model.name_or_path={args.model}"])
+    # A LoRA run's final/ (or checkpoint) is a peft adapter: its base from adapter_config.json
+    base = adapter_base(Path(args.model)) if Path(args.model).is_dir() else None
+    cfg = load_config(args.preset, args.config, [*args.overrides, f"model.name_or_path={base or args.model}"])
     device = resolve_device(cfg)
-    tokenizer = load_tokenizer(cfg.model.name_or_path)
+    tokenizer = load_tokenizer(args.model if base is not None else cfg.model.name_or_path)
     task = load_task(cfg, tokenizer)
-    model = load_policy(cfg, tokenizer, device)
+    if base is None:
+        model = load_policy(cfg, tokenizer, device)
+    else:  # the base as the run had it (4-bit with model.load_in_4bit), then the trained adapter
+        plain = dataclasses.replace(cfg.model, lora=dataclasses.replace(cfg.model.lora, r=0))
+        model = load_with_adapter(
+            load_policy(dataclasses.replace(cfg, model=plain), tokenizer, device), args.model
+        )
     if cfg.model.name_or_path.startswith("builtin:"):
         print("note: builtin:tiny is a freshly initialized model (random weights)", file=sys.stderr)
     backend = make_backend(BackendContext(cfg, model, tokenizer, device, autocast_dtype(cfg, device)))

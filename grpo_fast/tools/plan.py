@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import math
 import sys
 from dataclasses import dataclass
 
@@ -68,6 +69,31 @@ class Arch:
         per_layer = attn + mlp + 2 * d  # two RMSNorm weights
         emb = self.vocab * d * (1 if self.tie_embeddings else 2)
         return self.layers * per_layer + emb + d
+
+    def linear_shapes(self) -> dict[str, tuple[int, int]]:
+        """Each decoder layer's linear layers, ``name -> (in, out)`` (Qwen2/Llama names)."""
+        d, kv, i = self.hidden, self.kv_heads * self.head_dim, self.intermediate
+        return {
+            "q_proj": (d, d),
+            "k_proj": (d, kv),
+            "v_proj": (d, kv),
+            "o_proj": (d, d),
+            "gate_proj": (d, i),
+            "up_proj": (d, i),
+            "down_proj": (i, d),
+        }
+
+    def lora_params(self, r: int, targets) -> int:
+        """Parameters of a rank-``r`` adapter on ``targets`` (``"all-linear"`` or names):
+        ``r·(in + out)`` per adapted linear layer."""
+        shapes = self.linear_shapes()
+        names = list(shapes) if targets == "all-linear" else [t for t in targets if t in shapes]
+        return self.layers * sum(r * sum(shapes[n]) for n in names)
+
+    def quantizable_params(self) -> int:
+        """The decoder's linear weights: what a 4-bit base stores in NF4 (the embeddings, the
+        lm_head and the norms stay in the compute dtype)."""
+        return self.layers * sum(a * b for a, b in self.linear_shapes().values())
 
     @classmethod
     def from_hf_config(cls, c) -> Arch:
@@ -134,11 +160,20 @@ class MemoryPlan:
     vllm_kv_tokens: int
     gpu_memory_utilization: float
     rollout_peak: float
+    trainable_params: int = 0
+    total_params: int = 0
+    frozen_head: bool = False  # LoRA: the lm_head does not train (no fp32 [V, D] gradient)
+    vllm_weights_kind: str = "bf16"
 
     def table(self) -> str:
         g = lambda b: f"{b / GB:8.2f} GB"
         rows = [
             ("card", g(self.gpu_bytes)),
+            (
+                "trainable parameters",
+                f"{self.trainable_params / 1e6:,.1f} M of {self.total_params / 1e6:,.1f} M "
+                f"({100 * self.trainable_params / max(self.total_params, 1):.2f}%)",
+            ),
             ("-- training phase --", ""),
             ("weights", g(self.weights)),
             ("gradients", g(self.grads)),
@@ -149,7 +184,11 @@ class MemoryPlan:
                 f"activations: {self.activation_per_token / 1e3:.1f} KB/token × {self.seq_tokens} × {self.micro_batch_size}",
                 g(self.activations),
             ),
-            (f"loss chunk: {self.loss_chunk_rows} rows + fp32 lm_head grad", g(self.loss_chunk)),
+            (
+                f"loss chunk: {self.loss_chunk_rows} rows"
+                + (" (frozen head: no lm_head grad)" if self.frozen_head else " + fp32 lm_head grad"),
+                g(self.loss_chunk),
+            ),
             ("CUDA context + fragmentation reserve", g(self.reserve)),
             ("training peak", g(self.train_peak)),
             ("-- rollout phase (vLLM awake, gradients freed) --", ""),
@@ -157,7 +196,7 @@ class MemoryPlan:
                 "trainer resident (weights + optimizer + ref)",
                 g(self.weights + self.optimizer + self.ref_model),
             ),
-            ("vLLM weights (bf16)", g(self.vllm_weights)),
+            (f"vLLM weights ({self.vllm_weights_kind})", g(self.vllm_weights)),
             ("vLLM workspace", g(VLLM_WORKSPACE_BYTES)),
             (
                 f"vLLM KV cache: {self.vllm_kv_per_token / 1e3:.1f} KB/token × {self.vllm_kv_tokens:,} tokens",
@@ -177,17 +216,51 @@ def _bytes_per(dtype: str) -> int:
     return {"float32": 4, "bfloat16": 2, "float16": 2, AUTO: 4}[dtype]
 
 
+# bitsandbytes NF4: 4 bits a value, plus one fp32 absmax per block of 64 values (4 / 64 bytes)
+NF4_BYTES_PER_PARAM = 0.5 + 4 / 64
+
+
+def _weights(cfg: Config, arch: Arch) -> tuple[float, float, float, float, int]:
+    """``(weights, grads, optimizer, autocast copies, trainable parameters)`` in bytes.
+
+    Full fine-tuning: every parameter in ``model.dtype`` (auto: fp32 master weights, with a bf16
+    copy under autocast), its gradient, AdamW's two moments (8-bit: 2 B a parameter). LoRA: the
+    frozen base in the compute dtype (bf16 under autocast, no master copy; 4-bit: NF4 linears at
+    ~0.56 B a parameter), gradients and moments for the adapter's fp32 parameters only."""
+    p = arch.num_params
+    mixed_auto = cfg.train.mixed_precision != "no"
+    lora = cfg.model.lora
+    if not lora.r:
+        wb = _bytes_per(cfg.model.dtype)
+        mixed = mixed_auto and wb == 4
+        optimizer = p * (2 if cfg.train.optimizer == "adamw8bit" else 2 * wb)
+        return p * wb, p * wb, optimizer, (p * 2 if mixed else 0.0), p
+    base_b = 2 if (cfg.model.dtype == AUTO and mixed_auto) else _bytes_per(cfg.model.dtype)
+    if cfg.model.load_in_4bit:
+        quantized = arch.quantizable_params()
+        base = quantized * NF4_BYTES_PER_PARAM + (p - quantized) * base_b
+    else:
+        base = p * base_b
+    adapter = arch.lora_params(lora.r, lora.target_modules)
+    optimizer = adapter * (2 if cfg.train.optimizer == "adamw8bit" else 8)
+    return base + adapter * 4, adapter * 4, optimizer, (adapter * 2 if mixed_auto else 0.0), adapter
+
+
+def trainable_params(cfg: Config, arch: Arch) -> int:
+    """The parameters that train: all of them, or (LoRA) the adapter's."""
+    return _weights(cfg, arch)[4]
+
+
 def plan_memory(cfg: Config, arch: Arch, gpu_bytes: float) -> MemoryPlan:
     """The budget for ``cfg`` on a card of ``gpu_bytes`` (see the module docstring)."""
     p = arch.num_params
     wb = _bytes_per(cfg.model.dtype)
-    mixed = cfg.train.mixed_precision != "no" and wb == 4
+    lora = cfg.model.lora.r > 0
+    mixed = cfg.train.mixed_precision != "no" and (wb == 4 or lora)
     act_b = 2 if (mixed or wb == 2) else 4
-    weights = p * wb
-    grads = p * wb
-    optimizer = p * (2 if cfg.train.optimizer == "adamw8bit" else 2 * wb)
-    autocast_copies = p * 2 if mixed else 0.0
-    ref_model = p * act_b if (cfg.loss.beta > 0 or cfg.loss.target_kl) else 0.0
+    weights, grads, optimizer, autocast_copies, trainable = _weights(cfg, arch)
+    # the KL reference: a frozen copy in the compute dtype; under LoRA the base itself (adapter off)
+    ref_model = p * act_b if (cfg.loss.beta > 0 or cfg.loss.target_kl) and not lora else 0.0
     d, i, L = arch.hidden, arch.intermediate, arch.layers
     # One layer's activations saved for backward, per token: norms, q/k/v/o inputs and outputs,
     # attention output (flash/SDPA keep no [T, T] matrix), MLP gate/up/act/product ≈ 10·D + 4·I values.
@@ -201,8 +274,8 @@ def plan_memory(cfg: Config, arch: Arch, gpu_bytes: float) -> MemoryPlan:
     else:  # the fused op's own rule on CUDA (memory budget and GEMM-efficiency floor)
         rows = default_chunk_size(seq * MAX_MICRO_BATCH, arch.vocab, logits_dtype, "cuda")
     # one [rows, V] logits chunk (its gradient is written over it) + the fp32 lm_head gradient
-    # + the kernel backend's working set (auto = triton: the planner plans a GPU)
-    loss_chunk = rows * arch.vocab * logits_dtype.itemsize + arch.vocab * d * 4
+    # (none for a frozen head: LoRA) + the kernel backend's working set (auto = triton)
+    loss_chunk = rows * arch.vocab * logits_dtype.itemsize + (0 if lora else arch.vocab * d * 4)
     if cfg.loss.kernel_backend == "torch_chunked":
         from grpo_fast.ops._torch_chunked import ROW_TILE, VOCAB_BLOCK
 
@@ -223,7 +296,8 @@ def plan_memory(cfg: Config, arch: Arch, gpu_bytes: float) -> MemoryPlan:
     train_peak = fixed + activations
 
     kv_per_token = 2 * L * arch.kv_heads * arch.head_dim * 2  # K and V, bf16
-    vllm_weights = p * 2
+    # vLLM's copy: bf16, or the base in bitsandbytes 4-bit (QLoRA), and the adapter's slot
+    vllm_weights = (weights - grads) if cfg.model.load_in_4bit else p * 2 + (grads / 2 if lora else 0.0)
     resident = weights + optimizer + ref_model + RESERVE_BYTES
     if cfg.rollout.gpu_memory_utilization != AUTO:
         util = float(cfg.rollout.gpu_memory_utilization)
@@ -250,6 +324,12 @@ def plan_memory(cfg: Config, arch: Arch, gpu_bytes: float) -> MemoryPlan:
         vllm_kv_tokens=kv_tokens,
         gpu_memory_utilization=util,
         rollout_peak=resident + util * gpu_bytes,
+        trainable_params=trainable,
+        total_params=p,
+        frozen_head=lora,
+        vllm_weights_kind=("4-bit base + adapter" if cfg.model.load_in_4bit else "bf16 + adapter")
+        if lora
+        else "bf16",
     )
 
 
@@ -271,23 +351,65 @@ def resolve_auto(cfg: Config, model_config, device: torch.device, world_size: in
     )
 
 
-@cli_errors
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(
-        prog="python -m grpo_fast.plan", description="Print the memory budget of a preset."
+def clamp_micro_batch(cfg: Config, world_size: int = 1) -> tuple[Config, str | None]:
+    """``cfg`` with ``train.micro_batch_size`` at most the responses one rank trains on per step
+    (``rollout.batch_size / world_size``: a larger microbatch is that one), and the line that
+    says so when it was larger (None otherwise).
+
+    Example: ``train.micro_batch_size=1000`` with ``rollout.batch_size=256`` → 256, and
+    ``"train.micro_batch_size=1000 is more than the 256 responses a rank trains on per step: ..."``.
+    """
+    per_rank = max(1, cfg.rollout.batch_size // world_size)
+    mbs = cfg.train.micro_batch_size
+    if mbs == AUTO or int(mbs) <= per_rank:
+        return cfg, None
+    line = (
+        f"train.micro_batch_size={mbs} is more than the {per_rank} responses a rank trains on per "
+        f"step: microbatches of {per_rank}"
     )
+    return dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, micro_batch_size=per_rank)), line
+
+
+def smallest_need(cfg: Config, arch: Arch, gpu_bytes: float) -> float:
+    """The fewest bytes a card needs for ``cfg``: training with microbatch 1, and (vLLM) the
+    trainer's resident state plus vLLM's weights, workspace and one sequence of KV cache."""
+    one = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, micro_batch_size=1))
+    mp = plan_memory(one, arch, gpu_bytes)
+    need = mp.train_peak
+    if cfg.rollout.backend == "vllm":
+        resident = mp.weights + mp.optimizer + mp.ref_model + mp.reserve
+        kv = mp.seq_tokens * mp.vllm_kv_per_token
+        need = max(need, resident + mp.vllm_weights + VLLM_WORKSPACE_BYTES + kv)
+    return need
+
+
+@cli_errors
+def main(argv: list[str] | None = None, prog: str = "python -m grpo_fast.plan") -> int:
+    p = argparse.ArgumentParser(prog=prog, description="Print the memory budget of a preset.")
     p.add_argument("--preset", default="rtx4090")
     p.add_argument("--config", action="append", default=[], metavar="FILE.yaml")
     p.add_argument("--gpu-mem-gb", type=float, default=None, help="card size (default: this GPU's, else 24)")
     p.add_argument("overrides", nargs="*", metavar="key=value")
     args = p.parse_args(argv)
     cfg = load_config(args.preset, args.config, args.overrides, check_device=False)
+    if args.gpu_mem_gb is not None and not (math.isfinite(args.gpu_mem_gb) and args.gpu_mem_gb > 0):
+        raise ConfigError(f"--gpu-mem-gb must be a card size in GB, above 0; got {args.gpu_mem_gb:g}")
     if args.gpu_mem_gb is not None:
         gpu = args.gpu_mem_gb * GB
     elif torch.cuda.is_available():
         gpu = torch.cuda.get_device_properties(0).total_memory
     else:
         gpu = 24 * GB
+    need = smallest_need(cfg, arch_for(cfg), gpu)
+    if need > gpu:
+        fixes = ["a lower rollout.max_tokens"]
+        fixes += [] if cfg.model.gradient_checkpointing else ["model.gradient_checkpointing=true"]
+        fixes += [] if cfg.train.optimizer == "adamw8bit" else ["train.optimizer=adamw8bit"]
+        kv = ", one sequence of vLLM KV cache" if cfg.rollout.backend == "vllm" else ""
+        raise ConfigError(
+            f"a {gpu / GB:.1f} GB card is too small for preset {args.preset!r}: its smallest plan "
+            f"(microbatch 1{kv}) needs {need / GB:.1f} GB; try {', '.join(fixes)}"
+        )
     plan = plan_memory(cfg, arch_for(cfg), gpu)
     print(
         f"memory plan for preset {args.preset!r}: {cfg.model.name_or_path} ({arch_for(cfg).num_params / 1e9:.2f} B parameters)"
