@@ -78,3 +78,104 @@ def test_rollout_vllm_cpu(benchmark, tmp_path):
     backend.update_weights(model)  # as the loop does before every rollout
     _bench(benchmark, backend, prompts, params, "vllm")
     benchmark.extra_info["versions"]["vllm"] = vllm.__version__
+
+
+# LoRA (issue 21): the same work on a rank-16 adapter (configs/lora.yaml) over the tiny model.
+# hf: generate on the peft model with the adapter unmerged (what the loop does) against a merged
+# copy (merge_and_unload: no adapter branch per linear). vllm: decoding with the adapter as a LoRA
+# request against the adapter merged into full weights; and the time of one push per sync mode.
+
+
+def _lora_work():
+    """The tiny work on a peft model: rank 16, alpha 32, lora_B random (a trained adapter)."""
+    from grpo_fast.config import load_config
+    from grpo_fast.policy.model import load_policy
+
+    tok, _, prompts, params = _work()
+    cfg = load_config("tiny", ["configs/lora.yaml"], check_device=False)
+    torch.manual_seed(0)
+    model = load_policy(cfg, tok, torch.device("cpu"))
+    g = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.copy_(0.1 * torch.randn(p.shape, generator=g))
+    return tok, model, prompts, params
+
+
+@pytest.mark.benchmark(group="rollout-lora-cpu")
+@pytest.mark.parametrize("mode", ["unmerged", "merged"])
+def test_rollout_hf_lora_cpu(benchmark, mode):
+    import copy
+
+    tok, model, prompts, params = _lora_work()
+    if mode == "merged":
+        model = copy.deepcopy(model).merge_and_unload()
+    _bench(
+        benchmark, HFBackend(model, tok, generation_batch_size=PROMPTS * GROUP), prompts, params, f"hf {mode}"
+    )
+
+
+def _plain_base(model):
+    """The peft model's base as a plain transformers model (the adapter's wrappers taken off)."""
+    from transformers import AutoModelForCausalLM
+
+    base = model.get_base_model()
+    plain = AutoModelForCausalLM.from_config(base.config)
+    state = {k.replace(".base_layer.", "."): v for k, v in base.state_dict().items() if ".lora_" not in k}
+    plain.load_state_dict(state, strict=False)
+    plain.tie_weights()
+    return plain
+
+
+def _lora_engine(tok, model, folder, lora_rank: int):
+    from grpo_fast.config import load_config
+    from grpo_fast.rollout.vllm import VLLMEngine
+
+    _plain_base(model).save_pretrained(folder)
+    tok.save_pretrained(folder)
+    return VLLMEngine(
+        str(folder), gpu_memory_utilization=0.3, max_model_len=32, seed=0, dtype="float32",
+        extra_args=dict(load_config("tiny", check_device=False).rollout.vllm_kwargs), lora_rank=lora_rank,
+    )  # fmt: skip
+
+
+@pytest.mark.vllm
+@pytest.mark.benchmark(group="rollout-lora-cpu")
+@pytest.mark.parametrize("mode", ["adapter", "merged"])
+def test_rollout_vllm_lora_cpu(benchmark, tmp_path, mode):
+    import vllm
+
+    from grpo_fast.rollout.vllm import VLLMBackend
+
+    tok, model, prompts, params = _lora_work()
+    engine = _lora_engine(tok, model, tmp_path, lora_rank=16 if mode == "adapter" else 0)
+    backend = VLLMBackend(engine, tok, sleep_level=0, lora_sync=mode)
+    backend.update_weights(model)
+    _bench(benchmark, backend, prompts, params, f"vllm {mode}")
+    benchmark.extra_info["versions"]["vllm"] = vllm.__version__
+
+
+@pytest.mark.vllm
+@pytest.mark.benchmark(group="vllm-push-cpu")
+@pytest.mark.parametrize("mode", ["full", "adapter", "merged"])
+def test_vllm_push_cpu(benchmark, tmp_path, mode):
+    """One weight push: the whole model (full fine-tuning), the adapter alone (a peft folder in
+    /dev/shm and a new LoRA request), or the adapter merged into full weights."""
+    import vllm
+
+    from grpo_fast.rollout.vllm import VLLMBackend
+
+    tok, model, _, _ = _lora_work()
+    engine = _lora_engine(tok, model, tmp_path, lora_rank=16 if mode == "adapter" else 0)
+    pushed = _plain_base(model) if mode == "full" else model
+    backend = VLLMBackend(engine, tok, sleep_level=0, lora_sync=None if mode == "full" else mode)
+    backend.update_weights(pushed)  # warm-up: the first adapter load compiles nothing, but allocates
+    step = iter(range(1, 10**6))
+    benchmark.pedantic(lambda: backend.update_weights(pushed, step=next(step)), rounds=ROUNDS)
+    benchmark.extra_info.update(
+        impl=f"push {mode}",
+        case="tiny model + rank-16 adapter (configs/lora.yaml), fp32",
+        load_average_1m=os.getloadavg()[0],
+        versions={"torch": torch.__version__, "vllm": vllm.__version__},
+    )
