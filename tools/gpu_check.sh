@@ -22,7 +22,8 @@
 #   has the chunk_size axis, 384 to 4,096 rows at N = 8,192, V = 151,936 bf16; the train-step file
 #   has the rtx4090 preset on a card capped at 24 GB, skipped without bitsandbytes), the vLLM step
 #   (2 steps of the tiny preset's loop with rollout.backend=vllm, rollout.sleep_level=1, on its
-#   random Qwen2 saved offline; skipped without vllm) 120 s, report 30 s.
+#   random Qwen2 saved offline; skipped without vllm) 120 s, the same with configs/qlora.yaml (NF4
+#   base, adapter sync to vLLM) 90 s, report 30 s. The fused op's file has the frozen_head axis too.
 #   Expected on an H200: ≈ 8-9 min; the budget keeps the whole script under 10 min.
 #
 # OUTDIR gets 9 files: env.json (versions, GPU, copy bandwidth, every part's command, status and
@@ -201,6 +202,12 @@ else
     run_part vllm-steps 120 "$OUT/vllm.log" "$PY" -m grpo_fast.train --preset tiny device=cuda \
         rollout.backend=vllm rollout.sleep_level=1 rollout.gpu_memory_utilization=0.3 steps=2 \
         sft.steps=0 eval_every=0 checkpoint_every=0 "output_dir=$TMP/vllm-run"
+    # QLoRA on CUDA: the NF4 base under bf16 autocast, vLLM served the dequantized base once and the
+    # adapter as a LoRA request after every step (rollout.lora_sync=adapter), the weight-sync check on
+    run_part qlora-vllm-steps 90 "$OUT/vllm.log" "$PY" -m grpo_fast.train --preset tiny device=cuda \
+        --config configs/qlora.yaml rollout.backend=vllm rollout.sleep_level=1 \
+        rollout.gpu_memory_utilization=0.3 steps=2 sft.steps=0 eval_every=0 checkpoint_every=0 \
+        "output_dir=$TMP/qlora-vllm-run"
 fi
 
 # ---- bench.json (all files, each case with its command), BENCHMARKS.md, env.json, summary.md
