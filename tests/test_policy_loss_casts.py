@@ -287,9 +287,12 @@ def test_microbatch_step_issues_no_host_device_sync():
     mbs = [mb.to(device) for mb in make_microbatches(seqs, 2, pad_id=0, packing=False)]
     policy(mbs[0], LossOptions(), 1.0).loss.backward()  # warm-up: triton compiles, the allocator grows
     opt.zero_grad(set_to_none=True)
+    before = [p.detach().clone() for p in model.parameters()]
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
     try:
+        with pytest.raises(RuntimeError, match="synchroniz"):  # the guard is armed: a sync raises
+            torch.ones(1, device=device).item()
         for mb in mbs:
             policy(mb, LossOptions(), 1.0).loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
@@ -298,3 +301,4 @@ def test_microbatch_step_issues_no_host_device_sync():
     finally:
         torch.cuda.set_sync_debug_mode("default")
     torch.cuda.synchronize()
+    assert all(not torch.equal(b, p) for b, p in zip(before, model.parameters()))  # the step ran
