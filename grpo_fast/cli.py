@@ -54,14 +54,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"error: unknown command {name!r}; commands: {', '.join(COMMANDS)}", file=sys.stderr)
         return 2
     module = importlib.import_module(COMMANDS[name][0])
+    prog = f"grpo-fast {name}"  # usage lines as the user typed the command
     if name == "train":  # its own --help lists the presets and keys
-        return module.main(rest, prog="grpo-fast train")
+        return module.main(rest, prog=prog)
     if name in WITH_PRESETS and any(a in ("-h", "--help") for a in rest):
         try:
-            return module.main(rest)
+            return module.main(rest, prog=prog)
         finally:  # argparse exits after printing the help: add the presets and keys below it
             print(f"\n{presets_and_keys_help()}")
-    return module.main(rest)
+    return module.main(rest, prog=prog)
 
 
 if __name__ == "__main__":

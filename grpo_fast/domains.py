@@ -84,10 +84,10 @@ class Range(Domain):
             return None
         kind = "an integer" if self.integer else "a number"
         numeric = isinstance(value, (int, float)) and not isinstance(value, bool)
-        if not numeric or (self.integer and not float(value).is_integer()):
+        if not numeric or (self.integer and not (isinstance(value, int) or float(value).is_integer())):
             prefix = "'auto' or " if self.auto_ok else ""
             return f"{label} must be {prefix}{kind}, got {value!r}"
-        if not math.isfinite(value):
+        if isinstance(value, float) and not math.isfinite(value):  # (an int is finite, however long)
             return f"{label}={value} is not a finite number"
         below = self.lo is not None and (value <= self.lo if self.lo_open else value < self.lo)
         above = self.hi is not None and (value >= self.hi if self.hi_open else value > self.hi)

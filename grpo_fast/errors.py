@@ -50,7 +50,8 @@ class Preempted(UserError):
 
 def cli_errors(main: Callable[..., int | None]) -> Callable[..., int]:
     """Decorate a CLI ``main``: a ``UserError`` becomes ``error: <message>`` on stderr and its
-    ``exit_code`` (2; ``Preempted``: 128 + the signal number)."""
+    ``exit_code`` (2; ``Preempted``: 128 + the signal number); a Ctrl-C that reaches it, one
+    line and 130 (no traceback)."""
 
     @wraps(main)
     def wrapper(*args, **kwargs) -> int:
@@ -60,5 +61,8 @@ def cli_errors(main: Callable[..., int | None]) -> Callable[..., int]:
             msg = " ".join(str(exc).split())  # one line, whatever the message held
             print(f"error: {msg}", file=sys.stderr)
             return exc.exit_code
+        except KeyboardInterrupt:  # Ctrl-C where no phase handles it (loading, a tool's work)
+            print("error: interrupted (SIGINT): nothing more was done", file=sys.stderr)
+            return 128 + 2
 
     return wrapper

@@ -31,6 +31,11 @@ Each step reads top to bottom (the phases live in ``grpo_fast.loop``):
                         entropy coefficient; the step and non-finite-step counters
     step_metrics        the metrics row                                       loop/stats.py
     end_of_step         health, eval, samples, log; stops; checkpoint         loop/step_end.py
+
+Around it: one run per ``output_dir`` (a lock held for the run's life; a used folder needs
+``resume=true`` or ``overwrite=true``; a resume keeps the run-defining keys:
+``grpo_fast.obs.run_folder``), and SIGTERM/SIGINT, which stop each phase at the end of its
+current unit with what can be resumed written (``grpo_fast.loop.preempt``).
 """
 
 from __future__ import annotations
@@ -47,11 +52,13 @@ from grpo_fast import dist
 from grpo_fast.config import Config, load_config, presets_and_keys_help
 from grpo_fast.errors import ConfigError, cli_errors
 from grpo_fast.loop import preempt
+from grpo_fast.loop.checkpointing import stop_within
 from grpo_fast.loop.optimization import optimization_phase
 from grpo_fast.loop.rollout_phase import rollout_phase
 from grpo_fast.loop.setup import setup
 from grpo_fast.loop.stats import step_metrics
 from grpo_fast.loop.step_end import end_of_step, finish
+from grpo_fast.obs import run_folder
 from grpo_fast.obs.metrics import PhaseProgress, reset_peak_memory
 from grpo_fast.policy.model import quiet_transformers, resolve_device
 
@@ -96,7 +103,8 @@ def run(cfg: Config, engine=None) -> Path:
     device = resolve_device(cfg)
     world = dist.init(device.type)
     try:
-        with preempt.handle_signals():  # SIGTERM/SIGINT: checkpoint at the end of the step, then stop
+        # the folder's lock, for the run's life; SIGTERM/SIGINT: each phase stops at its unit's end
+        with run_folder.claim(out, cfg, world), preempt.handle_signals(out, not world.enabled):
             return _train(cfg, device, world, out, engine)
     finally:
         dist.shutdown()
@@ -121,12 +129,13 @@ def _train(cfg: Config, device: torch.device, world: dist.DistInfo, out: Path, e
     → metrics → end of step (health, eval, log, stops, checkpoint); then the final model."""
     t_start = time.perf_counter()
     run = setup(cfg, device, world, out, engine)
-    cfg = run.cfg  # with the planner's "auto" values resolved
+    cfg, first = run.cfg, run.state.step  # with the planner's "auto" values resolved
     with PhaseProgress(cfg.logging.progress and world.is_main, cfg.steps, run.state.step) as progress:
         for step in range(run.state.step + 1, cfg.steps + 1):
             t0 = time.perf_counter()
             reset_peak_memory(device)
-            batch = rollout_phase(run, step, progress)
+            with stop_within(run, step - 1, f"step {step}'s rollout"):  # a signal: step - 1's checkpoint
+                batch = rollout_phase(run, step, progress)
             result = optimization_phase(run, step, batch, progress)
             totals = result.stats.global_totals(
                 world, device, batch.raw_rewards, batch.rollout, batch.reward_meta, result.skipped_tokens
@@ -138,7 +147,7 @@ def _train(cfg: Config, device: torch.device, world: dist.DistInfo, out: Path, e
             run.state.finish_step(step, applied=not result.stats.nonfinite)
             row = step_metrics(run, step, batch, result, totals, time.perf_counter() - t0)
             end_of_step(run, step, batch, result, row, progress)
-    finish(run, t_start)
+    finish(run, t_start, first)
     return out
 
 

@@ -135,7 +135,7 @@ def test_config_file_after_overrides_is_accepted():
 # ----------------------------------------------------------------------------------------------
 
 
-def test_dry_run_prints_sources_plan_and_data_and_loads_no_model(monkeypatch, capsys):
+def test_dry_run_prints_sources_plan_and_data_and_loads_no_model(monkeypatch, capsys, tmp_path):
     def no_model(*a, **k):
         raise AssertionError("the dry run loaded a model")
 
@@ -146,13 +146,16 @@ def test_dry_run_prints_sources_plan_and_data_and_loads_no_model(monkeypatch, ca
             "train",
             "steps=3",
             "model.name_or_path=/nonexistent/model",
+            f"output_dir={tmp_path / 'run'}",
             "--config",
             "configs/dapo.yaml",
             "--dry-run",
         ]
     )
-    assert code == 0
-    out = capsys.readouterr().out
+    captured = capsys.readouterr()
+    assert code == 2  # the real run would stop on the missing folder: the same line
+    assert captured.err == "error: model.name_or_path='/nonexistent/model': no such folder\n"
+    out = captured.out
     lines = {line.split("=")[0].strip(): line for line in out.splitlines() if " = " in line}
     assert lines["steps"].endswith("# override") and "= 3 " in lines["steps"]
     assert lines["seed"].endswith("# default")
@@ -171,8 +174,8 @@ def test_dry_run_prints_sources_plan_and_data_and_loads_no_model(monkeypatch, ca
     assert "no model was loaded" in out
 
 
-def test_dry_run_shows_the_prompt_as_tokens_with_the_builtin_tokenizer(capsys):
-    assert cli.main(["train", "--dry-run", "--preset", "tiny"]) == 0
+def test_dry_run_shows_the_prompt_as_tokens_with_the_builtin_tokenizer(capsys, tmp_path):
+    assert cli.main(["train", "--dry-run", "--preset", "tiny", f"output_dir={tmp_path / 'run'}"]) == 0
     out = capsys.readouterr().out
     assert "as the model sees it: 6 tokens" in out  # "75+60=" is one token per character
     assert "'7' '5' '+' '6' '0' '='" in out
@@ -193,12 +196,12 @@ def test_dry_run_of_a_gpu_preset_on_a_cpu_plans_24_gb_and_says_it_cannot_run(cap
     assert "error: preset 'rtx4090' needs a CUDA GPU" in captured.err
 
 
-def test_dry_run_in_a_fresh_process_loads_no_model():
+def test_dry_run_in_a_fresh_process_loads_no_model(tmp_path):
     """What keeps the dry run to seconds: in a fresh process it resolves the tiny preset without
     building its model, and a model that does not exist is only named, never read (no traceback:
     at most the one-line error the real run would stop on). Its wall time is not asserted here."""
     run = lambda *extra: subprocess.run(
-        [sys.executable, "-m", "grpo_fast.train", "--dry-run", *extra],
+        [sys.executable, "-m", "grpo_fast.train", "--dry-run", f"output_dir={tmp_path / 'run'}", *extra],
         capture_output=True, text=True, cwd=ROOT, timeout=120,
     )  # fmt: skip
     res = run()
@@ -287,7 +290,7 @@ def test_wandb_resume_continues_the_same_run(tmp_path, monkeypatch):
     assert first["id"] == second["id"] == (out / "wandb_run_id").read_text().strip()
     assert second["resume"] == "allow" and first["mode"] == "offline"  # no WANDB_API_KEY here
     assert fake.logged == [[1, 2], [3, 4]]  # the resumed run logs on from step 3 into the same run
-    assert cli.main(["train", *common, "steps=2"]) == 0  # a new run in the same folder: a new id
+    assert cli.main(["train", *common, "steps=2", "overwrite=true"]) == 0  # a new run there: a new id
     assert fake.inits[2]["id"] != first["id"]
 
 

@@ -2,18 +2,30 @@
 
 The model and tokenizer in Hugging Face format, and ``trainer_state.pt`` with the optimizer, the
 LR schedule, the prompt sampler, the health monitor, the KL controller, the pass-rate table, the
-frozen reference model when there is one, every rank's RNG states and the step and β
-(``grpo_fast.policy.checkpoint`` writes and reads the folders).
+frozen reference model when there is one, every rank's RNG states, the step and β, and the
+number of warm-start steps (``grpo_fast.policy.checkpoint`` writes and reads the folders).
+
+And what a stop writes (``grpo_fast.loop.preempt``): ``stop_within`` turns a signal in a phase
+that changes no weights (a rollout, the evaluation before GRPO) into the checkpoint of the step
+before it, written from the state the phase began with, so that a resume is exact; the warm
+start's progress goes to ``checkpoints/sft_warm_start`` (``save_sft_progress``).
 """
 
 from __future__ import annotations
 
+import contextlib
+import random
+import shutil
 from pathlib import Path
 
 from grpo_fast import dist
-from grpo_fast.errors import ConfigError
+from grpo_fast.errors import ConfigError, Preempted
+from grpo_fast.loop import preempt
 from grpo_fast.loop.state import Run, TrainState
+from grpo_fast.obs.run_folder import SFT_PROGRESS
 from grpo_fast.policy import checkpoint as ckpt
+
+_DELETE_IT = "delete the folder to resume from the checkpoint before it"
 
 
 def save_checkpoint(run: Run, step: int) -> None:
@@ -28,6 +40,7 @@ def save_checkpoint(run: Run, step: int) -> None:
             "health": run.health.state_dict(),
             "rng": rngs,
             "world_size": run.world.world_size,
+            "sft_steps": run.sft_steps,
         }
         if run.kl_ctl is not None:
             extra["kl_controller"] = run.kl_ctl.state_dict()
@@ -43,6 +56,7 @@ def save_checkpoint(run: Run, step: int) -> None:
 
 def restore(run: Run, path: Path) -> None:
     """Load the checkpoint at ``path`` into ``run`` (the same number of ranks that wrote it)."""
+    ckpt.check_model_folder(path, _DELETE_IT)
     saved = ckpt.load_state(path)
     if saved["world_size"] != run.world.world_size:
         raise ConfigError(
@@ -61,4 +75,66 @@ def restore(run: Run, path: Path) -> None:
     if run.pass_rates is not None and "pass_rates" in saved:
         run.pass_rates.load_state_dict(saved["pass_rates"])
     run.state = TrainState.from_state_dict(saved["train_state"])
+    run.sft_steps = int(saved.get("sft_steps", run.sft_steps))
     ckpt.set_rng_state(saved["rng"][run.world.rank])
+
+
+@contextlib.contextmanager
+def stop_within(run: Run, step: int, what: str):
+    """A phase after step ``step`` that changes no weights (``what``: "step 8's rollout", "the
+    evaluation before GRPO"), stopped by a signal at the end of its current unit
+    (``preempt.Interrupt``, one process only): the sampler's position, the RNG streams and the
+    pass rates — all such a phase changes — are put back as they were when it began, the
+    checkpoint of ``step`` is written if it is not there, and ``Preempted`` says which."""
+    if run.world.enabled:  # data parallel: the step runs to its end (grpo_fast.loop.preempt)
+        yield
+        return
+    sampler, rng = run.sampler.state_dict(), ckpt.rng_state()
+    rates = run.pass_rates.state_dict() if run.pass_rates is not None else None
+    try:
+        preempt.check_unit()  # a signal before the phase began: not a unit of it
+        yield
+    except preempt.Interrupt as stop:
+        run.sampler.load_state_dict(sampler)
+        ckpt.set_rng_state(rng)
+        if rates is not None:
+            run.pass_rates.load_state_dict(rates)
+        words = _resume_point(run, step)
+        raise Preempted(f"{preempt.signal_name(stop.signum)} during {what}: {words}", stop.signum) from None
+
+
+def _resume_point(run: Run, step: int) -> str:
+    """Write the checkpoint of ``step`` unless it is there (or there is nothing to keep: step 0
+    without a warm start); what resume=true will do, in words."""
+    where = run.ckpt_root / ckpt.step_dir_name(step)
+    if step == 0 and run.sft_steps == 0:
+        return "nothing was written (no step had finished); resume=true starts the run over"
+    if (where / ckpt.STATE_FILE).is_file():
+        return f"checkpoint {where} of step {step} is there; resume=true continues from there"
+    save_checkpoint(run, step)
+    kept = " (the warm-started model)" if step == 0 else ""
+    return f"checkpoint {where} of step {step}{kept} written; resume=true continues from there"
+
+
+def save_sft_progress(out: Path, model, tokenizer, step: int, optimizer, rng: random.Random) -> Path:
+    """A stopped warm start after ``step``: its weights, optimizer, batch order and RNG streams."""
+    path = out / "checkpoints" / SFT_PROGRESS
+    extra = {"sft_step": step, "optimizer": optimizer.state_dict(), "sft_rng": rng.getstate()}
+    ckpt.save_pretrained_atomic(model, tokenizer, path, extra={**extra, "rng": ckpt.rng_state()})
+    return path
+
+
+def load_sft_progress(path: Path, model, optimizer, rng: random.Random) -> int:
+    """Put a stopped warm start back (``save_sft_progress``); returns the step it stopped after."""
+    ckpt.check_model_folder(path, "delete the folder to start the warm start over")
+    saved = ckpt.load_state(path)
+    ckpt.load_model_weights(model, path)
+    optimizer.load_state_dict(saved["optimizer"])
+    version, internal, gauss = saved["sft_rng"]
+    rng.setstate((version, tuple(internal), gauss))
+    ckpt.set_rng_state(saved["rng"])
+    return int(saved["sft_step"])
+
+
+def remove_sft_progress(out: Path) -> None:
+    shutil.rmtree(out / "checkpoints" / SFT_PROGRESS, ignore_errors=True)

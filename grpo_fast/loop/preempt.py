@@ -1,12 +1,20 @@
-"""Preemption: SIGTERM (a scheduler's notice) and SIGINT (Ctrl-C) end the run at a step boundary.
+"""Preemption: SIGTERM (a scheduler's notice) and SIGINT (Ctrl-C) stop the run within seconds, in
+whatever phase it is, leaving what can be resumed.
 
-``handle_signals()`` wraps a run: the first SIGTERM/SIGINT only sets a flag, the loop finishes the
-step it is in, writes a checkpoint (atomically, as every checkpoint) and raises ``Preempted``
-(one line saying where; exit code 128 + the signal number). A second signal is not deferred: it
-acts as it would have without us (SIGINT raises ``KeyboardInterrupt``, SIGTERM kills).
+``handle_signals()`` wraps a run: the first SIGTERM/SIGINT only records the signal. Each phase
+notices it at the end of its current unit of work and stops there:
 
-Data parallel, every rank gets the signal (torchrun forwards it) but not necessarily in the same
-step; ``pending`` all-reduces the flag so that every rank stops after the same step.
+- the SFT warm start after its current step (``pending``, every rank), saving its progress;
+- a rollout or an evaluation after its current generate chunk (``check_unit`` raises
+  ``Interrupt``; one process only: data parallel, a rank that stopped alone would leave the
+  others waiting in a collective, so there they run to the step's end);
+- the optimization phase and a checkpoint write run to the step's end, where ``pending``
+  all-reduces the flag so that every rank stops after the same step.
+
+What each phase writes then (``grpo_fast.loop.checkpointing``) ends in ``Preempted``: one line
+saying what was written, exit code 128 + the signal number. A second signal does not wait: it
+prints one line and exits at once with the same code (``os._exit``: no traceback, no cleanup; a
+checkpoint being written is left as a ``.tmp`` folder, which is never read).
 """
 
 from __future__ import annotations
@@ -15,6 +23,7 @@ import contextlib
 import os
 import signal
 import threading
+from pathlib import Path
 
 import torch
 
@@ -23,15 +32,27 @@ from grpo_fast import dist
 SIGNALS = (signal.SIGTERM, signal.SIGINT)
 _received: list[int] = []  # the signals received since handle_signals() was entered, in order
 _previous: dict[int, object] = {}  # the handlers handle_signals() replaced, restored on exit
+_units = {"interruptible": False, "where": ""}  # check_unit raises; the run folder, for the line
+
+
+class Interrupt(Exception):
+    """A signal arrived and the current unit of work (a generate chunk) has ended: the phase
+    stops here, and the caller writes what can be resumed."""
+
+    def __init__(self, signum: int):
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
 
 
 def _on_signal(signum: int, frame) -> None:
-    if _received:  # a second signal: stop deferring, act as the handler before ours
-        _restore_previous()
-        if signum == signal.SIGINT:
-            raise KeyboardInterrupt
-        os.kill(os.getpid(), signum)
-        return
+    if _received:  # a second signal: stop now, with one line
+        where = _units["where"]
+        kept = f"the complete checkpoints in {where} are intact" if where else "nothing more was written"
+        line = f"error: second {signal.Signals(signum).name}: stopped at once; {kept}\n"
+        if os.isatty(2):
+            line = "\x1b[?25h" + line  # a progress bar hides the cursor: show it again
+        os.write(2, line.encode())
+        os._exit(128 + signum)
     _received.append(signum)
 
 
@@ -42,13 +63,16 @@ def _restore_previous() -> None:
 
 
 @contextlib.contextmanager
-def handle_signals():
-    """Defer SIGTERM/SIGINT to the next step boundary inside the block (main thread only; a
-    no-op elsewhere, where Python cannot install signal handlers)."""
+def handle_signals(out: Path | None = None, interruptible_units: bool = True):
+    """Record SIGTERM/SIGINT inside the block for the phases to stop on (main thread only; a
+    no-op elsewhere, where Python cannot install signal handlers). ``out``: the run folder,
+    named by the second signal's line; ``interruptible_units``: whether ``check_unit`` may stop
+    a rollout or an evaluation mid-way (False data parallel)."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
     _received.clear()
+    _units.update(interruptible=interruptible_units, where=str(Path(out) / "checkpoints") if out else "")
     for signum in SIGNALS:
         _previous[signum] = signal.signal(signum, _on_signal)
     try:
@@ -56,6 +80,30 @@ def handle_signals():
     finally:
         _restore_previous()
         _received.clear()
+        _units.update(interruptible=False, where="")
+
+
+def signal_name(signum: int) -> str:
+    return signal.Signals(signum).name
+
+
+def check_unit() -> None:
+    """At the end of a unit of work that may be abandoned (a generate chunk of a rollout or an
+    evaluation): ``Interrupt`` when a signal has arrived and units are interruptible."""
+    if _received and _units["interruptible"]:
+        raise Interrupt(_received[0])
+
+
+def unit_callback(progress):
+    """``progress`` (a per-chunk callback, or None) followed by ``check_unit``: what the loop
+    hands to a rollout or an evaluation."""
+
+    def advance(n: int = 1) -> None:
+        if progress is not None:
+            progress(n)
+        check_unit()
+
+    return advance
 
 
 def pending(world: dist.DistInfo, device: torch.device) -> int | None:

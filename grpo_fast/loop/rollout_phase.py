@@ -24,6 +24,7 @@ from grpo_fast.algo.core import (
     normalize_group_rewards,
     overlong_penalty,
 )
+from grpo_fast.loop import preempt
 from grpo_fast.loop.state import Run
 from grpo_fast.obs.metrics import PhaseProgress
 from grpo_fast.policy.batch import Sequence, make_microbatches
@@ -235,7 +236,8 @@ def _generate_round(
     params = sampling_params(r, run.task.stop, temperature=temperature, seed=seed)
     progress.phase("rollout" if round_ == 0 else f"rollout {round_ + 1}", len(prompt_ids))
     with sampling_rng(params.seed if world.enabled else None, run.device):
-        rollout = generate_groups(run.backend, prompt_ids, sizes, params, progress=progress.advance_phase)
+        advance = preempt.unit_callback(progress.advance_phase)  # a signal: stop after this chunk
+        rollout = generate_groups(run.backend, prompt_ids, sizes, params, progress=advance)
     run.backend.sleep()
     gts = [e.answer for e, k in zip(examples, sizes) for _ in range(k)]
     scores = [reward_fn(text, gt) for text, gt in zip(rollout.response_text, gts)]

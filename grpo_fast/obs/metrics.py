@@ -1,5 +1,9 @@
 """Metrics: ``metrics.jsonl`` (one JSON object per line, ``step`` + namespaced keys), optional
-wandb, a one-line step summary and per-phase progress bars on the console.
+wandb, a one-line step summary with the time left and per-phase progress bars on the console.
+
+The console is stderr (progress, step lines, events); only a command's result goes to stdout
+(``train``: the final summary), so that ``> log`` captures the result and the terminal shows
+the progress.
 """
 
 from __future__ import annotations
@@ -9,6 +13,7 @@ import math
 import os
 import resource
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -80,14 +85,33 @@ def wandb_run_id(output_dir: Path, resume: bool) -> str:
     return run_id
 
 
+def format_eta(seconds: float) -> str:
+    """A duration as a person reads it: ``"45s"``, ``"3m05s"``, ``"2h07m"``.
+
+    Example:
+        >>> format_eta(45.2), format_eta(185), format_eta(7620)
+        ('45s', '3m05s', '2h07m')
+    """
+    s = max(0, round(seconds))
+    if s < 60:
+        return f"{s}s"
+    if s < 3600:
+        return f"{s // 60}m{s % 60:02d}s"
+    return f"{s // 3600}h{s % 3600 // 60:02d}m"
+
+
 class MetricsLogger:
     """Appends rows to ``metrics.jsonl`` (flushed per row) and mirrors them to wandb."""
 
     def __init__(self, cfg: Config, output_dir: Path, enabled: bool = True):
         self.enabled = enabled
         self.path = Path(output_dir) / "metrics.jsonl"
-        self.console = Console(stderr=True, highlight=False, soft_wrap=True)
+        # markup off: a line such as "[health] step 3 ..." is printed as it is
+        self.console = Console(stderr=True, highlight=False, soft_wrap=True, markup=False)
         self.wandb = None
+        self._first: tuple[float, int] | None = None  # (time, step) of this process's first step line
+        if enabled:  # health.jsonl is there from the start, empty while there is no event
+            (Path(output_dir) / "health.jsonl").touch()
         if enabled and cfg.logging.wandb:
             try:
                 import wandb
@@ -120,6 +144,33 @@ class MetricsLogger:
         tmp.write_text("".join(ln + "\n" for ln in kept))
         os.replace(tmp, self.path)
 
+    def has_row(self, step: int) -> bool:
+        """Whether ``metrics.jsonl`` holds a row of ``step`` (after a resume: step 0's evaluation)."""
+        if not self.path.is_file():
+            return False
+        for line in self.path.read_text().splitlines():
+            try:
+                if json.loads(line).get("step") == step:
+                    return True
+            except (ValueError, AttributeError):
+                continue
+        return False
+
+    def last_eval(self) -> tuple[int, str, float] | None:
+        """``(step, key, value)`` of the last evaluation in ``metrics.jsonl`` (the whole eval set's
+        when that step has one, else the subset's), or None."""
+        found = None
+        for line in self.path.read_text().splitlines() if self.path.is_file() else []:
+            try:
+                row = json.loads(line)
+            except ValueError:
+                continue
+            for key in ("eval_full/accuracy", "eval/accuracy"):
+                if isinstance(row, dict) and isinstance(row.get(key), (int, float)):
+                    found = (row.get("step"), key, float(row[key]))
+                    break
+        return found
+
     def log(self, step: int, row: dict[str, Any]) -> None:
         if not self.enabled:
             return
@@ -138,9 +189,13 @@ class MetricsLogger:
             )
 
     def summary(self, step: int, total: int, row: dict[str, Any]) -> None:
-        """The one-line step summary."""
+        """The one-line step summary; from this process's second step on, the time left at the
+        mean wall time per step so far (evaluations and checkpoints included)."""
         if not self.enabled:
             return
+        now = time.perf_counter()
+        if self._first is None:
+            self._first = (now, step)
         g = lambda k, fmt: format(row[k], fmt) if isinstance(row.get(k), (int, float)) else "-"
         line = (
             f"step {step}/{total}  reward {g('train/reward_mean', '.3f')}  acc {g('train/accuracy', '.3f')}"
@@ -150,6 +205,9 @@ class MetricsLogger:
         )
         if "eval/accuracy" in row:
             line += f"  eval {row['eval/accuracy']:.3f}"
+        t_first, s_first = self._first
+        if step > s_first and step < total:
+            line += f"  eta {format_eta((now - t_first) / (step - s_first) * (total - step))}"
         self.console.print(line)
 
     def event(self, message: str) -> None:
@@ -162,12 +220,13 @@ class MetricsLogger:
 
 
 class PhaseProgress:
-    """Rich progress bars with ETA: one for the whole run, one for the current phase (rollout,
-    train, eval). Silent when disabled or when stderr is not a terminal (logs stay clean)."""
+    """Rich progress bars with ETA on stderr: one for the whole run (``label``: GRPO steps, or
+    the SFT warm start's), one for the current phase (rollout, train, eval). Silent when
+    disabled or when stderr is not a terminal (logs stay clean)."""
 
-    def __init__(self, enabled: bool, total_steps: int, done_steps: int = 0):
+    def __init__(self, enabled: bool, total_steps: int, done_steps: int = 0, label: str = "GRPO steps"):
         self.enabled = enabled and sys.stderr.isatty()
-        self.total_steps, self.done_steps = total_steps, done_steps
+        self.total_steps, self.done_steps, self.label = total_steps, done_steps, label
         self.progress = None
         self._steps = self._phase = None
 
@@ -184,7 +243,7 @@ class PhaseProgress:
             )
             self.progress.__enter__()
             self._steps = self.progress.add_task(
-                "GRPO steps", total=self.total_steps, completed=self.done_steps
+                self.label, total=self.total_steps, completed=self.done_steps
             )
         return self
 

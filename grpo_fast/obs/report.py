@@ -8,8 +8,14 @@ Reads ``RUN_DIR/metrics.jsonl`` (one JSON object per line with ``step`` and name
 sparse: eval keys only on eval steps), ``RUN_DIR/config.yaml`` and ``RUN_DIR/health.jsonl``
 when present, and writes into ``DIR`` (default ``RUN_DIR/report``) one PNG per entry of
 ``PLOTS`` whose keys appear in the metrics (the others are skipped with a note) and
-``summary.md``: config highlights, first/last/best eval accuracy, health events, the final
-value of every metric, and the plots.
+``summary.md``: config highlights (a value the run resolved from ``auto`` shown with what was
+asked), first/last/best eval accuracy, health events, the final value of every metric, and the
+plots.
+
+The memory plot is titled by what ``memory/peak_gb`` measured: peak GPU memory allocated on
+CUDA, the process's peak RSS on a CPU (the run's device, from ``config.yaml``). The reward band
+(mean ± std) is clipped to the rewards the run's samples (``samples/*.jsonl``) show. Series
+with few points (evaluations) are drawn with markers.
 
 A run killed mid-write leaves a partial last line in ``metrics.jsonl``: it is dropped. Any
 other malformed line is an error naming the line.
@@ -30,6 +36,7 @@ from matplotlib.figure import Figure
 
 from grpo_fast.errors import DataError, UserError, cli_errors
 from grpo_fast.obs.health import SEVERITIES, HealthThresholds
+from grpo_fast.obs.run_folder import RESOLVED_PREFIX
 
 __all__ = [
     "PLOTS",
@@ -97,8 +104,12 @@ PLOTS: tuple[PlotSpec, ...] = (
             Panel("tokens / s", ("throughput/tokens_per_s",)),
         ),
     ),
-    PlotSpec("memory", "Peak GPU memory", (Panel("GB", ("memory/peak_gb",)),)),
+    PlotSpec("memory", "Peak memory", (Panel("GB", ("memory/peak_gb",)),)),  # titled by device
 )
+MEMORY_TITLES = {
+    "cuda": "Peak GPU memory (allocated by torch)",
+    "cpu": "Peak RSS (the process's resident memory, CPU)",
+}
 
 # Config keys shown under "Config highlights": any under a top-level ``model`` section, and any
 # whose last part is one of these (the full config follows, folded).
@@ -134,6 +145,14 @@ class RunData:
     config: dict[str, Any] | None = None
     events: list[dict[str, Any]] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
+    resolved: dict[str, str] = field(default_factory=dict)  # key → what an ``auto`` resolved to
+    reward_range: tuple[float, float] | None = None  # the lowest and highest sampled reward
+
+    @property
+    def device(self) -> str | None:
+        """``cuda`` or ``cpu``: where the run trained (its resolved ``device``), or None."""
+        device = self.resolved.get("device") or (self.config or {}).get("device")
+        return str(device).split(":")[0] if device and device != "auto" else None
 
 
 def read_metrics(path: Path) -> list[dict[str, Any]]:
@@ -186,10 +205,35 @@ def load_run(run_dir: Path) -> RunData:
 
         try:
             run.config = _flatten(OmegaConf.to_container(OmegaConf.load(config_path), resolve=False))
+            run.resolved = _resolved(config_path.read_text(encoding="utf-8", errors="replace"))
         except Exception as exc:  # a report is still useful without the config
             run.notes.append(f"{CONFIG_FILE} could not be read ({type(exc).__name__}: {exc})")
     run.events = _collect_events(run)
+    run.reward_range = _sampled_reward_range(run_dir / "samples")
     return run
+
+
+def _resolved(config_text: str) -> dict[str, str]:
+    """The ``# resolved from auto: key=value, ...`` line the run wrote into ``config.yaml``."""
+    for line in config_text.splitlines():
+        if line.startswith(RESOLVED_PREFIX):
+            pairs = (p.partition("=") for p in line.removeprefix(RESOLVED_PREFIX).split(", "))
+            return {k.strip(): v.strip() for k, eq, v in pairs if eq}
+    return {}
+
+
+def _sampled_reward_range(folder: Path) -> tuple[float, float] | None:
+    """The lowest and highest ``reward`` in the run's sample files, or None without any."""
+    rewards = []
+    for path in sorted(folder.glob("*.jsonl")) if folder.is_dir() else []:
+        for line in path.read_text(encoding="utf-8", errors="replace").splitlines():
+            try:
+                value = json.loads(line).get("reward")
+            except (ValueError, AttributeError):
+                continue
+            if _is_number(value) and math.isfinite(value):
+                rewards.append(float(value))
+    return (min(rewards), max(rewards)) if rewards else None
 
 
 def write_report(run_dir: str | Path, out_dir: str | Path | None = None) -> Path:
@@ -199,7 +243,9 @@ def write_report(run_dir: str | Path, out_dir: str | Path | None = None) -> Path
     out.mkdir(parents=True, exist_ok=True)
     written, skipped = [], []
     for spec in PLOTS:
-        if _render(spec, run.rows, out / f"{spec.name}.png"):
+        if spec.name == "memory" and run.device in MEMORY_TITLES:
+            spec = PlotSpec(spec.name, MEMORY_TITLES[run.device], spec.panels)
+        if _render(spec, run.rows, out / f"{spec.name}.png", run.reward_range):
             written.append(spec)
         else:
             keys = ", ".join(k for p in spec.panels for k in p.keys)
@@ -210,10 +256,8 @@ def write_report(run_dir: str | Path, out_dir: str | Path | None = None) -> Path
 
 
 @cli_errors
-def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
-        prog="python -m grpo_fast.report", description="Plots and a markdown summary of a training run."
-    )
+def main(argv: Sequence[str] | None = None, prog: str = "python -m grpo_fast.report") -> int:
+    parser = argparse.ArgumentParser(prog=prog, description="Plots and a markdown summary of a training run.")
     parser.add_argument("run_dir", metavar="RUN_DIR", help="run directory holding metrics.jsonl")
     parser.add_argument("--out", metavar="DIR", help="output directory (default: RUN_DIR/report)")
     args = parser.parse_args(argv)
@@ -226,8 +270,9 @@ def main(argv: Sequence[str] | None = None) -> int:
 # ----------------------------------------------------------------------------------------------
 
 
-def _render(spec: PlotSpec, rows: list[dict[str, Any]], path: Path) -> bool:
-    """Draw ``spec`` into ``path``; panels without data are left out. False if none has data."""
+def _render(spec: PlotSpec, rows: list[dict[str, Any]], path: Path, reward_range=None) -> bool:
+    """Draw ``spec`` into ``path``; panels without data are left out. False if none has data.
+    A series with at most 30 points, or a quarter of the steps or fewer, gets markers."""
     panels = [(p, [(k, series(rows, k)) for k in p.keys]) for p in spec.panels]
     panels = [(p, [(k, s) for k, s in data if s[0]]) for p, data in panels]
     panels = [(p, data) for p, data in panels if data]
@@ -236,12 +281,13 @@ def _render(spec: PlotSpec, rows: list[dict[str, Any]], path: Path) -> bool:
     # Figure() directly, not pyplot: no global state, no GUI backend; PNGs are drawn with Agg.
     fig = Figure(figsize=(8, 1.2 + 2.6 * len(panels)), layout="constrained")
     axes = fig.subplots(len(panels), 1, sharex=True, squeeze=False)[:, 0]
+    n_steps = len({r.get("step") for r in rows})
     for ax, (panel, data) in zip(axes, panels):
         for key, (steps, values) in data:
-            sparse = key.startswith("eval/") or len(steps) <= 30
-            (line,) = ax.plot(steps, values, marker="o" if sparse else None, markersize=3.5, label=key)
+            sparse = key.startswith("eval") or len(steps) <= 30 or 4 * len(steps) <= n_steps
+            (line,) = ax.plot(steps, values, marker="o" if sparse else None, markersize=4.5, label=key)
             if key == "train/reward_mean":
-                _std_band(ax, rows, steps, values, line.get_color())
+                _std_band(ax, rows, steps, values, line.get_color(), reward_range)
         if spec.name == "entropy":
             t = HealthThresholds()
             ax.axhspan(t.entropy_healthy_low, t.entropy_healthy_high, color="tab:green", alpha=0.12)
@@ -258,16 +304,18 @@ def _render(spec: PlotSpec, rows: list[dict[str, Any]], path: Path) -> bool:
     return True
 
 
-def _std_band(ax, rows, steps, values, color) -> None:
-    """Shade ``reward_mean ± reward_std`` where both are logged on the same rows."""
+def _std_band(ax, rows, steps, values, color, reward_range=None) -> None:
+    """Shade ``reward_mean ± reward_std`` where both are logged on the same rows, within
+    ``reward_range`` (the rewards the samples show: a band of 0/1 rewards stays in [0, 1])."""
     std = dict(zip(*series(rows, "train/reward_std")))
     pairs = [(s, v, std[s]) for s, v in zip(steps, values) if s in std]
     if not pairs:
         return
     xs, mean, sd = zip(*pairs)
-    ax.fill_between(
-        xs, [m - d for m, d in zip(mean, sd)], [m + d for m, d in zip(mean, sd)], color=color, alpha=0.15
-    )
+    lo, hi = reward_range or (-math.inf, math.inf)
+    lower = [max(lo, min(m - d, hi)) for m, d in zip(mean, sd)]
+    upper = [min(hi, max(m + d, lo)) for m, d in zip(mean, sd)]
+    ax.fill_between(xs, lower, upper, color=color, alpha=0.15)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -295,9 +343,11 @@ def _summary_markdown(run: RunData, written: list[PlotSpec], skipped: list[str])
             for k, v in run.config.items()
             if k.split(".", 1)[0] == "model" or k.rsplit(".", 1)[-1] in HIGHLIGHT_LEAVES
         }
-        lines += _table(("key", "value"), [(f"`{k}`", _fmt(v)) for k, v in top.items()]) or ["(none)"]
+        top.update({k: run.config.get(k) for k in run.resolved if k in run.config})
+        value = lambda k, v: _fmt_resolved(k, v, run)
+        lines += _table(("key", "value"), [(f"`{k}`", value(k, v)) for k, v in top.items()]) or ["(none)"]
         lines += ["", "<details><summary>full config</summary>", ""]
-        lines += _table(("key", "value"), [(f"`{k}`", _fmt(v)) for k, v in run.config.items()])
+        lines += _table(("key", "value"), [(f"`{k}`", value(k, v)) for k, v in run.config.items()])
         lines += ["", "</details>"]
     lines += ["", "## Eval accuracy", ""]
     eval_steps, eval_acc = series(run.rows, "eval/accuracy")
@@ -409,6 +459,15 @@ def _flatten(tree: Any, prefix: str = "") -> dict[str, Any]:
         name = f"{prefix}.{key}" if prefix else str(key)
         flat.update(_flatten(value, name) if isinstance(value, dict) and value else {name: value})
     return flat
+
+
+def _fmt_resolved(key: str, value: Any, run: RunData) -> str:
+    """A config value; for one the run resolved from ``auto``, the value it ran with and what
+    was asked: ``0.5 (asked: auto)``."""
+    if key not in run.resolved:
+        return _fmt(value)
+    used = run.resolved[key] if value == "auto" else _fmt(value)
+    return f"{used} (asked: auto)"
 
 
 def _is_number(value: Any) -> bool:

@@ -170,6 +170,8 @@ def write_jsonl(path: str | Path, records: Iterable[Mapping[str, Any]]) -> Path:
 
 
 def _read_file(path: Path) -> Iterator[tuple[str, dict]]:
+    if path.is_dir():
+        raise DataError(f"{path}: a folder, not a data file (give a .jsonl or .parquet file in it)")
     if not path.is_file():
         raise DataError(f"{path}: file not found")
     if path.suffix.lower() not in SUPPORTED_EXTENSIONS:
@@ -190,14 +192,33 @@ def _read_jsonl(path: Path) -> Iterator[tuple[str, dict]]:
                     continue
                 where = f"{path}:{lineno}"
                 try:
-                    record = json.loads(line)
+                    record = json.loads(line, object_pairs_hook=_unique_keys)
                 except json.JSONDecodeError as exc:
                     raise DataError(f"{where}: not valid JSON ({exc.msg} at column {exc.colno})") from None
+                except _DuplicateKey as exc:
+                    raise DataError(
+                        f"{where}: key {exc.args[0]!r} appears twice in one object (JSON keeps the last "
+                        "one without a word): keep one"
+                    ) from None
+                except RecursionError:
+                    raise DataError(f"{where}: not valid JSON (nested too deeply)") from None
                 if not isinstance(record, dict):
                     raise DataError(f"{where}: expected a JSON object, got {type(record).__name__}")
                 yield where, record
     except UnicodeDecodeError as exc:
         raise DataError(f"{path}: not UTF-8 text ({exc.reason} at byte {exc.start})") from None
+
+
+class _DuplicateKey(ValueError):
+    """A JSON object holding a key twice (``json.loads`` would keep the last one)."""
+
+
+def _unique_keys(pairs: list[tuple[str, Any]]) -> dict:
+    obj = dict(pairs)
+    if len(obj) != len(pairs):
+        seen = set()
+        raise _DuplicateKey(next(k for k, _ in pairs if k in seen or seen.add(k)))
+    return obj
 
 
 def _read_parquet(path: Path) -> Iterator[tuple[str, dict]]:

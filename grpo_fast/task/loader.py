@@ -39,18 +39,27 @@ class Task:
     tokenizer: object
     max_prompt_tokens: int
     _ids: dict[str, list[int]] = field(default_factory=dict, repr=False)
+    _longest_token: int = field(default=0, repr=False)  # characters of the vocabulary's longest token
 
     def prompt_text(self, ex: Example) -> str:
         return get_template(self.template).format(ex.question)
 
     def prompt_ids(self, ex: Example) -> list[int]:
-        """Token ids of the prompt, left-truncated to ``rollout.max_prompt_tokens`` (cached)."""
+        """Token ids of the prompt, left-truncated to ``rollout.max_prompt_tokens`` (cached). A
+        prompt far longer than that (more characters than ``max_prompt_tokens + 16`` of the
+        vocabulary's longest tokens) is cut to its end before it is tokenized: bounded memory
+        and time whatever a data line holds."""
         ids = self._ids.get(ex.question)
         if ids is None:
-            ids = self.tokenizer(self.prompt_text(ex))["input_ids"]
+            text = self.prompt_text(ex)
+            if not self._longest_token:
+                self._longest_token = max(map(len, self.tokenizer.get_vocab()), default=1)
+            cut = len(text) - (self.max_prompt_tokens + 16) * self._longest_token
+            ids = self.tokenizer(text[cut:] if cut > 0 else text)["input_ids"]
             if len(ids) > self.max_prompt_tokens:
+                size = f"{len(text):,} characters" if cut > 0 else f"{len(ids)} tokens"
                 warnings.warn(
-                    f"a prompt of {len(ids)} tokens was left-truncated to rollout.max_prompt_tokens="
+                    f"a prompt of {size} was left-truncated to rollout.max_prompt_tokens="
                     f"{self.max_prompt_tokens}",
                     stacklevel=2,
                 )

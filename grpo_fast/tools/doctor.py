@@ -240,9 +240,9 @@ def diagnose(run_triton: bool = True) -> Report:
 
 
 @cli_errors
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None, prog: str = "python -m grpo_fast.doctor") -> int:
     p = argparse.ArgumentParser(
-        prog="python -m grpo_fast.doctor",
+        prog=prog,
         description="What this machine can run: versions, CUDA, presets that fit, Triton kernels.",
     )
     p.add_argument("--no-triton", action="store_true", help="skip the Triton kernel check (seconds on a CPU)")
