@@ -18,6 +18,12 @@ Backward: one program per row, one pass that reads ``z`` and writes
 into ``grad_logits``, which may be ``logits`` itself (each element is read before it is written,
 by the same program).
 
+Truncated sampling (top-k / top-p, ``HAS_THRESHOLD``): each row has a threshold ``τ``
+(``grpo_fast.algo.core.truncation_threshold``, computed by the caller from the same fp32 ``s``);
+both passes treat every ``s_j < τ`` but the label's as ``−inf``, so ``m``, ``S``, ``A``, ``logp``,
+``H`` and ``p_j`` above are those of ``softmax`` over the kept tokens, and a left-out token's
+gradient is 0 (the set is piecewise constant in ``z``).
+
 The rows never interact: a row's outputs do not depend on the other rows of the call (batch
 invariance), and the tile size depends only on ``V``.
 """
@@ -54,6 +60,7 @@ def _token_logprobs_fwd_kernel(
     entropy_ptr,  # [N] fp32 out: H
     row_max_ptr,  # [N] fp32 out: m (0 for a row of only −inf)
     log_norm_ptr,  # [N] fp32 out: log S
+    threshold_ptr,  # [N] fp32: truncated sampling's threshold τ (read only with HAS_THRESHOLD)
     # sizes
     V,
     # strides
@@ -61,9 +68,13 @@ def _token_logprobs_fwd_kernel(
     # runtime scalars
     inv_temperature,
     BLOCK_V: tl.constexpr,
+    HAS_THRESHOLD: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
     row_ptr = logits_ptr + row * stride_logits_n
+    label = tl.load(labels_ptr + row)
+    if HAS_THRESHOLD:
+        thr = tl.load(threshold_ptr + row)
 
     m = float("-inf")  # running max of s
     sum_exp = 0.0  # S = Σ exp(s − m)
@@ -72,6 +83,8 @@ def _token_logprobs_fwd_kernel(
         cols = v0 + tl.arange(0, BLOCK_V)
         z = tl.load(row_ptr + cols, mask=cols < V, other=float("-inf"))
         s = z.to(tl.float32) * inv_temperature  # [BLOCK_V]
+        if HAS_THRESHOLD:  # the tokens truncated sampling leaves out (the label kept): probability 0
+            s = tl.where((s >= thr) | (cols == label), s, float("-inf"))
         m_new = tl.maximum(m, tl.max(s, axis=0))  # [BLOCK_V] -> []
         # A finite reference point: m_new is still −inf while every logit so far is −inf.
         ref = tl.where(m_new == float("-inf"), 0.0, m_new)
@@ -88,7 +101,6 @@ def _token_logprobs_fwd_kernel(
 
     ref = tl.where(m == float("-inf"), 0.0, m)
     log_norm = tl.log(sum_exp)
-    label = tl.load(labels_ptr + row)
     s_label = tl.load(row_ptr + label).to(tl.float32) * inv_temperature
     tl.store(logp_ptr + row, (s_label - ref) - log_norm)
     tl.store(entropy_ptr + row, log_norm - sum_exp_shift / sum_exp)
@@ -116,6 +128,7 @@ def _token_logprobs_bwd_kernel(
     row_max_ptr,  # [N] fp32: m from the forward
     log_norm_ptr,  # [N] fp32: log S from the forward
     entropy_ptr,  # [N] fp32: H from the forward
+    threshold_ptr,  # [N] fp32: the forward's τ (read only with HAS_THRESHOLD)
     # sizes
     V,
     # strides
@@ -125,6 +138,7 @@ def _token_logprobs_bwd_kernel(
     inv_temperature,
     BLOCK_V: tl.constexpr,
     ROUND_BF16_IN_SOFTWARE: tl.constexpr,
+    HAS_THRESHOLD: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
     row_ptr = logits_ptr + row * stride_logits_n
@@ -135,11 +149,16 @@ def _token_logprobs_bwd_kernel(
     ref = tl.load(row_max_ptr + row)
     log_norm = tl.load(log_norm_ptr + row)
     entropy = tl.load(entropy_ptr + row)
+    if HAS_THRESHOLD:
+        thr = tl.load(threshold_ptr + row)
 
     for v0 in range(0, V, BLOCK_V):
         cols = v0 + tl.arange(0, BLOCK_V)
         z = tl.load(row_ptr + cols, mask=cols < V, other=float("-inf"))
-        log_p = (z.to(tl.float32) * inv_temperature - ref) - log_norm  # [BLOCK_V]
+        s = z.to(tl.float32) * inv_temperature  # [BLOCK_V]
+        if HAS_THRESHOLD:  # a left-out token has p = 0: gradient 0
+            s = tl.where((s >= thr) | (cols == label), s, float("-inf"))
+        log_p = (s - ref) - log_norm  # [BLOCK_V]
         p = tl.exp(log_p)
         # p·(log p + H) is 0 where p is 0 (a −inf logit would give 0·(−inf) = NaN); NaN stays NaN.
         ent = tl.where(p == 0.0, 0.0, p * (log_p + entropy))
@@ -152,20 +171,23 @@ def _token_logprobs_bwd_kernel(
 
 
 def token_logprobs_fwd(
-    logits: torch.Tensor, labels: torch.Tensor, inv_temperature: float
+    logits: torch.Tensor, labels: torch.Tensor, inv_temperature: float, threshold: torch.Tensor | None = None
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Launch the forward kernel: ``[N, V], [N] -> (logp, entropy, row_max, log_norm)``, each ``[N]`` fp32.
 
     ``logits`` must have unit stride along V; inputs are assumed valid (``grpo_fast.ops`` checks).
+    ``threshold`` ``[N]`` fp32 contiguous: the truncated distribution's τ per row (module docstring).
     """
     n, v = logits.shape
     outs = tuple(torch.empty(n, dtype=torch.float32, device=logits.device) for _ in range(4))
     if n == 0:
         return outs
     block_v, num_warps = _launch_config(v)
+    has_threshold = threshold is not None
     _token_logprobs_fwd_kernel[(n,)](
-        logits, labels, *outs, v, logits.stride(0), inv_temperature, BLOCK_V=block_v, num_warps=num_warps
-    )
+        logits, labels, *outs, threshold if has_threshold else outs[0], v, logits.stride(0), inv_temperature,
+        BLOCK_V=block_v, HAS_THRESHOLD=has_threshold, num_warps=num_warps,
+    )  # fmt: skip
     return outs
 
 
@@ -179,11 +201,12 @@ def token_logprobs_bwd(
     entropy: torch.Tensor,
     inv_temperature: float,
     out: torch.Tensor,
+    threshold: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Launch the backward kernel: write ``∂loss/∂logits [N, V]`` into ``out`` (may be ``logits``).
 
     ``grad_logp, grad_entropy``: ``[N]`` fp32 contiguous; ``row_max, log_norm, entropy``: the
-    forward's ``[N]`` outputs. Returns ``out``.
+    forward's ``[N]`` outputs; ``threshold``: the forward's. Returns ``out``.
     """
     n, v = logits.shape
     if n == 0:
@@ -201,12 +224,14 @@ def token_logprobs_bwd(
         row_max,
         log_norm,
         entropy,
+        threshold if threshold is not None else entropy,
         v,
         logits.stride(0),
         out.stride(0),
         inv_temperature,
         BLOCK_V=block_v,
         ROUND_BF16_IN_SOFTWARE=round_bf16,
+        HAS_THRESHOLD=threshold is not None,
         num_warps=num_warps,
     )
     return out

@@ -254,7 +254,7 @@ class LossConfig(LossOptions):
     # or rollout.top_p < 1): those of the distribution the sampler drew from, log π(a) − log Σ_kept π
     # (true), or of the full vocabulary (false: what TRL and verl compute, off by the kept mass).
     # auto = true whenever the sampler truncates (grpo_fast.policy.loss.trainer_truncation).
-    truncated_logprobs: Any = option(AUTO, AutoOrBool())
+    truncated_logprobs: bool | str = option(AUTO, AutoOrBool())
     kernel_backend: str = option(AUTO, OneOf(KERNEL_BACKENDS))  # auto | triton | torch_chunked | eager
     # rows of logits per lm_head chunk, or auto (memory budget)
     chunk_size: Any = option(AUTO, Range(1, integer=True, auto_ok=True))

@@ -23,7 +23,17 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["AUTO", "Domain", "DomainError", "OneOf", "Range", "check_fields", "domain_of", "option"]
+__all__ = [
+    "AUTO",
+    "AutoOrBool",
+    "Domain",
+    "DomainError",
+    "OneOf",
+    "Range",
+    "check_fields",
+    "domain_of",
+    "option",
+]
 
 AUTO = "auto"  # a value the planner or the device resolves at run time
 
@@ -109,6 +119,16 @@ class OneOf(Domain):
         if value in self.choices and not isinstance(value, bool):
             return None
         return f"{label}={value!r} is not one of: {', '.join(str(c) for c in self.choices)}"
+
+
+@dataclass(frozen=True)
+class AutoOrBool(Domain):
+    """``"auto"`` (decided at run time from other keys) or a boolean."""
+
+    def problem(self, label: str, value: Any) -> str | None:
+        if value == AUTO or isinstance(value, bool):
+            return None
+        return f"{label}={value!r} is not one of: auto, true, false"
 
 
 def option(

@@ -175,6 +175,7 @@ DOMAINS: dict[str, tuple[list[str], list[str]]] = {
     "rollout.batch_size": (["8"], ["0", "-8", "12"]),  # 12: not a multiple of group_size=8
     "rollout.temperature": (["0.1", "2.0"], ["0", "-1"]),
     "rollout.top_p": (["1.0", "0.5"], ["0", "-0.5", "1.5"]),
+    "rollout.top_k": (["0", "20"], ["-1", "2.5"]),
     "rollout.max_tokens": (["4"], ["0", "-1", "3"]),  # 3: below min_tokens=4
     "rollout.min_tokens": (["0", "4"], ["-1", "2000"]),  # 2000: above max_tokens=1024
     "rollout.max_prompt_tokens": (["1"], ["0", "-1"]),

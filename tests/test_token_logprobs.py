@@ -323,7 +323,8 @@ _COMPILE_FOR_SM90 = textwrap.dedent(
 
     from csrc_triton import token_logprobs as k
 
-    vec = {"labels_ptr": "*i64", "V": "i32", "stride_logits_n": "i32", "inv_temperature": "fp32"}
+    vec = {"labels_ptr": "*i64", "V": "i32", "stride_logits_n": "i32", "inv_temperature": "fp32",
+           "threshold_ptr": "*fp32"}
     for dt in ("bf16", "fp16", "fp32"):
         block_v, num_warps = k._launch_config(151936)
         fwd = {"logits_ptr": f"*{dt}", "logp_ptr": "*fp32", "entropy_ptr": "*fp32",
@@ -331,9 +332,11 @@ _COMPILE_FOR_SM90 = textwrap.dedent(
         bwd = {"logits_ptr": f"*{dt}", "grad_logits_ptr": f"*{dt}", "grad_logp_ptr": "*fp32",
                "grad_entropy_ptr": "*fp32", "row_max_ptr": "*fp32", "log_norm_ptr": "*fp32",
                "entropy_ptr": "*fp32", "stride_grad_n": "i32", **vec}
-        for fn, sig, const in ((k._token_logprobs_fwd_kernel, fwd, {"BLOCK_V": block_v}),
-                               (k._token_logprobs_bwd_kernel, bwd,
-                                {"BLOCK_V": block_v, "ROUND_BF16_IN_SOFTWARE": False})):
+        kernels = [(k._token_logprobs_fwd_kernel, fwd, {"BLOCK_V": block_v}),
+                   (k._token_logprobs_bwd_kernel, bwd, {"BLOCK_V": block_v, "ROUND_BF16_IN_SOFTWARE": False})]
+        # HAS_THRESHOLD: top-k / top-p sampling's masked log-sum-exp, and without it
+        for (fn, sig, const), has in ((kern, h) for kern in kernels for h in (False, True)):
+            const = {**const, "HAS_THRESHOLD": has}
             sig = {name: sig[name] for name in fn.arg_names if name in sig}
             compiled = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=const),
                                       target=GPUTarget("cuda", 90, 32), options={"num_warps": num_warps})

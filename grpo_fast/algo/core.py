@@ -29,11 +29,11 @@ __all__ = [
     "LENGTH_NORMS",
     "SCALE_REWARDS",
     "AdaptiveKLController",
-    "adaptive_entropy_coef",
-    "applied_entropy_coef",
     "GRPOLossOutput",
     "LossParts",
     "RowOutputs",
+    "adaptive_entropy_coef",
+    "applied_entropy_coef",
     "check_sequence_ids_given",
     "compute_entropy",
     "eager_grpo_loss_from_logits",
@@ -50,6 +50,9 @@ __all__ = [
     "normalize_group_rewards",
     "overlong_penalty",
     "sequence_mean",
+    "truncated_logits",
+    "truncates",
+    "truncation_threshold",
     "weighted_grpo_loss",
 ]
 
@@ -430,11 +433,9 @@ def grpo_token_loss(
     - ``cispo`` (MiniMax-M1): ``pg = −sg(clip(r, 1 − clip_low, 1 + clip_high))·A·log π``: the
       importance weight is clipped and detached (``sg``), so every token keeps a gradient,
       ``−ŵ·A·∇log π``, bounded by the clip range instead of cut off.
-    - ``sapo`` (SAPO, arXiv 2511.20347; TRL's ``loss_type="sapo"``): ``pg = −(4/τ)·σ(τ·(r − 1))·A``
-      with ``τ = sapo_tau_pos`` where ``A > 0``, else ``sapo_tau_neg``: a smooth gate in place of
-      the clip (``clip_*`` unused, nothing ``clipped``). On-policy ``σ(0) = 1/2``, so ``pg = −2A/τ``
-      and its gradient ``−4σ(1 − σ)·r·A·∇log π = −A·∇log π``, GRPO's; off-policy the gradient's
-      weight ``4σ(1 − σ)·r`` falls smoothly as ``r`` leaves 1 (faster for the larger ``τ_neg``).
+    - ``sapo`` (SAPO, arXiv 2511.20347; TRL's): ``pg = −(4/τ)·σ(τ·(r − 1))·A``, ``τ = sapo_tau_pos``
+      where ``A > 0`` else ``sapo_tau_neg``: a smooth gate, nothing ``clipped``; its gradient
+      ``−4σ(1 − σ)·r·A·∇log π`` is GRPO's on-policy and fades smoothly as ``r`` leaves 1.
 
     ``delta = δ > 1`` caps the ratio of the unclipped term at δ for every type (``min(r, δ)``;
     for ``cispo`` the weight's upper bound is ``min(1 + clip_high, δ)``): a token with ``r > δ``
@@ -762,16 +763,92 @@ class GRPOLossOutput(NamedTuple):
         return self.clipped & (self.log_ratio > 0)
 
 
+def truncates(top_k: int, top_p: float, vocab_size: int) -> bool:
+    """Whether top-k (``0 < top_k < V``) and/or top-p (``top_p < 1``) sampling leaves tokens out."""
+    return 0 < top_k < vocab_size or top_p < 1.0
+
+
+@torch.no_grad()
+def truncation_threshold(scaled: torch.Tensor, top_k: int = 0, top_p: float = 1.0) -> torch.Tensor:
+    """Per row, the threshold ``τ`` of top-k and/or top-p sampling: ``[R, V] -> [R]`` (``scaled``'s
+    dtype): the sampler keeps exactly the tokens with ``s_j ≥ τ`` (``s`` = the logits after the
+    temperature), draws from ``softmax`` over them, and ``log π_trunc(a) = s_a − logsumexp_kept s``.
+
+    The order of operations is vLLM's (0.32, ``apply_top_k_top_p_pytorch``) and transformers'
+    (temperature, then ``TopKLogitsWarper``, then ``TopPLogitsWarper``):
+
+    1. top-k (``0 < top_k < V``): the ``top_k`` largest ``s``; a tie with the k-th value is kept
+       (both mask ``s < s_(k)``).
+    2. top-p (``top_p < 1``), on the softmax of what top-k kept: from the largest down, the
+       smallest prefix whose mass reaches ``top_p`` (a token is kept iff the mass strictly above
+       it is ``< top_p``: vLLM's "ascending cumulative sum ≤ 1 − p" removed); the prefix sums in
+       float64. A tie with the last kept value is kept (vLLM breaks such ties by its sort order).
+
+    ``τ`` is the midpoint between the last kept value and the largest left-out one (``−inf``
+    when nothing is left out), so that a kernel recomputing ``s`` to the last ulp keeps the same
+    set: the kept values and the left-out ones are ``τ`` apart on either side. No truncation
+    (``truncates`` false): ``−inf``. The sampled token is kept by the kernels whatever ``τ``
+    (``truncated_logits``): recomputed under other weights (π_ref, a later epoch) it may fall
+    outside, where its log-prob would be ``−inf``.
+
+    Example:
+        >>> s = torch.tensor([[2.0, 1.0, 0.0, -1.0]])  # softmax: 0.644 0.237 0.087 0.032
+        >>> truncation_threshold(s, top_k=2), truncation_threshold(s, top_p=0.9)  # keeps 2 / 3 tokens
+        (tensor([0.5000]), tensor([-0.5000]))
+    """
+    r, v = scaled.shape
+    k = top_k if 0 < top_k < v else 0
+    inf = torch.full((r,), -math.inf, dtype=scaled.dtype, device=scaled.device)
+    if not truncates(k, top_p, v):
+        return inf
+    if top_p >= 1.0:  # top-k alone: no sort
+        kth = scaled.topk(k, dim=-1).values[:, -1:]  # [R, V] -> [R, 1]: s_(k)
+        below = scaled.masked_fill(scaled >= kth, -math.inf).amax(-1)  # the largest left out
+        return (kth[:, 0] + below) / 2  # −inf when only −inf entries are left out
+    values = scaled.sort(dim=-1, descending=True).values  # [R, V]: s_(1) ≥ s_(2) ≥ …
+    kept = torch.full((r,), v, dtype=torch.long, device=scaled.device)  # how many, a prefix of values
+    if k:
+        kept = (values >= values[:, k - 1 : k]).sum(-1)  # [R, V] -> [R]: k, and the ties of s_(k)
+    in_k = torch.arange(v, device=scaled.device) < kept[:, None]
+    probs = torch.softmax(values.double().masked_fill(~in_k, -math.inf), dim=-1)  # [R, V] fp64
+    above = torch.cumsum(probs, dim=-1).roll(1, dims=-1)  # the mass strictly above each position:
+    above[:, 0] = 0.0  # the sums shifted one place (nondecreasing, unlike cumsum − p)
+    reach = (above < top_p) & in_k  # a prefix: the smallest one reaching top_p
+    last = values.gather(1, (reach.sum(-1).clamp_min(1) - 1)[:, None])  # the last kept value
+    kept = (values >= last).sum(-1)  # and its ties
+    cut = kept < v
+    below = values.gather(1, kept.clamp(max=v - 1)[:, None]).squeeze(1)  # the largest left out
+    last = values.gather(1, (kept - 1).clamp_min(0)[:, None]).squeeze(1)
+    return torch.where(cut, (last + below) / 2, inf)
+
+
+def truncated_logits(scaled: torch.Tensor, labels: torch.Tensor, threshold: torch.Tensor) -> torch.Tensor:
+    """``scaled`` ``[N, V]`` with the entries below the row's ``threshold`` ``[N]`` set to ``−inf``,
+    the label's kept whatever its value (see ``truncation_threshold``)."""
+    cols = torch.arange(scaled.shape[1], device=scaled.device)
+    keep = (scaled >= threshold[:, None]) | (cols == labels.long()[:, None])
+    return scaled.masked_fill(~keep, -math.inf)
+
+
 def eager_token_logprobs_and_entropy(
-    logits: torch.Tensor, labels: torch.Tensor, temperature: float = 1.0
+    logits: torch.Tensor,
+    labels: torch.Tensor,
+    temperature: float = 1.0,
+    *,
+    top_k: int = 0,
+    top_p: float = 1.0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Reference for ``grpo_fast.ops.token_logprobs_and_entropy``: ``[N, V], [N] -> ([N], [N])``.
 
     Materializes ``[N, V]`` in fp32 (the upcast, the log-softmax, its exp): the memory the fused
     kernels avoid. Computes in the input's dtype if it is float64 (the test reference), else fp32.
+    ``top_k`` / ``top_p``: the log-prob and entropy of the truncated distribution top-k/top-p
+    sampling draws from (``truncation_threshold``), and their gradients; 0 / 1 = the full one.
     """
     compute_dtype = torch.float64 if logits.dtype == torch.float64 else torch.float32
     scaled = logits.to(compute_dtype) / temperature
+    if truncates(top_k, top_p, scaled.shape[-1]):
+        scaled = truncated_logits(scaled, labels, truncation_threshold(scaled.detach(), top_k, top_p))
     log_probs = F.log_softmax(scaled, dim=-1)
     logp = log_probs.gather(-1, labels.long().unsqueeze(-1)).squeeze(-1)
     return logp, compute_entropy(scaled)
@@ -788,6 +865,8 @@ def eager_grpo_loss_from_logits(
     temperature: float = 1.0,
     sequence_ids: torch.Tensor | None = None,
     options: LossOptions | None = None,
+    top_k: int = 0,
+    top_p: float = 1.0,
     **loss_options,
 ) -> GRPOLossOutput:
     """Reference for ``grpo_fast.ops.grpo_loss_from_logits`` (same arguments, same output).
@@ -798,7 +877,7 @@ def eager_grpo_loss_from_logits(
     Shapes: logits ``[N, V]``, labels/advantages/loss_weights/old/ref/sequence_ids ``[N]``.
     """
     options = LossOptions.build(options, **loss_options)
-    logp, entropy = eager_token_logprobs_and_entropy(logits, labels, temperature)
+    logp, entropy = eager_token_logprobs_and_entropy(logits, labels, temperature, top_k=top_k, top_p=top_p)
     loss, rows = weighted_grpo_loss(
         logp,
         entropy,

@@ -35,6 +35,7 @@ __all__ = [
     "check_per_token",
     "check_sequence_ids",
     "check_temperature",
+    "check_truncation",
     "kernels_for",
 ]
 
@@ -144,3 +145,11 @@ def check_label_range(labels: torch.Tensor, vocab_size: int, bounds: tuple[int, 
 def check_temperature(temperature: float) -> None:
     if not (math.isfinite(temperature) and temperature > 0):
         raise ValueError(f"temperature must be finite and > 0, got {temperature}")
+
+
+def check_truncation(top_k: int, top_p: float) -> None:
+    """``ValueError`` unless ``top_k`` is an int ≥ 0 (0: no top-k) and ``top_p`` in (0, 1] (1: no top-p)."""
+    if isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 0:
+        raise ValueError(f"top_k must be an integer >= 0 (0: no top-k), got {top_k!r}")
+    if not (isinstance(top_p, (int, float)) and 0 < top_p <= 1):
+        raise ValueError(f"top_p must be in (0, 1] (1: no top-p), got {top_p!r}")

@@ -32,15 +32,28 @@ def _row_tile(x: torch.Tensor, r0: int) -> torch.Tensor:
     return padded
 
 
+def _truncated(s: torch.Tensor, v0: int, labels_tile: torch.Tensor, thr: torch.Tensor | None) -> torch.Tensor:
+    """``s`` ``[R, Vb]`` (columns ``v0 …``) with the tokens truncated sampling leaves out (below the
+    row's threshold ``thr`` ``[R, 1]``, the label kept) at ``−inf``; ``s`` itself when ``thr`` is None."""
+    if thr is None:
+        return s
+    cols = torch.arange(v0, v0 + s.shape[1], device=s.device)
+    keep = (s >= thr) | (cols == labels_tile[:, None])  # [R, Vb]
+    return s.masked_fill_(~keep, float("-inf"))
+
+
 def token_logprobs_fwd(
-    logits: torch.Tensor, labels: torch.Tensor, inv_temperature: float
+    logits: torch.Tensor, labels: torch.Tensor, inv_temperature: float, threshold: torch.Tensor | None = None
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``[N, V], [N] -> (logp, entropy, row_max, log_norm)``, each ``[N]`` fp32; see csrc_triton."""
+    """``[N, V], [N] -> (logp, entropy, row_max, log_norm)``, each ``[N]`` fp32; see csrc_triton.
+    ``threshold`` ``[N]`` fp32: the truncated distribution's (``grpo_fast.algo.core.truncation_threshold``)."""
     n, v = logits.shape
     outs = tuple(torch.empty(n, dtype=torch.float32, device=logits.device) for _ in range(4))
     neg_inf = float("-inf")
     for r0 in range(0, n, ROW_TILE):
         rows = _row_tile(logits, r0)  # [R, V]
+        labels_tile = _row_tile(labels, r0).long()
+        thr = None if threshold is None else _row_tile(threshold, r0)[:, None]
         m = torch.full((ROW_TILE,), neg_inf, device=logits.device)  # running max of s
         # S and A accumulate in fp64 (the tile's exps stay fp32): an fp32 row sum of V exps is off by
         # a few ulps (N = 37, V = 1000, T = 0.7, row 13: S 2.4e-7 relative, which moved a
@@ -52,6 +65,7 @@ def token_logprobs_fwd(
         )  # A = Σ exp(s − m)·(s − m)
         for v0 in range(0, v, VOCAB_BLOCK):
             d = rows[:, v0 : v0 + VOCAB_BLOCK].float() * inv_temperature  # [R, Vb] fp32, s
+            d = _truncated(d, v0, labels_tile, thr)
             m_new = torch.maximum(m, d.amax(dim=1))  # [R, Vb] -> [R]
             ref = torch.where(m_new == neg_inf, 0.0, m_new)  # finite while the row is all −inf
             alpha = torch.exp(m - ref).double()
@@ -64,7 +78,6 @@ def token_logprobs_fwd(
             m = m_new
         ref = torch.where(m == neg_inf, 0.0, m)
         log_norm = torch.log(sum_exp)  # fp64
-        labels_tile = _row_tile(labels, r0).long()
         s_label = rows.gather(1, labels_tile[:, None]).squeeze(1).float() * inv_temperature
         k = min(ROW_TILE, n - r0)
         # one fp32 rounding per output: (s_y − m) − log S and log S − A/S are combined in fp64
@@ -85,19 +98,23 @@ def token_logprobs_bwd(
     entropy: torch.Tensor,
     inv_temperature: float,
     out: torch.Tensor,
+    threshold: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Write ``∂loss/∂logits [N, V]`` into ``out`` (may be ``logits``); see csrc_triton. Returns ``out``."""
+    """Write ``∂loss/∂logits [N, V]`` into ``out`` (may be ``logits``); see csrc_triton. Returns ``out``.
+    ``threshold``: the forward's; a left-out token has probability 0, so its gradient is 0."""
     n, v = logits.shape
     for r0 in range(0, n, ROW_TILE):
         k = min(ROW_TILE, n - r0)
         rows = _row_tile(logits, r0)  # [R, V]
         labels_tile = _row_tile(labels, r0).long()
+        thr = None if threshold is None else _row_tile(threshold, r0)[:, None]
         g_lp, g_h, ref, lnorm, ent = (
             _row_tile(t, r0)[:, None] for t in (grad_logp, grad_entropy, row_max, log_norm, entropy)
         )
         for v0 in range(0, v, VOCAB_BLOCK):
             width = min(VOCAB_BLOCK, v - v0)
             log_p = rows[:, v0 : v0 + width].float() * inv_temperature  # [R, Vb] fp32
+            log_p = _truncated(log_p, v0, labels_tile, thr)
             log_p.sub_(ref).sub_(lnorm)
             p = torch.exp(log_p)
             # p·(log p + H), 0 where p is 0 (a −inf logit would give NaN); NaN stays NaN.

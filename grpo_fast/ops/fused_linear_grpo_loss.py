@@ -86,7 +86,13 @@ from typing import NamedTuple
 import torch
 from torch.autograd.function import once_differentiable
 
-from grpo_fast.algo.core import GRPOLossOutput, LossParts, eager_grpo_loss_from_logits, weighted_grpo_loss
+from grpo_fast.algo.core import (
+    GRPOLossOutput,
+    LossParts,
+    eager_grpo_loss_from_logits,
+    truncates,
+    weighted_grpo_loss,
+)
 from grpo_fast.algo.loss_options import LossOptions
 from grpo_fast.ops._backend import (
     check_backend,
@@ -95,8 +101,10 @@ from grpo_fast.ops._backend import (
     check_per_token,
     check_sequence_ids,
     check_temperature,
+    check_truncation,
     kernels_for,
 )
+from grpo_fast.ops.token_logprobs import sampler_thresholds
 
 __all__ = [
     "CHUNK_LOGITS_BYTES",
@@ -157,6 +165,8 @@ class ChunkPlan:
     compute_dtype: torch.dtype
     kernels: ModuleType
     two_pass: bool
+    top_k: int = 0  # the sampler's truncation (grpo_fast.ops.token_logprobs.sampler_thresholds)
+    top_p: float = 1.0
 
     def chunks(self, n: int):
         for r0 in range(0, n, self.chunk_size):
@@ -186,12 +196,14 @@ class _Gradients:
     grad_weight: torch.Tensor | None
     plan: ChunkPlan
 
-    def add_chunk(self, logits, h, rows: slice, labels, g_lp, g_h, stats) -> None:
+    def add_chunk(self, logits, h, rows: slice, labels, g_lp, g_h, stats, threshold=None) -> None:
         """One chunk's gradients from its per-row ``g_lp, g_H [C]``: ``dlogits`` over ``logits
         [C, V]`` (in place), ``grad_hidden[rows] = dlogits @ W``, ``grad_weight += dlogitsᵀ @ h``.
-        ``stats``: the kernel's forward statistics of these rows, ``(row_max, log_norm, entropy)``."""
+        ``stats``: the kernel's forward statistics of these rows, ``(row_max, log_norm, entropy)``;
+        ``threshold``: their truncated-sampling thresholds (None: the full distribution)."""
         plan = self.plan
-        plan.kernels.token_logprobs_bwd(logits, labels, g_lp, g_h, *stats, 1.0 / plan.temperature, logits)
+        inv_t = 1.0 / plan.temperature
+        plan.kernels.token_logprobs_bwd(logits, labels, g_lp, g_h, *stats, inv_t, logits, threshold)
         if self.grad_hidden is not None and self.grad_hidden.dtype == plan.compute_dtype:
             torch.mm(logits, self.w, out=self.grad_hidden[rows])
         elif self.grad_hidden is not None:
@@ -270,14 +282,18 @@ class FusedLinearGRPOLoss(torch.autograd.Function):
             parts.add_(torch.stack(list(out.parts)))
 
         inv_temperature = 1.0 / plan.temperature
+        truncated = truncates(plan.top_k, plan.top_p, weight.shape[0])
         if plan.two_pass:
             # pass 1: log-probs, entropies and the two row statistics of every row, chunk by chunk
             row_max, log_norm = torch.empty(n, **f32), torch.empty(n, **f32)
+            thresholds = torch.empty(n, **f32) if truncated else None  # kept for pass 2
             for c in plan.chunks(n):
                 logits = hidden[c].to(plan.compute_dtype) @ w.t()  # [C, V]
-                stats = plan.kernels.token_logprobs_fwd(logits, rows.labels[c], inv_temperature)
-                for out, chunk in zip((logprobs, entropy, row_max, log_norm), stats):
-                    out[c] = chunk
+                thr = sampler_thresholds(logits, inv_temperature, plan.top_k, plan.top_p)  # [C] | None
+                stats = plan.kernels.token_logprobs_fwd(logits, rows.labels[c], inv_temperature, thr)
+                for out, chunk in zip((logprobs, entropy, row_max, log_norm, thresholds), (*stats, thr)):
+                    if out is not None:
+                        out[c] = chunk
                 del logits
             # the row math once over all N rows (sequence ratios, entropy quantiles): g_lp, g_H [N]
             full_loss, out, g = _row_math(logprobs, entropy, rows, options, track)
@@ -291,18 +307,20 @@ class FusedLinearGRPOLoss(torch.autograd.Function):
                     h = hidden[c].to(plan.compute_dtype)
                     logits = h @ w.t()  # [C, V], the same product as in pass 1
                     stats = (row_max[c], log_norm[c], entropy[c])
-                    grads.add_chunk(logits, h, c, rows.labels[c], g[0][c], g[1][c], stats)
+                    thr = None if thresholds is None else thresholds[c]
+                    grads.add_chunk(logits, h, c, rows.labels[c], g[0][c], g[1][c], stats, thr)
                     del logits
         else:  # one pass: each chunk's row math, then its gradients, while its logits exist
             for c in plan.chunks(n):
                 h = hidden[c].to(plan.compute_dtype)
                 logits = h @ w.t()  # [C, V], compute dtype
+                thr = sampler_thresholds(logits, inv_temperature, plan.top_k, plan.top_p)  # [C] | None
                 lp, ent, row_max, log_norm = plan.kernels.token_logprobs_fwd(
-                    logits, rows.labels[c], inv_temperature
+                    logits, rows.labels[c], inv_temperature, thr
                 )
                 chunk_loss, out, g = _row_math(lp, ent, rows.select(c), options, track)
                 if track:
-                    grads.add_chunk(logits, h, c, rows.labels[c], *g, (row_max, log_norm, ent))
+                    grads.add_chunk(logits, h, c, rows.labels[c], *g, (row_max, log_norm, ent), thr)
                 loss += chunk_loss
                 logprobs[c], entropy[c] = lp, ent
                 keep(c, out)
@@ -401,6 +419,8 @@ def fused_linear_grpo_loss(
     backend: str = "auto",
     weight_cast: torch.Tensor | None = None,
     label_bounds: tuple[int, int] | None = None,
+    top_k: int = 0,
+    top_p: float = 1.0,
     **loss_options,
 ) -> GRPOLossOutput:
     """``grpo_loss_from_logits(hidden @ weightᵀ, ...)`` computed chunk by chunk, without ``[N, V]``.
@@ -431,6 +451,8 @@ def fused_linear_grpo_loss(
         label_bounds: the labels' ``(min, max)`` if the caller knows them
             (``Microbatch.label_bounds``): the range check then reads no tensor (no host-device
             sync on CUDA). They must be the labels' (not checked).
+        top_k, top_p: the sampler's truncation (``token_logprobs_and_entropy``): each chunk's
+            per-row thresholds (``sampler_thresholds``), then the kernels' masked log-sum-exp.
 
     Returns:
         ``GRPOLossOutput``. ``loss`` is differentiable in ``hidden`` and ``weight``, its gradients
@@ -447,6 +469,7 @@ def fused_linear_grpo_loss(
         >>> out.loss.backward()  # hidden.grad [6, 8], weight.grad [50, 8]
     """
     options = LossOptions.build(options, **loss_options)
+    check_truncation(top_k, top_p)
     rows = RowInputs(labels, advantages, loss_weights, old_logprobs, ref_logprobs, sequence_ids)
     compute = hidden.dtype if compute_dtype is None else compute_dtype
     resolved = _check_inputs(
@@ -457,8 +480,9 @@ def fused_linear_grpo_loss(
         logits = hidden.to(compute) @ weight.to(compute).t()
         per_row = dict(old_logprobs=old_logprobs, ref_logprobs=ref_logprobs, sequence_ids=sequence_ids)
         return eager_grpo_loss_from_logits(
-            logits, labels, advantages, loss_weights, temperature=temperature, options=options, **per_row
-        )
+            logits, labels, advantages, loss_weights, temperature=temperature, options=options,
+            top_k=top_k, top_p=top_p, **per_row,
+        )  # fmt: skip
     if chunk_size is None:
         chunk_size = default_chunk_size(hidden.shape[0], weight.shape[0], compute, hidden.device.type)
     if not torch.is_grad_enabled():
@@ -467,7 +491,7 @@ def fused_linear_grpo_loss(
         hidden, weight = hidden.detach(), weight.detach()
     rows = rows._replace(labels=labels.contiguous())
     two_pass = options.needs_all_rows if two_pass is None else two_pass
-    plan = ChunkPlan(float(temperature), chunk_size, compute, kernels_for(resolved), two_pass)
+    plan = ChunkPlan(float(temperature), chunk_size, compute, kernels_for(resolved), two_pass, top_k, top_p)
     cast = None if weight_cast is None else weight_cast.detach()
     loss, logprobs, entropy, kl, clipped, log_ratio, parts, threshold = FusedLinearGRPOLoss.apply(
         hidden, weight, rows, options, plan, cast

@@ -15,7 +15,7 @@ import torch
 
 from grpo_fast.algo.core import GRPOLossOutput, eager_grpo_loss_from_logits, weighted_grpo_loss
 from grpo_fast.algo.loss_options import LossOptions
-from grpo_fast.ops._backend import check_sequence_ids, check_temperature
+from grpo_fast.ops._backend import check_sequence_ids, check_temperature, check_truncation
 from grpo_fast.ops.token_logprobs import apply_token_logprobs, prepare_logits
 
 __all__ = ["grpo_loss_from_logits"]
@@ -34,6 +34,8 @@ def grpo_loss_from_logits(
     options: LossOptions | None = None,
     backend: str = "auto",
     inplace_grad: bool = False,
+    top_k: int = 0,
+    top_p: float = 1.0,
     **loss_options,
 ) -> GRPOLossOutput:
     """GRPO loss ``Σ_t w_t·(−min(r_t·A_t, clip(r_t, 1−clip_low, 1+clip_high)·A_t) + β·KL_t − c·H_t)``.
@@ -67,6 +69,8 @@ def grpo_loss_from_logits(
             ``"torch_chunked"``, ``"eager"``.
         inplace_grad: write ``∂loss/∂logits`` into the logits buffer (no ``[N, V]`` allocation in the
             backward); the logits are gone after ``backward()``, see ``token_logprobs_and_entropy``.
+        top_k, top_p: the sampler's truncation (0 / 1: none): the log-probs, entropies and
+            gradients of the truncated distribution it drew from (``token_logprobs_and_entropy``).
 
     Returns:
         ``GRPOLossOutput``: ``loss`` scalar, ``logprobs`` / ``entropy`` ``[N]`` fp32 (these three
@@ -81,6 +85,7 @@ def grpo_loss_from_logits(
     """
     options = LossOptions.build(options, **loss_options)
     check_temperature(temperature)
+    check_truncation(top_k, top_p)
     if options.needs_ref_logprobs and ref_logprobs is None:
         raise ValueError("beta != 0 needs ref_logprobs")
     check_sequence_ids(options, sequence_ids, labels)
@@ -97,9 +102,12 @@ def grpo_loss_from_logits(
     rows = dict(old_logprobs=old_logprobs, ref_logprobs=ref_logprobs, sequence_ids=sequence_ids)
     if resolved == "eager":
         return eager_grpo_loss_from_logits(
-            logits, labels, advantages, loss_weights, temperature=temperature, options=options, **rows
-        )
-    logprobs, entropy = apply_token_logprobs(logits, labels, temperature, resolved, inplace_grad)
+            logits, labels, advantages, loss_weights, temperature=temperature, options=options,
+            top_k=top_k, top_p=top_p, **rows,
+        )  # fmt: skip
+    logprobs, entropy = apply_token_logprobs(
+        logits, labels, temperature, resolved, inplace_grad, top_k, top_p
+    )
     loss, out = weighted_grpo_loss(logprobs, entropy, advantages, loss_weights, options, **rows)
     return GRPOLossOutput(
         loss, logprobs, entropy, out.kl, out.clipped, out.log_ratio, out.parts, out.entropy_threshold

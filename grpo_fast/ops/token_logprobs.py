@@ -16,16 +16,40 @@ from types import ModuleType
 import torch
 from torch.autograd.function import once_differentiable
 
-from grpo_fast.algo.core import eager_token_logprobs_and_entropy
+from grpo_fast.algo.core import eager_token_logprobs_and_entropy, truncates, truncation_threshold
 from grpo_fast.ops._backend import (
     check_backend,
     check_label_range,
     check_per_token,
     check_temperature,
+    check_truncation,
     kernels_for,
 )
 
-__all__ = ["TokenLogprobs", "token_logprobs_and_entropy"]
+__all__ = ["TokenLogprobs", "sampler_thresholds", "token_logprobs_and_entropy"]
+
+# Rows of s per sort in sampler_thresholds: the sorted values, their int64 indices and three fp64
+# [R, V] buffers of the prefix sums, ≈ 36 bytes per logit: 16 × 151,936 × 36 B ≈ 88 MB at Qwen2.5's
+# vocabulary, below one chunk of logits (128 MiB), whatever the chunk.
+THRESHOLD_ROWS = 16
+
+
+def sampler_thresholds(
+    logits: torch.Tensor, inv_temperature: float, top_k: int, top_p: float
+) -> torch.Tensor | None:
+    """The truncated sampler's threshold of each row of ``logits`` ``[N, V]`` (``[N]`` fp32, or None
+    when top-k/top-p leave nothing out), from ``s = z.float()·inv_temperature``, the fp32 values
+    the kernels compute: ``grpo_fast.algo.core.truncation_threshold`` on ``THRESHOLD_ROWS`` rows at a
+    time (a sort per row for top-p; top-k alone needs none), so nothing ``[N, V]`` is allocated."""
+    n, v = logits.shape
+    if not truncates(top_k, top_p, v):
+        return None
+    out = torch.empty(n, dtype=torch.float32, device=logits.device)
+    for r0 in range(0, n, THRESHOLD_ROWS):
+        s = logits[r0 : r0 + THRESHOLD_ROWS].float() * inv_temperature  # [R, V] fp32, as the kernels
+        out[r0 : r0 + THRESHOLD_ROWS] = truncation_threshold(s, top_k, top_p)
+    return out
+
 
 _INPLACE_USED = (
     "token_logprobs_and_entropy(inplace_grad=True): the logits buffer was overwritten by its "
@@ -37,7 +61,7 @@ _INPLACE_USED = (
 class TokenLogprobs(torch.autograd.Function):
     """``(logits [N, V], labels [N]) -> (logp [N] fp32, entropy [N] fp32)``, differentiable in logits.
 
-    Saves ``logits`` plus three fp32 per row. The backward writes ``∂loss/∂logits`` into a new
+    Saves ``logits`` plus three fp32 per row (four with top-k/top-p: the threshold). The backward writes ``∂loss/∂logits`` into a new
     buffer, or into ``logits`` itself when ``inplace_grad`` (then bumps its version counter, so any
     other autograd node that saved those logits refuses to run on the overwritten values).
     """
@@ -50,10 +74,16 @@ class TokenLogprobs(torch.autograd.Function):
         temperature: float,
         kernels: ModuleType,
         inplace_grad: bool,
+        top_k: int = 0,
+        top_p: float = 1.0,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         inv_temperature = 1.0 / temperature
-        logp, entropy, row_max, log_norm = kernels.token_logprobs_fwd(logits, labels, inv_temperature)
+        threshold = sampler_thresholds(logits, inv_temperature, top_k, top_p)
+        logp, entropy, row_max, log_norm = kernels.token_logprobs_fwd(
+            logits, labels, inv_temperature, threshold
+        )
         ctx.save_for_backward(logits, labels, row_max, log_norm, entropy)
+        ctx.threshold = threshold
         ctx.inv_temperature = inv_temperature
         ctx.kernels = kernels
         ctx.inplace_grad = inplace_grad
@@ -77,13 +107,14 @@ class TokenLogprobs(torch.autograd.Function):
             entropy,
             ctx.inv_temperature,
             out,
+            ctx.threshold,
         )
         if ctx.inplace_grad:
             # The kernel wrote behind autograd's back: record it, so that a node that saved these
             # logits raises "modified by an inplace operation" instead of using gradients as logits.
             torch.autograd.graph.increment_version(logits)
             ctx.grad_written = True
-        return out, None, None, None, None
+        return out, None, None, None, None, None, None
 
 
 def prepare_logits(
@@ -109,15 +140,21 @@ def prepare_logits(
 
 
 def apply_token_logprobs(
-    logits: torch.Tensor, labels: torch.Tensor, temperature: float, backend: str, inplace_grad: bool
+    logits: torch.Tensor,
+    labels: torch.Tensor,
+    temperature: float,
+    backend: str,
+    inplace_grad: bool,
+    top_k: int = 0,
+    top_p: float = 1.0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Dispatch an already validated call (``backend`` resolved, never ``auto``)."""
     if backend == "eager":
-        return eager_token_logprobs_and_entropy(logits, labels, temperature)
+        return eager_token_logprobs_and_entropy(logits, labels, temperature, top_k=top_k, top_p=top_p)
     if logits.stride(-1) != 1:
         logits = logits.contiguous()
     return TokenLogprobs.apply(
-        logits, labels.contiguous(), float(temperature), kernels_for(backend), inplace_grad
+        logits, labels.contiguous(), float(temperature), kernels_for(backend), inplace_grad, top_k, top_p
     )
 
 
@@ -128,8 +165,11 @@ def token_logprobs_and_entropy(
     backend: str = "auto",
     *,
     inplace_grad: bool = False,
+    top_k: int = 0,
+    top_p: float = 1.0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Log-prob of each label and entropy of each row of ``softmax(logits / temperature)``.
+    """Log-prob of each label and entropy of each row of ``softmax(logits / temperature)``, or,
+    with ``top_k`` / ``top_p``, of the truncated distribution top-k/top-p sampling draws from.
 
     Args:
         logits: ``[N, V]`` fp32, bf16 or fp16 (fp64 with ``backend="eager"``); ``-inf`` entries
@@ -141,6 +181,13 @@ def token_logprobs_and_entropy(
         inplace_grad: the backward writes ``∂/∂logits`` into the logits buffer (saves ``[N, V]``
             of memory). The logits must not be read again after the backward, nor be a leaf; a
             second backward raises ``RuntimeError``. Ignored by ``eager``.
+        top_k, top_p: the sampler's truncation (``top_k`` 0 = none, ``top_p`` in (0, 1], 1 =
+            none): each row's kept set is its ``top_k`` largest ``s = z/T`` and/or the smallest
+            prefix reaching mass ``top_p`` after them, as vLLM and transformers sample
+            (``grpo_fast.algo.core.truncation_threshold``); then ``logp = s_y − logsumexp_kept s``
+            and the entropy and gradients are the truncated distribution's (a left-out token's
+            gradient is 0). The label is always kept. Computed from the logits in rows of 16
+            (a sort per row for top-p), never ``[N, V]`` fp32.
 
     Returns:
         ``(logprobs [N] fp32, entropy [N] fp32)``, both differentiable w.r.t. ``logits``. A row with
@@ -152,5 +199,6 @@ def token_logprobs_and_entropy(
         (tensor([-1.3863]), tensor([1.3863]))
     """
     check_temperature(temperature)
+    check_truncation(top_k, top_p)
     resolved = prepare_logits(logits, labels, backend, inplace_grad)
-    return apply_token_logprobs(logits, labels, temperature, resolved, inplace_grad)
+    return apply_token_logprobs(logits, labels, temperature, resolved, inplace_grad, top_k, top_p)

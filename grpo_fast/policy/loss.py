@@ -24,10 +24,24 @@ from grpo_fast.policy.batch import Microbatch
 
 def build_policy_loss(cfg, model: nn.Module, amp: torch.dtype | None) -> PolicyLoss:
     """The loss module for ``model`` with the run's kernel backend and lm_head chunk
-    (``loss.kernel_backend``, ``loss.chunk_size``); the loss options come with each call."""
+    (``loss.kernel_backend``, ``loss.chunk_size``) and the sampler's truncation
+    (``trainer_truncation``); the loss options come with each call."""
     lo = cfg.loss
     chunk = None if lo.chunk_size == AUTO else int(lo.chunk_size)
-    return PolicyLoss(model, autocast=amp, backend=lo.kernel_backend, chunk_size=chunk)
+    top_k, top_p = trainer_truncation(cfg)
+    return PolicyLoss(
+        model, autocast=amp, backend=lo.kernel_backend, chunk_size=chunk, top_k=top_k, top_p=top_p
+    )
+
+
+def trainer_truncation(cfg) -> tuple[int, float]:
+    """``(top_k, top_p)`` of the distribution the trainer's log-probs are taken over: the
+    sampler's own (``rollout.top_k``, ``rollout.top_p``) when it truncates and
+    ``loss.truncated_logprobs`` is ``auto`` or true; ``(0, 1.0)``, the full vocabulary, otherwise."""
+    r = cfg.rollout
+    if cfg.loss.truncated_logprobs is False or not (r.top_k > 0 or r.top_p < 1):
+        return 0, 1.0
+    return r.top_k, r.top_p
 
 
 def response_hidden_states(model: nn.Module, mb: Microbatch) -> torch.Tensor:
@@ -65,7 +79,10 @@ class PolicyLoss(nn.Module):
     the no-grad π_old / π_ref / probe passes need only log-probs, any options do).
     ``temperature`` is the one the responses were sampled at (the trainer's log-probs must be of
     the same tempered distribution). ``backend`` and ``chunk_size`` (None: the op's default) are
-    the fused op's, fixed at construction.
+    the fused op's, fixed at construction; so are ``top_k`` / ``top_p``, the sampler's truncation
+    (``trainer_truncation``: the log-probs of the distribution the responses were drawn from),
+    which a call with ``truncated=False`` leaves out (the weight-sync probe: vLLM's prompt
+    log-probs are the full vocabulary's).
 
     Under autocast the lm_head GEMMs run in the autocast dtype, from one copy of the (fp32 master)
     lm_head weight in that dtype per optimizer step, not one per microbatch: the copy is kept
@@ -84,12 +101,15 @@ class PolicyLoss(nn.Module):
         autocast: torch.dtype | None,
         backend: str = "auto",
         chunk_size: int | None = None,
+        top_k: int = 0,
+        top_p: float = 1.0,
     ):
         super().__init__()
         self.model = model
         self.autocast = autocast
         self.backend = backend
         self.chunk_size = chunk_size
+        self.top_k, self.top_p = top_k, top_p
         self._head_cast: torch.Tensor | None = None  # [V, D] in the autocast dtype
         self._head_src = None  # weak reference to the weight it was cast from
         self._head_key: tuple | None = None  # (storage, _version) of that weight then
@@ -138,7 +158,9 @@ class PolicyLoss(nn.Module):
             self._head_src, self._head_key = weakref.ref(head), key
         return self._head_cast
 
-    def forward(self, mb: Microbatch, options: LossOptions, temperature: float) -> GRPOLossOutput:
+    def forward(
+        self, mb: Microbatch, options: LossOptions, temperature: float, truncated: bool = True
+    ) -> GRPOLossOutput:
         with self._autocast(mb.input_ids.device):
             hidden = response_hidden_states(self.model, mb)
         head = self.model.get_output_embeddings().weight  # [V, D], the (fp32 master) weight itself
@@ -162,4 +184,6 @@ class PolicyLoss(nn.Module):
             backend=self.backend,
             weight_cast=self._head_in_compute_dtype(head),
             label_bounds=mb.label_bounds,  # read on the CPU when the microbatch was built: no sync
+            top_k=self.top_k if truncated else 0,
+            top_p=self.top_p if truncated else 1.0,
         )

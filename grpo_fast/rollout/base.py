@@ -23,6 +23,8 @@ class SamplingParams:
     # Sampling seed of this call (vllm: prompt j's k-th sample uses seed + j·n + k), or None for
     # the engine's own stream. The loop passes one per (run seed, step, rank): exact resume.
     seed: int | None = None
+    # top-k sampling (0 = off), applied after the temperature and before top_p (vLLM, transformers)
+    top_k: int = 0
 
 
 @dataclass

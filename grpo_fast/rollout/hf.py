@@ -60,7 +60,8 @@ class HFBackend:
                     do_sample=not greedy,
                 )
                 if not greedy:
-                    kwargs.update(temperature=params.temperature, top_p=params.top_p, top_k=0)
+                    # transformers: temperature, then top-k (0 = off), then top-p, as vLLM
+                    kwargs.update(temperature=params.temperature, top_p=params.top_p, top_k=params.top_k)
                 if params.stop:
                     kwargs.update(stop_strings=list(params.stop), tokenizer=tok)
                 autocast = (

@@ -31,9 +31,9 @@ def sampling_params(
 
     Training (default): ``n = rollout.group_size`` responses at ``temperature`` (default
     ``rollout.temperature``; the loop passes it with the health monitor's boost),
-    ``rollout.top_p``, ``rollout.min_tokens``..``rollout.max_tokens`` new tokens.
-    ``for_eval``: one response at ``rollout.eval_temperature`` (0 = greedy, then top_p 1),
-    no minimum length.
+    ``rollout.top_p``, ``rollout.top_k``, ``rollout.min_tokens``..``rollout.max_tokens`` new tokens.
+    ``for_eval``: one response at ``rollout.eval_temperature`` (0 = greedy, then top_p 1 and top_k
+    0), no minimum length.
 
     Example: ``sampling_params(cfg.rollout, task.stop, seed=step_seed(cfg.seed, step, rank))``.
     """
@@ -48,6 +48,7 @@ def sampling_params(
             min_tokens=0,
             stop=tuple(stop),
             seed=seed,
+            top_k=0 if greedy else r.top_k,
         )
     return SamplingParams(
         n=r.group_size if n is None else n,
@@ -57,6 +58,7 @@ def sampling_params(
         min_tokens=r.min_tokens,
         stop=tuple(stop),
         seed=seed,
+        top_k=r.top_k,
     )
 
 

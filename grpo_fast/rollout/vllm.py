@@ -215,6 +215,7 @@ class VLLMEngine:
             n=params.n,
             temperature=params.temperature,
             top_p=params.top_p,
+            top_k=params.top_k,  # 0 = off, as ours
             max_tokens=params.max_tokens,
             min_tokens=params.min_tokens,
             stop=list(params.stop) or None,
