@@ -204,6 +204,10 @@ class TrainConfig:
     micro_batch_size: Any = option(AUTO, Range(1, integer=True, auto_ok=True))
     epochs_per_rollout_batch: int = option(1, _POSITIVE)  # > 1 computes old log-probs and clips off-policy
     packing: bool = False  # padding-free packing of microbatches (flash-attn varlen / sdpa mask)
+    # Each prompt computed once for all its responses in the training forward and backward (and the
+    # π_old / π_ref passes): [prompt, r_1 … r_G] under a block mask, the same gradients to fp32
+    # summation order (grpo_fast.policy.batch.shared_prompt_microbatches); needs sdpa or eager attention
+    share_prompts: bool = False
     # Skip the forward/backward of responses whose advantage is exactly 0 (groups whose rewards are
     # all equal) where the loss says their gradient is exactly 0 (LossOptions.zero_advantage_zero_gradient).
     skip_zero_advantage: bool = True
@@ -219,6 +223,11 @@ class TrainConfig:
     # A step whose loss or gradient norm is NaN/inf is not applied (optimizer step skipped, logged);
     # this many in a row stop the run (the checkpoint before them is intact).
     max_nonfinite_steps: int = option(3, _POSITIVE)
+    # Under torchrun: ddp (every rank holds the whole model, gradients and AdamW state) | fsdp
+    # (FSDP2, ZeRO-3-style: each holds 1/N of them; sharded checkpoints; grpo_fast.policy.fsdp)
+    parallelism: str = option("ddp", OneOf(("ddp", "fsdp")))
+    # With fsdp: the weight shards, their gradients and the optimizer step in CPU RAM (ZeRO-3 offload)
+    fsdp_cpu_offload: bool = False
 
 
 @dataclass(frozen=True)
@@ -441,7 +450,7 @@ ON_RESUME: dict[str, tuple[str, ...]] = {
         *("rollout.adaptive_group_size", "rollout.min_group_size", "rollout.max_group_size"),
         *("train.lr", "train.optimizer", "train.betas", "train.weight_decay", "train.warmup_steps"),
         *("train.schedule", "train.min_lr_ratio", "train.grad_clip", "train.epochs_per_rollout_batch"),
-        *("train.skip_zero_advantage", "train.mixed_precision"),
+        *("train.skip_zero_advantage", "train.mixed_precision", "train.parallelism"),
         *(f"loss.{f.name}" for f in dataclasses.fields(LossOptions)),  # every loss option
         *("loss.length_norm", "loss.mask_truncated", "loss.kl_in_reward", "loss.target_kl"),
         *("loss.kl_early_stop", "loss.scale_rewards", "loss.advantage_eps"),
@@ -455,7 +464,7 @@ ON_RESUME: dict[str, tuple[str, ...]] = {
         *("rollout.generation_batch_size", "rollout.gpu_memory_utilization", "rollout.sleep_level"),
         *("rollout.weight_sync_tolerance", "rollout.lora_sync", "rollout.vllm_kwargs"),
         *("train.micro_batch_size", "train.packing", "train.save_dtype", "train.save_merged"),
-        *("train.max_nonfinite_steps", "loss.kernel_backend", "loss.chunk_size"),
+        *("train.max_nonfinite_steps", "train.fsdp_cpu_offload", "loss.kernel_backend", "loss.chunk_size"),
         *("logging.wandb", "logging.wandb_project", "logging.wandb_mode", "logging.progress"),
         *("logging.sample_every", "logging.samples_per_dump", "health.enabled", "health.thresholds"),
     ),
@@ -687,6 +696,7 @@ def validate(cfg: Config, preset: str | None = None, check_device: bool = True) 
     _check_rollout(cfg)
     _check_reward(cfg.data)
     _check_train_and_loss(cfg)
+    _check_parallelism(cfg)
     from grpo_fast.obs.health import HealthThresholds
 
     valid = {f.name for f in dataclasses.fields(HealthThresholds)}
@@ -732,6 +742,11 @@ def _check_model(cfg: Config) -> None:
             "model.lora with a warm start on the adapter (sft.steps > 0, sft.target=adapter) and a KL "
             "reference (loss.beta > 0): π_ref is the base with the adapter off, which would not hold the "
             "warm start; set sft.target=base, sft.steps=0 or loss.beta=0"
+        )
+    if cfg.train.share_prompts and m.attn_implementation == "flash_attention_2":
+        raise ConfigError(
+            "train.share_prompts=true needs an attention that takes a block mask: model.attn_implementation="
+            "sdpa or eager (auto picks sdpa then), not flash_attention_2"
         )
     if cfg.rollout.lora_sync == "merged" and m.load_in_4bit:
         raise ConfigError(
@@ -804,6 +819,28 @@ def _check_train_and_loss(cfg: Config) -> None:
         raise ConfigError(
             f"loss.entropy_target: the adaptive coefficient starts at loss.entropy_coef={lo.entropy_coef:g}, "
             f"which must be in [0, loss.entropy_coef_max={lo.entropy_coef_max:g}]"
+        )
+
+
+def _check_parallelism(cfg: Config) -> None:
+    """What ``train.parallelism=fsdp`` does not run with yet, and the offload that needs it."""
+    t = cfg.train
+    if t.fsdp_cpu_offload and t.parallelism != "fsdp":
+        raise ConfigError(
+            "train.fsdp_cpu_offload=true needs train.parallelism=fsdp (it offloads FSDP's shards)"
+        )
+    if t.parallelism != "fsdp":
+        return
+    if t.optimizer == "adamw8bit":
+        raise ConfigError(
+            "train.optimizer=adamw8bit with train.parallelism=fsdp is not supported: bitsandbytes' 8-bit "
+            "AdamW steps plain tensors and FSDP2's parameters are DTensor shards; use train.optimizer=adamw "
+            "(sharding divides its 8 bytes a parameter by the number of ranks)"
+        )
+    if cfg.model.lora.r:
+        raise ConfigError(
+            "model.lora.r > 0 with train.parallelism=fsdp is not supported yet (LoRA and QLoRA run with "
+            "train.parallelism=ddp: the frozen base is not sharded); use train.parallelism=ddp"
         )
 
 

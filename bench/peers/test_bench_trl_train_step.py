@@ -28,6 +28,7 @@ from torch._C._profiler import _ExperimentalConfig
 from torch.profiler import ProfilerActivity, profile, record_function
 
 from bench.peers.workloads import (
+    PROMPT_HEAVY,
     TINY,
     VERSIONS,
     WIDE,
@@ -201,7 +202,7 @@ def _grpo_fast_version() -> str:
 
 
 @pytest.mark.benchmark(group="peers-train_step-cpu")
-@pytest.mark.parametrize("case_name", [TINY.name, WIDE.name])
+@pytest.mark.parametrize("case_name", [TINY.name, WIDE.name, PROMPT_HEAVY.name])
 def test_train_step_vs_trl_cpu(benchmark, request, case_name):
     pytest.importorskip("trl", reason=PEERS_MISSING)
     run_duel(benchmark, request, make_problem(case_name), torch.device("cpu"))

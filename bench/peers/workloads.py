@@ -74,6 +74,8 @@ class Case:
     warmup_steps: int  # untimed steps of each side before the timed ones
     rounds: int  # timed steps of each side
     describe: str
+    prompt_tokens: int = 16  # the random-Qwen2 cases' prompt length
+    layers: int = 6  # the random-Qwen2 cases' decoder layers
 
     @property
     def steps(self) -> int:
@@ -114,8 +116,25 @@ WIDE = Case(
         "exactly 32 tokens, lr 1e-5, reward = share of even token ids"
     ),
 )
-CASES = {c.name: c for c in (TINY, WIDE)}
-WIDE_PROMPT_TOKENS = 16
+# Prompt-heavy, as real GRPO work is (a prompt shared by its group's responses, here 2/3 of each
+# sequence): a random Qwen2 of 4 layers, D = 512, V = 32,768, tied (≈ 27 M parameters).
+PROMPT_HEAVY = Case(
+    name="qwen2-4L-d512-v32768-prompt128",
+    n_prompts=8,
+    group_size=8,
+    max_tokens=64,
+    min_tokens=64,
+    lr=1e-5,
+    warmup_steps=1,
+    rounds=3,
+    describe=(
+        "random Qwen2 (4 layers, D 512, V 32,768, tied): 8 prompts of 128 tokens × 8 responses of "
+        "exactly 64 tokens, lr 1e-5, reward = share of even token ids"
+    ),
+    prompt_tokens=128,
+    layers=4,
+)
+CASES = {c.name: c for c in (TINY, WIDE, PROMPT_HEAVY)}
 WIDE_VOCAB = 32768
 
 
@@ -158,21 +177,21 @@ def wide_tokenizer():
     tok = Tokenizer(WordLevel(vocab=vocab, unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     return PreTrainedTokenizerFast(
-        tokenizer_object=tok, pad_token="<pad>", eos_token="<eos>", unk_token="<unk>", model_max_length=128
+        tokenizer_object=tok, pad_token="<pad>", eos_token="<eos>", unk_token="<unk>", model_max_length=256
     )
 
 
-def wide_model(tokenizer, seed: int = 0):
+def wide_model(tokenizer, seed: int = 0, layers: int = 6):
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
     config = Qwen2Config(
         vocab_size=WIDE_VOCAB,
         hidden_size=512,
         intermediate_size=1536,
-        num_hidden_layers=6,
+        num_hidden_layers=layers,
         num_attention_heads=8,
         num_key_value_heads=2,
-        max_position_embeddings=128,
+        max_position_embeddings=256,
         tie_word_embeddings=True,
         pad_token_id=tokenizer.pad_token_id,
         eos_token_id=tokenizer.eos_token_id,
@@ -246,14 +265,14 @@ def make_problem(case_name: str) -> Problem:
     rng = random.Random(0)
     n = case.steps * case.n_prompts
     prompts = [
-        " ".join(f"t{rng.randrange(3, WIDE_VOCAB)}" for _ in range(WIDE_PROMPT_TOKENS)) for _ in range(n)
+        " ".join(f"t{rng.randrange(3, WIDE_VOCAB)}" for _ in range(case.prompt_tokens)) for _ in range(n)
     ]
-    state = wide_model(tokenizer).state_dict()
+    state = wide_model(tokenizer, layers=case.layers).state_dict()
     return Problem(
         case=case,
         state_dict=state,
         tokenizer=tokenizer,
-        build_model=lambda: wide_model(tokenizer),
+        build_model=lambda: wide_model(tokenizer, layers=case.layers),
         prompts=prompts,
         answers=[""] * n,
         reward_fn=even_token_reward,
@@ -336,7 +355,11 @@ class GrpoFastStepper:
         mbs = [
             mb.to(self.device)
             for mb in make_microbatches(
-                seqs, int(cfg.train.micro_batch_size), self.problem.tokenizer.pad_token_id, cfg.train.packing
+                seqs,
+                int(cfg.train.micro_batch_size),
+                self.problem.tokenizer.pad_token_id,
+                cfg.train.packing,
+                share_prompts=cfg.train.share_prompts,
             )
         ]
         self._optimize(

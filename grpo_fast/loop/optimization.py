@@ -25,6 +25,7 @@ from grpo_fast.loop.rollout_phase import RolloutBatch
 from grpo_fast.loop.state import Run, Trainer
 from grpo_fast.loop.stats import StepStats
 from grpo_fast.obs.metrics import MetricsLogger, PhaseProgress
+from grpo_fast.policy import fsdp
 from grpo_fast.policy.batch import Microbatch, Sequence, build_sequences, make_microbatches
 
 
@@ -75,14 +76,24 @@ def optimization_phase(
     mbs = [
         mb.to(run.device)
         for mb in make_microbatches(
-            trained, int(cfg.train.micro_batch_size), run.tokenizer.pad_token_id, cfg.train.packing
+            trained,
+            int(cfg.train.micro_batch_size),
+            run.tokenizer.pad_token_id,
+            cfg.train.packing,
+            share_prompts=cfg.train.share_prompts,
         )
     ]
     ref_loss = None if cfg.loss.kl_in_reward else run.ref_loss
-    mbs, extra = prepare_old_and_ref(
-        cfg, mbs, run.policy_loss, ref_loss, batch.temperature, run.scoring_options()
-    )
     sft_mbs = _sft_microbatches(run, batch.examples) if cfg.sft.mix_coef > 0 else []
+    # FSDP gathers every unit in every forward: each rank runs as many passes as the most any
+    # rank runs (zero-weight fillers; one collective). Nothing under DDP.
+    pad_id, sharded = run.tokenizer.pad_token_id, fsdp.is_sharded(run.policy_loss)
+    n_scoring, n_train = fsdp.padding_count([len(mbs), len(mbs) + len(sft_mbs)], run.device, sharded)
+    fillers = fsdp.fillers(n_scoring, mbs[0], pad_id, run.device)
+    mbs, extra = prepare_old_and_ref(
+        cfg, mbs, run.policy_loss, ref_loss, batch.temperature, run.scoring_options(), fillers
+    )
+    fillers = fsdp.fillers(n_train, mbs[0], pad_id, run.device)
     progress.phase("train", cfg.train.epochs_per_rollout_batch * (len(mbs) + len(sft_mbs)))
     stats = optimize_on_rollout(
         run.trainer,
@@ -93,6 +104,7 @@ def optimization_phase(
         logger=run.logger,
         step=step,
         on_microbatch=progress.advance_phase,
+        fillers=fillers,
     )
     lr = run.scheduler.get_last_lr()[0]
     run.scheduler.step()
@@ -123,7 +135,13 @@ def sequences_with_gradient(cfg: Config, seqs: list[Sequence], options: LossOpti
 
 
 def prepare_old_and_ref(
-    cfg: Config, mbs: list[Microbatch], policy_loss, ref_loss, temperature: float, options: LossOptions
+    cfg: Config,
+    mbs: list[Microbatch],
+    policy_loss,
+    ref_loss,
+    temperature: float,
+    options: LossOptions,
+    fillers: list[Microbatch] = (),
 ) -> tuple[list[Microbatch], dict[str, float]]:
     """The microbatches with π_old, π_ref and the sampler-mismatch weights, before the first epoch
     (new ``Microbatch`` objects: the ones given are left as they are).
@@ -133,7 +151,8 @@ def prepare_old_and_ref(
     log-probs only), so the first epoch's ratio exp(log π − log π_old) is exactly 1 on every
     token. With ``rollout.old_logprobs=sampler``, π_old is the engine's log-probs instead (one
     forward pass saved per rollout batch). On-policy with one epoch and no correction (the
-    default) nothing runs here: π_old is π itself.
+    default) nothing runs here: π_old is π itself. ``fillers`` (FSDP): zero-weight microbatches
+    that get the same passes, their results dropped, so that every rank runs as many.
     """
     r = cfg.rollout
     several_epochs = cfg.loss.needs_old_logprobs(cfg.train.epochs_per_rollout_batch)
@@ -156,6 +175,12 @@ def prepare_old_and_ref(
             with torch.no_grad():
                 ref = ref_loss(mb, options, temperature).logprobs
         out.append(dataclasses.replace(mb, old_logprobs=old, ref_logprobs=ref, loss_weights=loss_weights))
+    with torch.no_grad():
+        for mb in fillers:
+            if trainer_old:
+                policy_loss(mb, options, temperature)
+            if ref_loss is not None:
+                ref_loss(mb, options, temperature)
     if not weights:
         return out, {}
     rho, raw = torch.cat(weights), torch.cat(raw_weights)
@@ -192,32 +217,48 @@ def _step_cast_cache(trainer: Trainer):
     return getattr(trainer.policy, "module", trainer.policy).step_cast_cache(trainer.device)
 
 
+def _deferred_sync(trainer: Trainer, defer: bool):
+    """DDP: no all-reduce in this microbatch's backward when ``defer`` (the last one syncs).
+    FSDP reduce-scatters every microbatch's gradients (``grpo_fast.policy.fsdp``: deferring would
+    keep a whole unsharded gradient per rank)."""
+    if defer and trainer.world.enabled and not fsdp.is_sharded(trainer.policy):
+        return trainer.policy.no_sync()
+    return contextlib.nullcontext()
+
+
 def _accumulate_gradients(
-    trainer: Trainer, mbs, sft_mbs, epoch_stats: StepStats, options: LossOptions, temperature, on_microbatch
+    trainer: Trainer,
+    mbs,
+    sft_mbs,
+    epoch_stats: StepStats,
+    options: LossOptions,
+    temperature,
+    on_microbatch,
+    fillers=(),
 ) -> None:
     """Forward and backward of every microbatch of one optimizer step (the supervised ones
-    first); under DDP the gradients are all-reduced once, on the last microbatch."""
+    first); under DDP the gradients are all-reduced once, on the last microbatch. ``fillers``
+    (FSDP): zero-weight microbatches run last, so that every rank runs as many passes."""
     cfg, world = trainer.cfg, trainer.world
     sft_options = LossOptions()  # advantage 1, on-policy: the plain NLL
     for mb in sft_mbs:
-        sync = trainer.policy.no_sync() if world.enabled else contextlib.nullcontext()
-        with sync:
+        with _deferred_sync(trainer, True):
             out_mb = trainer.sft_loss(mb, sft_options, 1.0)
             (out_mb.loss * world.world_size).backward()
         epoch_stats.add_sft(out_mb, mb, cfg.sft.mix_coef)
         if on_microbatch is not None:
             on_microbatch(1)
     for i, mb in enumerate(mbs):
-        last = i == len(mbs) - 1
-        sync = trainer.policy.no_sync() if world.enabled and not last else contextlib.nullcontext()
-        with sync:
+        with _deferred_sync(trainer, i < len(mbs) - 1):
             out_mb = trainer.policy(mb, options, temperature)
-            # DDP averages gradients over ranks; the weights already hold global
+            # DDP (and FSDP) average gradients over ranks; the weights already hold global
             # normalizers, so scale by the world size to recover the sum.
             (out_mb.loss * world.world_size).backward()
         epoch_stats.add(out_mb, mb)
         if on_microbatch is not None:
             on_microbatch(1)
+    for mb in fillers:  # weight 0: no loss, no gradient, no statistics
+        trainer.policy(mb, options, temperature).loss.backward()
 
 
 def optimize_on_rollout(
@@ -230,6 +271,7 @@ def optimize_on_rollout(
     logger: MetricsLogger | None = None,
     step: int = 0,
     on_microbatch=None,
+    fillers: list[Microbatch] = (),
 ) -> StepStats:
     """The optimization phase on one rollout batch: ``train.epochs_per_rollout_batch`` passes,
     each one optimizer step over all microbatches (gradients accumulated; under DDP synced once,
@@ -240,6 +282,9 @@ def optimize_on_rollout(
     the default options): their gradient adds ``mix_coef`` × ∇NLL to the GRPO gradient. Under
     DDP they run before the synced microbatch, which all-reduces the gradients accumulated so
     far, theirs included.
+
+    ``fillers`` (FSDP): zero-weight microbatches that top this rank up to the most passes any
+    rank runs (``grpo_fast.policy.fsdp.padding_count``).
 
     The gradients are freed (set to None) after every optimizer step, so none are allocated
     while the next rollout runs. Returns the first epoch's token-level statistics (what the
@@ -252,8 +297,11 @@ def optimize_on_rollout(
         optimizer.zero_grad(set_to_none=True)  # no-op unless the SFT warm start left gradients
         epoch_stats = StepStats()
         with _step_cast_cache(trainer):  # under autocast: each weight cast once per step
-            _accumulate_gradients(trainer, mbs, sft_mbs, epoch_stats, options, temperature, on_microbatch)
+            _accumulate_gradients(
+                trainer, mbs, sft_mbs, epoch_stats, options, temperature, on_microbatch, fillers
+            )
         grad_norm = torch.nn.utils.clip_grad_norm_(trainer.params, cfg.train.grad_clip or float("inf"))
+        grad_norm = fsdp.to_local_value(grad_norm)  # FSDP: the norm over every rank's shards
         # host-device sync, once per optimizer step: a NaN/inf loss or gradient norm must not
         # reach the weights (nor AdamW's moments), so it is checked before the step.
         loss_v, norm_v = torch.stack([epoch_stats.sums["loss"], grad_norm.float()]).tolist()

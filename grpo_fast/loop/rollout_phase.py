@@ -27,6 +27,7 @@ from grpo_fast.algo.core import (
 from grpo_fast.loop import preempt
 from grpo_fast.loop.state import Run
 from grpo_fast.obs.metrics import PhaseProgress
+from grpo_fast.policy import fsdp
 from grpo_fast.policy.batch import Sequence, make_microbatches
 from grpo_fast.rollout import Rollout, generate_groups
 from grpo_fast.rollout.sampling import sampling_params, sampling_rng, step_seed
@@ -88,7 +89,8 @@ def rollout_phase(run: Run, step: int, progress: PhaseProgress) -> RolloutBatch:
     cfg = run.cfg
     temperature = cfg.rollout.temperature + run.health.shared_temperature_boost(step)  # rank 0's, everywhere
     reward_fn = run.task.reward_fn.for_batch(step)  # numbers the responses, counts reward errors
-    groups, meta = _sample_groups(run, step, temperature, reward_fn, progress)
+    with run.generation_weights():  # FSDP with the hf backend: the whole model gathered for it
+        groups, meta = _sample_groups(run, step, temperature, reward_fn, progress)
     rollout, rewards = groups.rollout, groups.rewards
     meta.update(_table_metrics(run, rollout))
     if cfg.data.overlong_buffer > 0:  # DAPO's soft overlong punishment
@@ -281,14 +283,23 @@ def response_kl_k1(
     ]
     sums = torch.zeros(len(rollout.response_ids), dtype=torch.float64, device=run.device)
     mbs = make_microbatches(
-        seqs, int(cfg.train.micro_batch_size), run.tokenizer.pad_token_id, cfg.train.packing
+        seqs,
+        int(cfg.train.micro_batch_size),
+        run.tokenizer.pad_token_id,
+        cfg.train.packing,
+        share_prompts=cfg.train.share_prompts,
     )
     options = run.scoring_options()
+    # FSDP: as many passes on every rank (zero-weight fillers); none under DDP
+    (missing,) = fsdp.padding_count([len(mbs)], run.device, fsdp.is_sharded(run.policy_loss))
     with torch.no_grad():
         for mb in mbs:
             mb = mb.to(run.device)
             policy = run.policy_loss(mb, options, temperature).logprobs
             k1 = policy - run.ref_loss(mb, options, temperature).logprobs
             sums.index_add_(0, mb.response_index, k1.double())
+        for filler in fsdp.fillers(missing, None, run.tokenizer.pad_token_id, run.device):
+            run.policy_loss(filler, options, temperature)
+            run.ref_loss(filler, options, temperature)
     sums = sums.float().cpu()  # host-device sync, once per step
     return sums, (sums.sum().item(), float(sum(s.n_response for s in seqs)))

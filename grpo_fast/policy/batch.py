@@ -21,11 +21,13 @@ class Microbatch:
     Shapes: b sequences of padded length L; n = number of response tokens in the microbatch.
 
     Fields:
-        input_ids: ``[b, L]`` int64; attention_mask: ``[b, L]`` (1 = real token), or None
-            for packed rows.
+        input_ids: ``[b, L]`` int64; attention_mask: ``[b, L]`` (1 = real token), None for
+            packed rows, or with shared prompts a 4-D block mask ``[b, 1, L, L]`` bool (True =
+            attend: ``shared_prompt_microbatches``).
         position_ids: ``[b, L]`` or None (packed rows restart positions per sequence).
         select: ``[b, L]`` bool, the positions whose *next* token is a response token (the
-            hidden state at t predicts token t+1).
+            hidden state at t predicts token t+1); with shared prompts a prompt's last position
+            predicts the first token of each of its responses (``select_index`` repeats it).
         labels: ``[n]`` int64, the response tokens, in row-major order of ``select``.
         advantages, loss_weights: ``[n]`` fp32.
         old_logprobs, ref_logprobs: ``[n]`` fp32 or None (filled by no-grad passes).
@@ -186,9 +188,12 @@ def build_sequences(
 
 
 def make_microbatches(
-    seqs: list[Sequence], micro_batch_size: int, pad_id: int, packing: bool
+    seqs: list[Sequence], micro_batch_size: int, pad_id: int, packing: bool, share_prompts: bool = False
 ) -> list[Microbatch]:
     """Microbatches of the rollout's sequences, longest first.
+
+    ``share_prompts`` (``train.share_prompts``): the responses of one prompt share one copy of it
+    (``shared_prompt_microbatches``).
 
     Without packing: ``micro_batch_size`` rows per microbatch, one sequence per row,
     right-padded to the longest in the microbatch (sorting by length keeps that padding small).
@@ -199,6 +204,8 @@ def make_microbatches(
     block-causal mask from the position ids (flash-attention 2 runs varlen). Same peak
     activations as the padded worst case, no compute spent on padding.
     """
+    if share_prompts:
+        return shared_prompt_microbatches(seqs, micro_batch_size, pad_id, packing)
     order = sorted(seqs, key=lambda s: len(s.tokens), reverse=True)
     if not packing:
         rows = [[s] for s in order]
@@ -270,4 +277,107 @@ def _collate(rows: list[list[Sequence]], pad_id: int, packing: bool) -> Microbat
         response_index=None if None in resp_idx else torch.tensor(resp_idx, dtype=torch.long),
         cu_seqlens=cu_seqlens,
         max_seqlen=max_seqlen,
+    )
+
+
+def shared_prompt_microbatches(
+    seqs: list[Sequence], micro_batch_size: int, pad_id: int, packing: bool
+) -> list[Microbatch]:
+    """Microbatches in which each prompt is computed once for all its responses.
+
+    The sequences of one prompt (the same prompt tokens) are laid out as ``[prompt, r_1 … r_k]``
+    in one segment: every response attends to the prompt and, causally, to itself only (a 4-D
+    block mask, ``attention_mask [b, 1, L, L]`` bool, True = attend), with the positions it would
+    have alone (``P … P + |r| − 1``). A prompt token is then computed once per segment instead of
+    once per response, in the forward and in the backward (its keys and values get the sum of the
+    responses' gradients): the same loss and gradients as one row per sequence, to fp32 summation
+    order. Each response's first label is predicted from the prompt's last position, which all
+    its segment's responses select (``select_index`` repeats it).
+
+    A microbatch holds at most ``micro_batch_size`` responses: a prompt whose responses do not fit
+    is split, carrying the prompt once in each microbatch it reaches. Without ``packing`` each
+    segment is a row (right-padded to the longest); with ``packing`` a microbatch's segments share
+    one row (the mask keeps them apart). Prompts with the longest segments first.
+
+    Example (prompt [5, 6] with responses [8, 9] and [7]; one row of 5):
+        >>> mb = shared_prompt_microbatches([Sequence([5, 6, 8, 9], 2, 1.0, 0.5), Sequence([5, 6, 7], 2, -1.0, 0.5)],
+        ...                                 micro_batch_size=2, pad_id=0, packing=False)[0]
+        >>> mb.input_ids.tolist(), mb.position_ids.tolist(), mb.select_index.tolist(), mb.labels.tolist()
+        ([[5, 6, 8, 9, 7]], [[0, 1, 2, 3, 2]], [1, 2, 1], [8, 9, 7])
+    """
+    groups: dict[tuple[int, ...], list[Sequence]] = {}
+    for s in seqs:
+        groups.setdefault(tuple(s.tokens[: s.n_prompt]), []).append(s)
+    segments = []  # (prompt, responses) with at most micro_batch_size responses each
+    for prompt, members in groups.items():
+        members = sorted(members, key=lambda s: s.n_response, reverse=True)
+        for i in range(0, len(members), micro_batch_size):
+            segments.append((list(prompt), members[i : i + micro_batch_size]))
+    segments.sort(key=lambda seg: len(seg[0]) + sum(s.n_response for s in seg[1]), reverse=True)
+    batches, current, count = [], [], 0
+    for seg in segments:
+        if current and count + len(seg[1]) > micro_batch_size:
+            batches.append(current)
+            current, count = [], 0
+        current.append(seg)
+        count += len(seg[1])
+    if current:
+        batches.append(current)
+    rows_of = (lambda b: [b]) if packing else (lambda b: [[seg] for seg in b])
+    return [_collate_shared(rows_of(b), pad_id) for b in batches]
+
+
+def _collate_shared(rows: list[list[tuple[list[int], list[Sequence]]]], pad_id: int) -> Microbatch:
+    """One microbatch of rows, each a list of ``(prompt, responses)`` segments."""
+    width = max(sum(len(p) + sum(s.n_response for s in resp) for p, resp in row) for row in rows)
+    b = len(rows)
+    ids = torch.full((b, width), pad_id, dtype=torch.long)
+    pos = torch.zeros((b, width), dtype=torch.long)
+    select = torch.zeros((b, width), dtype=torch.bool)
+    mask = torch.zeros((b, 1, width, width), dtype=torch.bool)
+    index, labels, adv, w, slp, seq_ids, resp_idx = [], [], [], [], [], [], []
+    for r, row in enumerate(rows):
+        at = 0
+        for prompt, responses in row:
+            n_p, p0 = len(prompt), at
+            ids[r, at : at + n_p] = torch.tensor(prompt)
+            pos[r, at : at + n_p] = torch.arange(n_p)
+            mask[r, 0, at : at + n_p, at : at + n_p] = torch.ones(n_p, n_p, dtype=torch.bool).tril()
+            at += n_p
+            for s in responses:
+                n = s.n_response
+                ids[r, at : at + n] = torch.tensor(s.tokens[s.n_prompt :])
+                pos[r, at : at + n] = torch.arange(n_p, n_p + n)
+                mask[r, 0, at : at + n, p0 : p0 + n_p] = True  # the prompt
+                mask[r, 0, at : at + n, at : at + n] = torch.ones(n, n, dtype=torch.bool).tril()
+                # label t of the response is predicted at the position before it: the prompt's
+                # last token for the first, then the response's own tokens
+                before = [r * width + p0 + n_p - 1] + [r * width + at + t for t in range(n - 1)]
+                index.extend(before)
+                select[r, p0 + n_p - 1] = True
+                select[r, at : at + n - 1] = True
+                labels.extend(s.tokens[s.n_prompt :])
+                adv.extend([s.advantage] * n)
+                w.extend([s.weight] * n)
+                seq_ids.extend([len(slp)] * n)
+                resp_idx.extend([s.response_index] * n)
+                slp.append(s.sampler_logprobs)
+                at += n
+        for t in range(at, width):  # padding attends to itself only (no empty softmax row)
+            mask[r, 0, t, t] = True
+    sampler = None
+    if slp and all(x is not None for x in slp):
+        sampler = torch.tensor([v for x in slp for v in x], dtype=torch.float32)
+    return Microbatch(
+        input_ids=ids,
+        attention_mask=mask,
+        position_ids=pos,
+        select=select,
+        labels=torch.tensor(labels, dtype=torch.long),
+        advantages=torch.tensor(adv, dtype=torch.float32),
+        loss_weights=torch.tensor(w, dtype=torch.float32),
+        sampler_logprobs=sampler,
+        sequence_ids=torch.tensor(seq_ids, dtype=torch.long),
+        response_index=None if None in resp_idx else torch.tensor(resp_idx, dtype=torch.long),
+        select_index=torch.tensor(index, dtype=torch.long),
     )

@@ -87,6 +87,8 @@ def load_policy(
     dtype = policy_dtype(cfg, device)
     source = base_path or m.name_or_path
     if source == tiny.BUILTIN_NAME and hf_config is None:
+        if m.load_in_4bit:  # bitsandbytes quantizes as transformers loads: from a folder
+            raise ValueError("a 4-bit built-in base loads from the folder it was written to: pass base_path")
         model = tiny.build_model(tokenizer, seed=cfg.seed).to(dtype)
     else:
         model = _from_hub_or_folder(cfg, source, dtype, device, hf_config)
@@ -127,7 +129,9 @@ def _from_hub_or_folder(cfg: Config, source: str, dtype: torch.dtype, device: to
     attn = m.attn_implementation
     if attn == AUTO:
         has_fa2 = importlib.util.find_spec("flash_attn") is not None
-        attn = "flash_attention_2" if device.type == "cuda" and has_fa2 else "sdpa"
+        # train.share_prompts needs a block mask, which flash-attention's varlen kernel cannot take
+        fa2 = device.type == "cuda" and has_fa2 and not cfg.train.share_prompts
+        attn = "flash_attention_2" if fa2 else "sdpa"
     if hf_config is not None:
         with torch.device(device):  # initialize in place: a 1.5 B fp32 model is 6 GB
             return AutoModelForCausalLM.from_config(hf_config, attn_implementation=attn, dtype=dtype)
