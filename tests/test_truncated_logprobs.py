@@ -60,6 +60,21 @@ def test_the_label_is_kept_ties_are_kept_padding_is_harmless():
     assert torch.equal(truncation_threshold(padded, top_k=3), torch.tensor([-math.inf]))
 
 
+@pytest.mark.parametrize("backend", ["torch_chunked", "triton"])
+def test_kernels_keep_the_label(backend):
+    """Labels the sampler left out (π_old, π_ref or a later epoch may meet one): both kernels keep
+    the label in the set, so its log-prob is finite and the float64 reference's."""
+    g = torch.Generator().manual_seed(3)
+    z = 3 * torch.randn(16, 300, generator=g)
+    labels = z.topk(6, dim=-1).indices[:, 5]  # the 6th most likely token: just left out by top-5
+    device = backend_device(backend)
+    lp, h = token_logprobs_and_entropy(z.to(device), labels.to(device), 1.0, backend, top_k=5)
+    ref, ref_h = eager_token_logprobs_and_entropy(z.double(), labels, 1.0, top_k=5)
+    assert lp.isfinite().all()
+    torch.testing.assert_close(lp.cpu().double(), ref, rtol=0, atol=1e-5)
+    torch.testing.assert_close(h.cpu().double(), ref_h, rtol=0, atol=1e-5)
+
+
 def _vllm_kept(logits: torch.Tensor, k: int, p: float) -> torch.Tensor:
     """vLLM 0.32's ``apply_top_k_top_p_pytorch`` (v1/sample/ops/topk_topp_sampler.py), line for line
     in fp32: sort ascending, mask below the k-th largest value, softmax + cumulative sum, mask
