@@ -1,6 +1,8 @@
-"""Rollout throughput of the two backends on the same tiny work, on CPU: transformers ``generate``
-(``hf``) against the real vLLM engine (``vllm``, in-process, fp32, as ``rollout.backend=vllm``
-runs it, with the tiny preset's ``rollout.vllm_kwargs``).
+"""Rollout throughput of the two backends on the same tiny work, on CPU: the hf backend's own
+decoding (``hf``: each prompt prefilled once, one uniform per row and token), transformers
+``generate(num_return_sequences=G)`` as the hf backend ran it before (``transformers generate``),
+and the real vLLM engine (``vllm``, in-process, fp32, as ``rollout.backend=vllm`` runs it, with the
+tiny preset's ``rollout.vllm_kwargs``).
 
 The work: the tiny preset's model (random init, seed 0), 32 prompts of the tiny task × 8 samples
 each, exactly 16 generated tokens per sample (``min_tokens = max_tokens``, so both backends
@@ -62,6 +64,34 @@ def _bench(benchmark, backend, prompts, params, impl: str) -> None:
 def test_rollout_hf_cpu(benchmark):
     tok, model, prompts, params = _work()
     _bench(benchmark, HFBackend(model, tok, generation_batch_size=PROMPTS * GROUP), prompts, params, "hf")
+
+
+class _TransformersGenerate:
+    """The hf backend before issue 24: ``model.generate(num_return_sequences=G)`` (each prompt
+    prefilled G times, one exponential per vocabulary entry and token in ``torch.multinomial``)."""
+
+    def __init__(self, model, tok):
+        self.model, self.tok = model, tok
+
+    @torch.no_grad()
+    def generate(self, prompts, params):
+        from grpo_fast.rollout.base import Rollout
+
+        width = max(map(len, prompts))
+        ids = torch.tensor([[self.tok.pad_token_id] * (width - len(p)) + p for p in prompts])
+        mask = (ids != self.tok.pad_token_id).long()
+        out = self.model.generate(
+            input_ids=ids, attention_mask=mask, max_new_tokens=params.max_tokens, min_new_tokens=params.min_tokens,
+            num_return_sequences=params.n, do_sample=True, temperature=params.temperature, top_p=params.top_p,
+            top_k=0, pad_token_id=self.tok.pad_token_id, eos_token_id=self.tok.eos_token_id,
+        )[:, width:].tolist()  # fmt: skip
+        return Rollout([list(p) for p in prompts], out, [""] * len(out), ["length"] * len(out))
+
+
+@pytest.mark.benchmark(group="rollout-cpu")
+def test_rollout_transformers_generate_cpu(benchmark):
+    tok, model, prompts, params = _work()
+    _bench(benchmark, _TransformersGenerate(model.eval(), tok), prompts, params, "transformers generate")
 
 
 @pytest.mark.vllm

@@ -8,14 +8,17 @@ the GPU presets use vLLM; this backend is what CPU runs and tests use.
 from __future__ import annotations
 
 import contextlib
+import math
 
 import torch
 
+from grpo_fast.algo.core import truncation_threshold
 from grpo_fast.rollout.base import BackendContext, BackendSpec, Rollout, SamplingParams
 
 
 class HFBackend:
-    """``generate`` in chunks of ``generation_batch_size`` sequences, prompts left-padded."""
+    """Sampling on the training model, in chunks of ``generation_batch_size`` sequences: each
+    prompt prefilled once, its KV cache shared by its ``n`` samples (``decode``)."""
 
     def __init__(self, model: torch.nn.Module, tokenizer, generation_batch_size: int, autocast_dtype=None):
         self.model = model
@@ -31,50 +34,33 @@ class HFBackend:
 
     @torch.no_grad()
     def generate(self, prompt_ids: list[list[int]], params: SamplingParams, progress=None) -> Rollout:
+        """``params.n`` responses to each prompt, in chunks of ``generation_batch_size`` sequences;
+        each response's sampled tokens' log-probs (of the distribution drawn from: after the
+        temperature, top-k and top-p) come with it (``Rollout.sampler_logprobs``)."""
         tok = self.tokenizer
         model = self.model
         was_training = model.training
         model.eval()
-        greedy = params.temperature == 0
-        if greedy and params.n != 1:
+        if params.temperature == 0 and params.n != 1:
             raise ValueError("greedy sampling (temperature 0) with n > 1 gives n identical responses")
-        device = next(model.parameters()).device
         prompts_per_call = max(1, self.generation_batch_size // params.n)
         response_ids: list[list[int]] = []
+        logprobs: list[list[float]] = []
         finish: list[str] = []
+        autocast = (
+            torch.autocast(next(model.parameters()).device.type, dtype=self.autocast_dtype)
+            if self.autocast_dtype is not None
+            else contextlib.nullcontext()
+        )
         try:
             for start in range(0, len(prompt_ids), prompts_per_call):
                 chunk = prompt_ids[start : start + prompts_per_call]
-                width = max(len(p) for p in chunk)
-                ids = torch.full((len(chunk), width), tok.pad_token_id, dtype=torch.long)
-                mask = torch.zeros((len(chunk), width), dtype=torch.long)
-                for i, p in enumerate(chunk):  # left padding: the last prompt token is at -1
-                    ids[i, width - len(p) :] = torch.tensor(p)
-                    mask[i, width - len(p) :] = 1
-                kwargs = dict(
-                    max_new_tokens=params.max_tokens,
-                    min_new_tokens=params.min_tokens or None,
-                    num_return_sequences=params.n,
-                    pad_token_id=tok.pad_token_id,
-                    eos_token_id=tok.eos_token_id,
-                    do_sample=not greedy,
-                )
-                if not greedy:
-                    # transformers: temperature, then top-k (0 = off), then top-p, as vLLM
-                    kwargs.update(temperature=params.temperature, top_p=params.top_p, top_k=params.top_k)
-                if params.stop:
-                    kwargs.update(stop_strings=list(params.stop), tokenizer=tok)
-                autocast = (
-                    torch.autocast(device.type, dtype=self.autocast_dtype)
-                    if self.autocast_dtype is not None
-                    else contextlib.nullcontext()
-                )
                 with autocast:
-                    out = model.generate(input_ids=ids.to(device), attention_mask=mask.to(device), **kwargs)
-                new = out[:, width:].tolist()  # host-device sync: the sampled ids to Python
-                for row in new:
+                    rows, row_lps = decode(model, chunk, params, tok)
+                for row, lps in zip(rows, row_lps):
                     ids_row, reason = _trim(row, tok, params)
                     response_ids.append(ids_row)
+                    logprobs.append(lps[: len(ids_row)])
                     finish.append(reason)
                 if progress is not None:
                     progress(len(chunk))
@@ -86,7 +72,106 @@ class HFBackend:
             response_ids=response_ids,
             response_text=text,
             finish_reason=finish,
+            sampler_logprobs=logprobs,
         )
+
+
+def decode(
+    model, prompts: list[list[int]], params: SamplingParams, tok
+) -> tuple[list[list[int]], list[list[float]]]:
+    """``params.n`` samples of up to ``params.max_tokens`` tokens for each of ``prompts``: ``(rows,
+    log-probs)``, ``len(prompts)·n`` of each, prompt ``i``'s samples at ``i·n … i·n + n − 1``.
+
+    Each prompt is prefilled once (left-padded; its KV cache then repeated ``n`` times, where
+    ``generate(num_return_sequences=n)`` prefills it ``n`` times); then one token a step for every
+    row: ``sample_next`` on the last logits, the row's position the count of its real tokens. A
+    row that sampled EOS is finished (it emits ``pad``); the loop stops when every row has
+    finished or reached a stop string (checked on the decoded tail), or at ``max_tokens``.
+    """
+    device = next(model.parameters()).device
+    n, width = params.n, max(len(p) for p in prompts)
+    ids = torch.full((len(prompts), width), tok.pad_token_id, dtype=torch.long)
+    mask = torch.zeros((len(prompts), width), dtype=torch.long)
+    for i, p in enumerate(prompts):  # left padding: the last prompt token is at -1
+        ids[i, width - len(p) :] = torch.tensor(p)
+        mask[i, width - len(p) :] = 1
+    ids, mask = ids.to(device), mask.to(device)
+    position = (mask.cumsum(-1) - 1).clamp(min=0)
+    out = model(input_ids=ids, attention_mask=mask, position_ids=position, use_cache=True)
+    cache = out.past_key_values
+    cache.batch_repeat_interleave(n)  # every sample of a prompt continues from its one prefill
+    logits = out.logits[:, -1].float().repeat_interleave(n, 0)  # [B·n, V]
+    mask = mask.repeat_interleave(n, 0)
+    rows = len(prompts) * n
+    finished = torch.zeros(rows, dtype=torch.bool, device=device)
+    tokens, lps = [], []
+    stopped = [False] * rows
+    for t in range(params.max_tokens):
+        if t < params.min_tokens:  # no EOS before min_tokens (as transformers' MinNewTokensLength)
+            logits[:, tok.eos_token_id] = -math.inf
+        token, lp = sample_next(logits, params)
+        token = torch.where(finished, torch.full_like(token, tok.pad_token_id), token)
+        tokens.append(token)
+        lps.append(lp)
+        finished |= token == tok.eos_token_id
+        if params.stop:
+            stopped = _stopped(stopped, torch.stack(tokens, 1), tok, params.stop)
+            finished |= torch.tensor(stopped, device=device)
+        if bool(finished.all()) or t + 1 == params.max_tokens:  # host-device sync, once per token
+            break
+        mask = torch.cat([mask, torch.ones((rows, 1), dtype=mask.dtype, device=device)], dim=1)
+        position = mask.sum(-1, keepdim=True) - 1
+        out = model(
+            input_ids=token[:, None],
+            attention_mask=mask,
+            position_ids=position,
+            past_key_values=cache,
+            use_cache=True,
+        )
+        cache, logits = out.past_key_values, out.logits[:, -1].float()
+    sampled = torch.stack(tokens, 1).tolist()  # host-device sync: the sampled ids to Python
+    return sampled, torch.stack(lps, 1).tolist()
+
+
+def sample_next(logits: torch.Tensor, params: SamplingParams) -> tuple[torch.Tensor, torch.Tensor]:
+    """One token per row from ``logits [R, V]`` (fp32) and its log-prob under the distribution it
+    was drawn from: ``([R] int64, [R] fp32)``.
+
+    Greedy (``temperature == 0``): the argmax, log-prob of the untempered softmax. Else the
+    logits over the temperature, truncated to the top-k and/or top-p set
+    (``grpo_fast.algo.core.truncation_threshold``: vLLM's and transformers' order of operations,
+    the trainer's very rule), and one uniform per row drawn against the cumulative probabilities
+    (inverse CDF: ``searchsorted``), where ``torch.multinomial`` draws an exponential per
+    vocabulary entry. The same distribution (a χ² test against ``torch.multinomial``:
+    tests/test_rollout_hf.py).
+    """
+    if params.temperature == 0:
+        token = logits.argmax(-1)
+        return token, logits.log_softmax(-1).gather(-1, token[:, None])[:, 0]
+    scaled = logits / params.temperature
+    threshold = truncation_threshold(scaled, params.top_k, params.top_p)  # −inf: nothing left out
+    scaled = scaled.masked_fill(scaled < threshold[:, None], -math.inf)
+    logp = scaled.log_softmax(-1)  # [R, V]
+    cdf = logp.exp().cumsum(-1)  # [R, V]
+    u = torch.rand(logits.shape[0], 1, device=logits.device) * cdf[:, -1:]  # one uniform per row
+    token = torch.searchsorted(cdf, u, right=True)[:, 0].clamp_(max=logits.shape[1] - 1)
+    token = torch.where(torch.isinf(logp.gather(-1, token[:, None])[:, 0]), logp.argmax(-1), token)
+    return token, logp.gather(-1, token[:, None])[:, 0]
+
+
+# tokens of a row's tail decoded to look for a stop string: a stop string of up to this many tokens
+# is found in the step that completes it (longer ones, e.g. "</answer>" spelt in single
+# characters, by _trim afterwards: the row then runs on to EOS or max_tokens, nothing is lost)
+STOP_WINDOW = 16
+
+
+def _stopped(stopped: list[bool], tokens: torch.Tensor, tok, stops: tuple[str, ...]) -> list[bool]:
+    """Rows whose decoded tail now holds a stop string (once true, stays)."""
+    tails = tokens[:, -STOP_WINDOW:].tolist()  # host-device sync: the last ids to Python
+    return [
+        done or any(s in tok.decode(tail, skip_special_tokens=True) for s in stops)
+        for done, tail in zip(stopped, tails)
+    ]
 
 
 def _trim(row: list[int], tok, params: SamplingParams) -> tuple[list[int], str]:
@@ -122,4 +207,5 @@ BACKEND = BackendSpec(
     name="hf",
     summary="transformers generate on the training model itself (no second copy, nothing to push)",
     build=_build,
+    sampler_logprobs=True,
 )

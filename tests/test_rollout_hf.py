@@ -1,0 +1,138 @@
+"""The hf backend's own decoding (grpo_fast/rollout/hf.py ``decode`` and ``sample_next``): each
+prompt prefilled once for its ``n`` samples, one uniform per row drawn against the cumulative
+probabilities, the sampled tokens' log-probs returned. The same distribution as
+``torch.multinomial`` (a χ² test), greedy the same tokens as transformers' ``generate``, the
+log-probs those the trainer computes for the same tokens."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from grpo_fast.algo.loss_options import LossOptions
+from grpo_fast.policy.batch import build_sequences, make_microbatches
+from grpo_fast.policy.loss import PolicyLoss
+from grpo_fast.rollout.base import SamplingParams
+from grpo_fast.rollout.hf import HFBackend, decode, sample_next
+from grpo_fast.task import tiny
+
+# The χ² statistic's 0.999 quantile by degrees of freedom (a wrong sampler fails; a right one fails
+# one run in 1,000, and the seeds below are fixed).
+CHI2_999 = {2: 13.82, 3: 16.27, 4: 18.47, 5: 20.52}
+
+
+def _chi2(samples: torch.Tensor, probs: torch.Tensor) -> float:
+    counts = torch.bincount(samples, minlength=probs.numel()).double()
+    expected = probs.double() * samples.numel()
+    keep = expected > 0
+    assert counts[~keep].sum() == 0  # never a token of probability 0
+    return float(((counts[keep] - expected[keep]) ** 2 / expected[keep]).sum())
+
+
+@pytest.mark.parametrize(
+    ("top_k", "top_p", "kept"),
+    [(0, 1.0, 6), (3, 1.0, 3), (0, 0.8, 3)],
+    ids=["full", "top_k-3", "top_p-0.8"],
+)
+def test_inverse_cdf_sampling_draws_the_truncated_distribution(top_k, top_p, kept):
+    """20,000 draws over a 6-token vocabulary at temperature 0.7: the counts fit the (truncated,
+    renormalized) softmax by χ², as torch.multinomial's draws of the same distribution do."""
+    torch.manual_seed(0)
+    logits = torch.tensor([[1.5, 0.2, -0.4, 1.1, 0.7, -1.3]]).repeat(20000, 1)
+    params = SamplingParams(n=1, temperature=0.7, top_p=top_p, max_tokens=1, min_tokens=0, top_k=top_k)
+    tokens, lps = sample_next(logits, params)
+    scaled = logits[0] / 0.7
+    order = scaled.argsort(descending=True)
+    probs = torch.zeros(6)
+    probs[order[:kept]] = scaled[order[:kept]].softmax(-1)  # the kept set here: the first `kept` by value
+    stat = _chi2(tokens, probs)
+    reference = _chi2(torch.multinomial(probs, 20000, replacement=True), probs)
+    assert stat < CHI2_999[kept - 1] and reference < CHI2_999[kept - 1], (stat, reference)
+    torch.testing.assert_close(lps, probs.log()[tokens], rtol=0, atol=1e-6)  # the drawn distribution's
+
+
+def test_a_wrong_sampler_fails_the_chi2_test():
+    """Planted: the untruncated softmax at temperature 1 instead of 0.7 is rejected by the same test."""
+    torch.manual_seed(0)
+    logits = torch.tensor([[1.5, 0.2, -0.4, 1.1, 0.7, -1.3]])
+    probs = (logits[0] / 0.7).softmax(-1)
+    wrong = torch.multinomial(logits[0].softmax(-1), 20000, replacement=True)
+    assert _chi2(wrong, probs) > CHI2_999[5]
+
+
+def _prompts(tok):
+    return [tok(e.question)["input_ids"] for e in tiny.examples("eval")[:5]]
+
+
+def test_greedy_decoding_matches_transformers_generate():
+    tok = tiny.build_tokenizer()
+    model = tiny.build_model(tok, seed=4).eval()
+    prompts = _prompts(tok)
+    params = SamplingParams(n=1, temperature=0.0, top_p=1.0, max_tokens=5, min_tokens=0)
+    ours, _ = decode(model, prompts, params, tok)
+    width = max(map(len, prompts))
+    ids = torch.tensor([[tok.pad_token_id] * (width - len(p)) + p for p in prompts])
+    mask = (torch.arange(width)[None] >= torch.tensor([width - len(p) for p in prompts])[:, None]).long()
+    theirs = model.generate(
+        input_ids=ids, attention_mask=mask, max_new_tokens=5, do_sample=False, pad_token_id=tok.pad_token_id,
+        eos_token_id=tok.eos_token_id,
+    )[:, width:].tolist()  # fmt: skip
+    for a, b in zip(ours, theirs):
+        n = next((i + 1 for i, t in enumerate(b) if t == tok.eos_token_id), len(b))
+        assert a[:n] == b[:n]
+
+
+def test_each_prompt_is_prefilled_once_and_the_log_probs_are_the_trainers():
+    """n = 8 samples of 5 prompts: the prefill runs 5 rows (not 40); each sampled token's log-prob
+    (temperature 0.7, top-k 5) equals the trainer's log-prob of it through the fused op with the
+    same truncation, to fp32 rounding. (With min_tokens the sampler's first tokens exclude EOS,
+    which the trainer's distribution does not: vLLM's processed log-probs do the same; tested
+    below.)"""
+    tok = tiny.build_tokenizer()
+    model = tiny.build_model(tok, seed=2)
+    seen = []
+    hook = model.register_forward_pre_hook(
+        lambda m, a, k: seen.append(k["input_ids"].shape), with_kwargs=True
+    )
+    params = SamplingParams(n=8, temperature=0.7, top_p=1.0, max_tokens=4, min_tokens=0, top_k=5, seed=None)
+    torch.manual_seed(0)
+    rollout = HFBackend(model, tok, generation_batch_size=40).generate(_prompts(tok), params)
+    hook.remove()
+    assert seen[0] == (5, max(map(len, _prompts(tok))))  # one prefill row per prompt
+    assert all(shape == (40, 1) for shape in seen[1:])  # then one token per sample and step
+    seqs = build_sequences(
+        rollout.prompt_ids, rollout.response_ids, torch.zeros(40), length_norm="sequence_mean", max_length=4,
+        sampler_logprobs=rollout.sampler_logprobs,
+    )  # fmt: skip
+    loss = PolicyLoss(model, autocast=None, backend="torch_chunked", top_k=5, top_p=1.0)
+    for mb in make_microbatches(seqs, 40, tok.pad_token_id, packing=False):
+        with torch.no_grad():
+            trainer = loss(mb, LossOptions(), 0.7).logprobs
+        torch.testing.assert_close(trainer, mb.sampler_logprobs, rtol=0, atol=1e-5)
+        assert (trainer - mb.sampler_logprobs).abs().max() < 1e-5 and math.isfinite(float(trainer.sum()))
+
+
+def test_min_tokens_holds_eos_off():
+    tok = tiny.build_tokenizer()
+    model = tiny.build_model(tok, seed=2)
+    params = SamplingParams(n=8, temperature=1.0, top_p=1.0, max_tokens=6, min_tokens=3)
+    torch.manual_seed(1)
+    rows, _ = decode(model, _prompts(tok), params, tok)
+    assert all(tok.eos_token_id not in row[:3] for row in rows)
+    free = SamplingParams(n=8, temperature=1.0, top_p=1.0, max_tokens=6, min_tokens=0)
+    torch.manual_seed(1)
+    early = decode(model, _prompts(tok), free, tok)[0]
+    assert any(tok.eos_token_id in row[:3] for row in early)  # without it the model does end early
+
+
+def test_stop_strings_end_a_row_in_the_step_that_completes_them():
+    tok = tiny.build_tokenizer()
+    model = tiny.build_model(tok, seed=0)
+    params = SamplingParams(n=4, temperature=1.0, top_p=1.0, max_tokens=8, min_tokens=0, stop=("1",))
+    torch.manual_seed(3)
+    out = HFBackend(model, tok, generation_batch_size=16).generate(_prompts(tok)[:2], params)
+    for text, reason in zip(out.response_text, out.finish_reason):
+        if "1" in text:
+            assert text.endswith("1") and reason == "stop"
