@@ -34,6 +34,33 @@ def test_raw_weights_by_hand():
     assert cut_importance_weights(token, mode="mask", cap=2.0).tolist() == pytest.approx([1.0, 0.0, 0.5])
 
 
+def test_a_weight_at_the_cap_is_kept_and_bad_arguments_are_named():
+    """Only ρ > cap is cut: ρ = cap exactly (2 = e^ln 2) stays 2 under both modes. A level, a mode
+    or shapes outside the domain are a ValueError naming them (found by mutation testing: no test
+    checked the boundary or the messages)."""
+    from grpo_fast.algo.sampler_correction import sampler_importance_weights
+
+    rho = torch.tensor([2.0, 2.5], dtype=torch.float64)
+    assert cut_importance_weights(rho, mode="mask", cap=2.0).tolist() == [2.0, 0.0]
+    assert cut_importance_weights(rho, mode="truncate", cap=2.0).tolist() == [2.0, 2.0]
+    lp, ids = torch.zeros(2), torch.tensor([0, 1])
+    with pytest.raises(ValueError, match=r"mode must be one of \('truncate', 'mask'\), got 'clip'"):
+        cut_importance_weights(rho, mode="clip", cap=2.0)
+    with pytest.raises(ValueError, match=r"level must be one of \('token', 'sequence'\), got 'batch'"):
+        raw_importance_weights(lp, lp, ids, level="batch")
+    with pytest.raises(
+        ValueError, match=r"trainer_logprobs \(2,\), sampler_logprobs \(3,\) and sequence_ids"
+    ):
+        raw_importance_weights(lp, torch.zeros(3), ids, level="token")
+    empty = torch.zeros(0)  # a microbatch without sampled tokens: no weights, no error
+    assert raw_importance_weights(empty, empty, torch.zeros(0, dtype=torch.long), level="sequence").shape == (
+        0,
+    )
+    for level, mode in (("batch", "mask"), ("token", "clip")):  # either one wrong is refused
+        with pytest.raises(ValueError, match=rf"got '{level}', '{mode}'"):
+            sampler_importance_weights(lp, lp, ids, level=level, mode=mode, cap=2.0)
+
+
 @pytest.mark.parametrize("mode", ["truncate", "mask"])
 def test_metrics_report_the_weights_before_the_cut(mode):
     """Two responses of 2 and 1 tokens whose sampler log-probs are the trainer's minus 0.7 (the
