@@ -104,9 +104,13 @@ def test_subcommand_equals_its_module_form():
 @pytest.mark.xdist_group("finished_run")  # one run for the three (make test: -n 2)
 def test_evaluate_sweep_and_report_run(finished_run, tmp_path, capsys):
     out, _ = finished_run
-    assert cli.main(["evaluate", "--model", str(out / "final"), "--preset", "tiny", "--limit", "16"]) == 0
+    records = tmp_path / "records.jsonl"
+    model = ["--model", str(out / "final")]
+    assert cli.main(["evaluate", *model, "--preset", "tiny", "--limit", "16", "--out", str(records)]) == 0
     metrics = json.loads(capsys.readouterr().out)
-    assert metrics["eval/num_examples"] == 16 and 0 <= metrics["eval/accuracy"] <= 1
+    rewards = [json.loads(x)["reward"] for x in records.read_text().splitlines()]
+    assert metrics["eval/num_examples"] == len(rewards) == 16
+    assert metrics["eval/accuracy"] == pytest.approx(sum(rewards) / 16)  # the mean of what was graded
 
     assert cli.main(["sweep", "--preset", "tiny", "--sweep", "baseline", "--dry-run", "steps=2"]) == 0
     commands = capsys.readouterr().out.splitlines()
