@@ -1,135 +1,121 @@
 """A policy that answers the tiny task's prompts, for tests that check each response is kept with
 the prompt it answers (rollouts, rewards, training sequences, across ranks).
 
-``install(monkeypatch, tokenizer)`` (or ``install_in_process`` where there is no ``monkeypatch``,
-in a spawned rank) wraps the tiny model class's ``generate`` (which the fake vLLM engine calls)
-with a logits processor, and its ``forward`` when it runs with a KV cache (the hf backend's own
-decoding, ``grpo_fast.rollout.hf.decode``), so that every row is forced to answer *that row's own
-prompt*: ``a + b`` on the even samples of a group, ``a + b + 1`` on the odd ones, then EOS. Under
-``generate`` the prompt is read back from the row's tokens; under the hf decode, from the prefill
-(one row per prompt) and the contract that prompt ``i``'s ``n`` samples are rows ``i·n … i·n + n − 1``.
-Everything else is the backends' own: left padding, the expansion into samples, stopping. A
-response kept under another prompt of the batch is graded against that prompt's answer, and with
-two-digit operands it is then neither right nor off by one.
+``AnswerModel`` is a stand-in causal LM with the interface the rollout backends call (``forward``
+with ``input_ids``, ``attention_mask``, ``position_ids``, a transformers ``DynamicCache`` in
+``past_key_values``; one parameter, so an engine's copy can be pushed to): it writes each token
+into its cache (one-hot) and reads every row's tokens back *from the cache* to choose the next
+one. So a row continues the prompt its cache holds: a backend that expands, pads or orders rows
+wrongly makes it answer another prompt, which the tests see. The answer to a row's prompt
+``a+b=`` is ``a + b`` on the even samples of its group and ten times that (a trailing 0) on the
+odd ones (a row's sample index: the rows before it in the batch whose cache holds the same
+prompt), then EOS: the two share every token up to the 0, so the samples of a prompt may share
+its prefill. A response kept under another prompt of the batch is then neither, unless the two
+prompts have the same sum (the tests use distinct sums; the loop's few coincidences pass).
+
+``install(monkeypatch, tokenizer)`` makes the training loop's ``hf`` backend sample with it (the
+policy still trains; the backend keeps the oracle across weight updates); ``install_in_process``
+does the same for the rest of a spawned rank's process.
 """
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import torch
-from transformers import LogitsProcessor, LogitsProcessorList, Qwen2ForCausalLM
+from transformers import DynamicCache
 
 
 def expected(prompt: str, sample: int) -> str:
     """The oracle's response (digits) to ``prompt`` (``"a+b="``) as sample ``sample`` of its group."""
     a, b = (int(x) for x in prompt.rstrip("=").split("+"))
-    return str(a + b + sample % 2)
+    return str(a + b) + "0" * (sample % 2)
 
 
 def judge(prompt: str, response: str) -> str:
-    """``"right"`` (``a + b``), ``"off_by_one"`` (``a + b + 1``, the odd samples) or ``"foreign"``:
-    the response answers none of the oracle's two answers to ``prompt``."""
+    """``"right"`` (``a + b``), ``"tenfold"`` (``a + b`` then 0, the odd samples; cut to
+    ``rollout.max_tokens`` 4 for a three-digit sum) or ``"foreign"``: neither of the oracle's
+    answers to ``prompt``."""
     a, b = (int(x) for x in prompt.rstrip("=").split("+"))
-    return {str(a + b): "right", str(a + b + 1): "off_by_one"}.get(response.strip(), "foreign")
+    return {str(a + b): "right", (str(a + b) + "0")[:4]: "tenfold"}.get(response.strip(), "foreign")
 
 
-class _ForceAnswer(LogitsProcessor):
-    def __init__(self, tokenizer, n: int):
-        self.tok, self.n = tokenizer, n
-        self.special = {tokenizer.pad_token_id, tokenizer.eos_token_id}
+class AnswerModel(torch.nn.Module):
+    """The oracle as a causal LM (module docstring): ``forward(...) -> .logits [R, L, V]``."""
 
-    def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
-        forced = torch.full_like(scores, -float("inf"))
-        for i, row in enumerate(input_ids.tolist()):
-            text = self.tok.decode([t for t in row if t not in self.special])
-            prompt, _, sampled = text.partition("=")
-            target = expected(prompt + "=", i % self.n)  # row i: prompt i // n, sample i % n
-            done = self.tok.eos_token_id in row[row.index(self.tok.convert_tokens_to_ids("=")) :]
-            nxt = (
-                self.tok.eos_token_id
-                if done or len(sampled) >= len(target)
-                else self.tok.convert_tokens_to_ids(target[len(sampled)])
-            )
-            forced[i, nxt] = 0.0
-        return forced
+    def __init__(self, tokenizer):
+        super().__init__()
+        self.tok = tokenizer
+        self.vocab = len(tokenizer)
+        self.scale = torch.nn.Parameter(torch.ones(()))  # NaN until pushed, in a fake engine's copy
+        self.equals = tokenizer.convert_tokens_to_ids("=")
 
+    def forward(
+        self, input_ids, attention_mask=None, position_ids=None, past_key_values=None, use_cache=False, **_
+    ):
+        onehot = torch.nn.functional.one_hot(input_ids, self.vocab).float()[:, None]  # [R, 1, L, V]
+        if mask_given := attention_mask is not None:
+            new = attention_mask[:, -input_ids.shape[1] :]
+            onehot = onehot * new[:, None, :, None]  # padding is not a token
+        cache = past_key_values if past_key_values is not None else DynamicCache()
+        _, history = cache.update(onehot, onehot, 0)  # every row's tokens so far, read back
+        rows = [
+            [int(t) for t, real in zip(h.argmax(-1).tolist(), h.sum(-1).tolist()) if real > 0]
+            for h in history[:, 0]
+        ]
+        start = len(rows[0]) - input_ids.shape[1] if not mask_given else None
+        logits = torch.full((*input_ids.shape, self.vocab), -1e4)
+        prompts = [self._prompt(r) for r in rows]
+        for i, row in enumerate(rows):
+            sample = prompts[:i].count(prompts[i])  # the rows before it with its prompt
+            width = input_ids.shape[1]
+            for j in range(width):  # position j of this call: the tokens up to it
+                upto = len(row) - (width - 1 - j) if start is None else start + j + 1
+                logits[i, j, self._next(row[: max(upto, 0)], sample)] = 0.0
+        return SimpleNamespace(logits=self.scale * logits, past_key_values=cache if use_cache else None)
 
-def _wrap(tokenizer):
-    real = Qwen2ForCausalLM.generate
+    def _prompt(self, row: list[int]) -> tuple[int, ...]:
+        return tuple(row[: row.index(self.equals) + 1]) if self.equals in row else tuple(row)
 
-    def generate(self, *args, **kwargs):
-        n = kwargs.get("num_return_sequences") or 1
-        return real(self, *args, logits_processor=LogitsProcessorList([_ForceAnswer(tokenizer, n)]), **kwargs)
-
-    return generate
-
-
-def _wrap_forward(tokenizer):
-    """``forward`` with a KV cache (decoding): the last position's logits forced to the oracle's
-    next token of each row. A forward whose cache is empty is a prefill: one row per prompt."""
-    real = Qwen2ForCausalLM.forward
-    state = {"prompts": [], "step": 0}
-    special = {tokenizer.pad_token_id, tokenizer.eos_token_id}
-
-    def forward(self, *args, **kwargs):
-        out = real(self, *args, **kwargs)
-        if not kwargs.get("use_cache") or kwargs.get("input_ids") is None or _in_generate(self):
-            return out
-        if kwargs.get("past_key_values") is None:  # a prefill: remember each row's prompt
-            state["prompts"] = [
-                tokenizer.decode([t for t in row if t not in special]) for row in kwargs["input_ids"].tolist()
-            ]
-            state["step"] = 0
-        rows = out.logits.shape[0]
-        n = rows // len(state["prompts"])
-        forced = torch.full_like(out.logits[:, -1], -float("inf"))
-        for r in range(rows):
-            target = expected(state["prompts"][r // n], r % n)
-            step = state["step"]
-            forced[
-                r,
-                tokenizer.convert_tokens_to_ids(target[step])
-                if step < len(target)
-                else tokenizer.eos_token_id,
-            ] = 0.0
-        state["step"] += 1
-        out.logits = torch.cat([out.logits[:, :-1], forced[:, None]], dim=1)
-        return out
-
-    return forward
+    def _next(self, row: list[int], sample: int) -> int:
+        special = {self.tok.pad_token_id, self.tok.eos_token_id}
+        if self.equals not in row or self.tok.eos_token_id in row[row.index(self.equals) :]:
+            return self.tok.eos_token_id
+        text = self.tok.decode([t for t in row if t not in special])
+        prompt, _, sampled = text.partition("=")
+        target = expected(prompt + "=", sample)
+        if len(sampled) >= len(target):
+            return self.tok.eos_token_id
+        return self.tok.convert_tokens_to_ids(target[len(sampled)])
 
 
-def _in_generate(model) -> bool:
-    return getattr(model, "_oracle_in_generate", False)
+def _oracle_backend(ctx):
+    from grpo_fast.rollout.hf import HFBackend
 
+    class OracleBackend(HFBackend):
+        def update_weights(self, model, step: int = 0) -> None:
+            """The policy trains; the rollouts stay the oracle's."""
 
-def _wrap_generate(tokenizer):
-    inner = _wrap(tokenizer)
-
-    def generate(self, *args, **kwargs):
-        self._oracle_in_generate = True  # transformers' generate has its own forcing (the logits processor)
-        try:
-            return inner(self, *args, **kwargs)
-        finally:
-            self._oracle_in_generate = False
-
-    return generate
+    return OracleBackend(AnswerModel(ctx.tokenizer), ctx.tokenizer, ctx.cfg.rollout.generation_batch_size)
 
 
 def install(monkeypatch, tokenizer) -> None:
-    """Every tiny model answers as the oracle, for this test."""
-    monkeypatch.setattr(Qwen2ForCausalLM, "generate", _wrap_generate(tokenizer))
-    monkeypatch.setattr(Qwen2ForCausalLM, "forward", _wrap_forward(tokenizer))
+    """The training loop's ``hf`` backend samples with ``AnswerModel``, for this test."""
+    from grpo_fast.loop import setup
+
+    monkeypatch.setattr(setup, "make_backend", _oracle_backend)
 
 
 def install_in_process(tokenizer) -> None:
     """The same for the rest of this process (a spawned rank)."""
-    Qwen2ForCausalLM.generate = _wrap_generate(tokenizer)
-    Qwen2ForCausalLM.forward = _wrap_forward(tokenizer)
+    from grpo_fast.loop import setup
+
+    setup.make_backend = _oracle_backend
 
 
 def check_microbatch(mb, tokenizer) -> list[str]:
     """For one (unpacked) training microbatch: each sequence's response judged against the prompt
-    in front of it, and its advantage's sign (``"right+"``, ``"off_by_one-"``, ...)."""
+    in front of it, and its advantage's sign (``"right+"``, ``"tenfold-"``, ...)."""
     out = []
     lengths = mb.select.sum(dim=1).tolist()
     advantages = mb.advantages.split(lengths)

@@ -190,18 +190,17 @@ def test_hf_backend_groups_stop_and_eos():
     assert greedy.response_ids == again.response_ids
 
 
-def test_hf_backend_keeps_each_response_with_its_prompt(monkeypatch):
-    """Each response stays under the prompt it answers, through left padding, several generate
-    calls (two prompts per call) and the expansion into groups: a policy answering each row's own
-    prompt (tests/answer_oracle.py: right on a group's even samples, off by one on the odd ones)
-    earns the tiny reward exactly on the even samples when every response is graded against its
-    own prompt's answer."""
+def test_hf_backend_keeps_each_response_with_its_prompt():
+    """Each response stays under the prompt it answers, through left padding, several calls (two
+    prompts per call), the prefill shared by a prompt's samples and the cache steps: a policy that
+    answers the prompt its cache holds (tests/answer_oracle.py: right on a group's even samples,
+    ten times that on the odd ones) earns the tiny reward exactly on the even samples when every
+    response is graded against its own prompt's answer."""
     import answer_oracle
 
     tok = tiny.build_tokenizer()
-    answer_oracle.install(monkeypatch, tok)
-    backend = HFBackend(tiny.build_model(tok, seed=0), tok, generation_batch_size=6)
-    questions = ["12+34=", "5+7=", "60+21=", "9+9=", "33+44="]  # answers differ by more than 1
+    backend = HFBackend(answer_oracle.AnswerModel(tok), tok, generation_batch_size=6)
+    questions = ["12+34=", "5+7=", "60+21=", "9+9=", "33+44="]  # five different sums
     out = backend.generate(
         [tok(q)["input_ids"] for q in questions],
         SamplingParams(n=3, temperature=1.0, top_p=1.0, max_tokens=4, min_tokens=0),
@@ -209,7 +208,7 @@ def test_hf_backend_keeps_each_response_with_its_prompt(monkeypatch):
     prompts = [tok.decode(p) for p in out.response_prompt_ids()]
     assert prompts == [q for q in questions for _ in range(3)]
     judged = [answer_oracle.judge(p, r) for p, r in zip(prompts, out.response_text)]
-    assert judged == ["right", "off_by_one", "right"] * len(questions)
+    assert judged == ["right", "tenfold", "right"] * len(questions)
     rewards = [
         tiny.tiny_reward_fn(r, answer_oracle.expected(p, 0))["reward"]
         for p, r in zip(prompts, out.response_text)

@@ -127,7 +127,7 @@ def _own_prompt_worker(rank, world_size, port, out_dir):
 @pytest.mark.slow
 def test_each_rank_rewards_and_trains_responses_under_their_own_prompts(tmp_path):
     """Each rank draws its own share of the prompts: with a policy answering each row's own prompt
-    (right on a group's even samples, off by one on the odd ones), the global reward mean is exactly
+    (right on a group's even samples, ten times that on the odd ones), the global reward mean is exactly
     1/2 on every step, and on both ranks every training sequence holds a response behind the prompt
     it answers, its advantage positive exactly where it is right."""
     import json
@@ -140,7 +140,7 @@ def test_each_rank_rewards_and_trains_responses_under_their_own_prompts(tmp_path
     ] * 2
     for rank in (0, 1):
         seen = torch.load(tmp_path / f"seen_{rank}.pt")
-        assert len(seen) == 2 * 16 and sorted(set(seen)) == ["off_by_one-", "right+"], (rank, seen)
+        assert len(seen) == 2 * 16 and sorted(set(seen)) == ["right+", "tenfold-"], (rank, seen)
 
 
 def test_one_rank_sampling_is_unchanged():

@@ -146,15 +146,15 @@ def test_orchestration_order_and_weight_push():
         torch.testing.assert_close(a, b, msg=name)
 
 
-def test_vllm_backend_keeps_each_response_with_its_prompt(monkeypatch):
+def test_vllm_backend_keeps_each_response_with_its_prompt():
     """The engine's groups (one list of n completions per prompt) become the rollout's responses
-    in prompt order: with a policy answering each row's own prompt (tests/answer_oracle.py: right on
-    a group's even samples, off by one on the odd ones), every response graded against its own
-    prompt's answer earns the tiny reward exactly on the even samples."""
+    in prompt order: with a policy answering the prompt its cache holds (tests/answer_oracle.py:
+    right on a group's even samples, ten times that on the odd ones), every response graded against
+    its own prompt's answer earns the tiny reward exactly on the even samples."""
     import answer_oracle
 
-    tok, model = _tiny()
-    answer_oracle.install(monkeypatch, tok)  # the engine's copy of the model answers too
+    tok = tiny.build_tokenizer()
+    model = answer_oracle.AnswerModel(tok)  # the engine serves a copy of it, once pushed
     backend = VLLMBackend(FakeVLLMEngine(model, tok), tok, sleep_level=1)
     backend.update_weights(model)
     questions = ["12+34=", "5+7=", "60+21=", "9+9="]
@@ -162,7 +162,7 @@ def test_vllm_backend_keeps_each_response_with_its_prompt(monkeypatch):
     prompts = [tok.decode(p) for p in out.response_prompt_ids()]
     assert prompts == [q for q in questions for _ in range(3)]
     judged = [answer_oracle.judge(p, r) for p, r in zip(prompts, out.response_text)]
-    assert judged == ["right", "off_by_one", "right"] * len(questions)
+    assert judged == ["right", "tenfold", "right"] * len(questions)
     rewards = [
         tiny.tiny_reward_fn(r, answer_oracle.expected(p, 0))["reward"]
         for p, r in zip(prompts, out.response_text)

@@ -113,7 +113,7 @@ def test_on_policy_skips_the_old_logprob_pass(tmp_path, monkeypatch):
 
 def test_each_response_is_rewarded_and_trained_under_its_own_prompt(tmp_path, monkeypatch):
     """End to end with a policy that answers each row's own prompt (tests/answer_oracle.py: right
-    on a group's even samples, off by one on the odd ones): every step's reward mean is exactly
+    on a group's even samples, ten times that on the odd ones): every step's reward mean is exactly
     1/2 (each response graded against its own prompt's answer), and every training sequence holds a
     response behind the prompt it answers, its advantage positive exactly where it is right
     (microbatches of 7 mix the groups)."""
@@ -134,7 +134,7 @@ def test_each_response_is_rewarded_and_trained_under_its_own_prompt(tmp_path, mo
     rows = [r for r in _rows(run(_quick(tmp_path, *overrides)) / "metrics.jsonl") if r["step"] > 0]
     assert [r["train/reward_mean"] for r in rows] == [0.5, 0.5]
     assert [r["train/accuracy"] for r in rows] == [0.5, 0.5]
-    assert len(seen) == 2 * 32 and sorted(set(seen)) == ["off_by_one-", "right+"], seen
+    assert len(seen) == 2 * 32 and sorted(set(seen)) == ["right+", "tenfold-"], seen
 
 
 def test_kl_penalty_and_entropy_bonus_run_and_log(tmp_path):
