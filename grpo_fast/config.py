@@ -172,8 +172,13 @@ class RolloutConfig:
     # is outside [lo, hi], e.g. [0.0, 0.9] drops the prompts already solved; None = off.
     difficulty_filter: list[float] | None = None
     # none | easy_first: each pass over the data goes from the easiest prompt to the hardest
-    # (data.difficulty_field when set, else the pass rates; grpo_fast.algo.prompt_sampler).
+    # (data.difficulty_field when set, else the pass rates; grpo_fast.algo.prompt_sampler) | paced:
     curriculum: str = option("none", OneOf(CURRICULA))
+    # paced: each step draws at random from the easiest curriculum_start of the prompts (same
+    # easiness), a share growing linearly to all of them over curriculum_steps steps (null: half
+    # the run's steps), never a sort (grpo_fast.algo.difficulty.paced_quantile)
+    curriculum_start: float = option(0.25, Range(0, 1, lo_open=True))
+    curriculum_steps: int | None = option(None, Range(1, integer=True, none_ok=True))
     # Group size per prompt by its pass rate, between min_group_size (solved) and max_group_size
     # (never solved); unseen prompts get group_size; each step still has batch_size responses.
     adaptive_group_size: bool = False

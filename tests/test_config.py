@@ -186,6 +186,8 @@ DOMAINS: dict[str, tuple[list[str], list[str]]] = {
     "rollout.weight_sync_tolerance": (["auto", "0", "0.05"], ["-0.1"]),
     "rollout.is_cap": (["1.5"], ["1", "0", "-2"]),
     "rollout.max_sampling_rounds": (["1", "5"], ["0", "-1"]),
+    "rollout.curriculum_start": (["0.25", "1"], ["0", "-0.5", "1.5"]),
+    "rollout.curriculum_steps": (["null", "1", "250"], ["0", "-1", "2.5"]),
     "rollout.min_group_size": (["2", "16"], ["1", "0", "17"]),  # 17: above max_group_size=16
     "rollout.max_group_size": (["2", "64"], ["1", "0", "-1"]),  # 1: below min_group_size=2
     "train.lr": (["0", "1e-5"], ["-1e-5"]),

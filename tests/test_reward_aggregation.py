@@ -4,6 +4,7 @@ hand-worked values, the one-reward identity, and the rollout phase on a scripted
 
 from __future__ import annotations
 
+import contextlib
 from types import SimpleNamespace
 
 import pytest
@@ -106,7 +107,7 @@ def _batch(aggregation: str, reward, *overrides):
     run = SimpleNamespace(
         cfg=cfg, world=dist.DistInfo(), device=torch.device("cpu"), health=HealthMonitor(HealthThresholds()),
         task=task, backend=_Backend({0: ["a", "b", "bb", "bbb"]}), logger=None, sampler=sampler,
-        pass_rates=None, local_prompts=1, state=SimpleNamespace(beta=0.0),
+        pass_rates=None, local_prompts=1, state=SimpleNamespace(beta=0.0), generation_weights=contextlib.nullcontext,
     )  # fmt: skip
     progress = SimpleNamespace(phase=lambda *a: None, advance_phase=lambda *a: None)
     return phase.rollout_phase(run, 1, progress)

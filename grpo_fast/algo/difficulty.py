@@ -18,6 +18,9 @@ The options (``rollout.*``):
 - ``curriculum=easy_first``: each pass visits its prompts from the easiest to the hardest
   (``easiness_key``): by ``Example.difficulty`` when the data has one (lower first), else by pass
   rate (higher first, unseen prompts before every seen one).
+- ``curriculum=paced``: each step draws at random from the easiest ``q`` of the prompts, ``q``
+  growing from ``rollout.curriculum_start`` to 1 over ``rollout.curriculum_steps``
+  (``paced_quantile``), by the same easiness: a mixture that shifts to the hard end, never a sort.
 - ``adaptive_group_size``: group sizes per prompt in ``[min, max]``, more for prompts rarely
   solved, with the step's total number of responses kept exactly (``group_sizes``).
 
@@ -34,9 +37,9 @@ import itertools
 import math
 from collections.abc import Sequence
 
-__all__ = ["CURRICULA", "PassRateTable", "easiness_key", "group_sizes", "in_band"]
+__all__ = ["CURRICULA", "PassRateTable", "easiness_key", "group_sizes", "in_band", "paced_quantile"]
 
-CURRICULA = ("none", "easy_first")  # rollout.curriculum
+CURRICULA = ("none", "easy_first", "paced")  # rollout.curriculum
 
 
 class PassRateTable:
@@ -125,6 +128,15 @@ def easiness_key(rate: float | None, difficulty: float | None, by_difficulty: bo
     if by_difficulty:
         return (difficulty is None, difficulty if difficulty is not None else 0.0)
     return (rate is not None, -(rate or 0.0))
+
+
+def paced_quantile(step: int, start: float, steps: int) -> float:
+    """``curriculum=paced``: the share of the prompts, easiest first, step ``step`` (1, 2, …) draws
+    from: ``start`` at step 1, growing linearly to 1 at step ``steps + 1`` and after.
+
+    Example: start 0.25 over 100 steps: step 1 → 0.25, step 51 → 0.625, step 101 → 1.0.
+    """
+    return start + (1.0 - start) * min(1.0, max(step - 1, 0) / steps)
 
 
 def group_sizes(

@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+import math
 import random
 from collections.abc import Sequence
 
-from grpo_fast.algo.difficulty import CURRICULA, PassRateTable, easiness_key, in_band
+from grpo_fast.algo.difficulty import CURRICULA, PassRateTable, easiness_key, in_band, paced_quantile
 
 __all__ = ["PromptSampler"]
 
@@ -28,6 +29,15 @@ class PromptSampler:
       rate first); ties keep the shuffled order. The first pass by pass rate is the plain
       shuffle (nothing is known yet); a run shorter than a pass ends before the hardest prompts.
 
+    - ``curriculum="paced"`` (``pace=(start, steps)``): a step's prompts are ``k`` distinct ones
+      drawn uniformly (seeded per draw) from the easiest ``q = paced_quantile(step, start, steps)``
+      of all the prompts (by ``easiness_key``, ties broken by a seeded shuffle fixed for the run;
+      by pass rate the ranking is taken anew at each draw). The step's mix is the pool's: easy
+      ones only at first, then easy and harder ones in their share of the pool, the whole data
+      once ``q = 1``; never a sort (a draw without replacement across steps would favour the
+      newly admitted, the easy ones being used up: the sort again). No passes: a prompt may come
+      back before every prompt was drawn.
+
     Without options the sequence and the state are what they always were.
 
     Example:
@@ -48,12 +58,15 @@ class PromptSampler:
         difficulty_filter: Sequence[float] | None = None,
         curriculum: str = "none",
         difficulty: Sequence[float | None] | None = None,
+        pace: tuple[float, int] | None = None,
     ):
         if n <= 0:
             raise ValueError("no training examples to sample from")
         if curriculum not in CURRICULA:
             raise ValueError(f"unknown curriculum {curriculum!r}; expected one of {', '.join(CURRICULA)}")
-        by_rate = curriculum == "easy_first" and difficulty is None
+        by_rate = curriculum != "none" and difficulty is None
+        if (curriculum == "paced") != (pace is not None):
+            raise ValueError("pace=(start, steps) is needed with curriculum='paced', and only then")
         if table is None and (difficulty_filter is not None or by_rate):
             raise ValueError("difficulty_filter and a curriculum by pass rate need the pass-rate table")
         if table is not None and table.n != n:
@@ -65,11 +78,13 @@ class PromptSampler:
         self.difficulty = None if difficulty is None else list(difficulty)
         self._options = difficulty_filter is not None or curriculum != "none"
         self.epoch, self.pos, self.skipped = 0, 0, 0
+        self.pace, self.draws = pace, 0  # paced: the draws so far (each seeds its own)
+        self._ties = self._shuffle(salt=1) if pace is not None else None  # the ranking's tie-break
         self._order = self._pass_order()
 
-    def _shuffle(self) -> list[int]:
+    def _shuffle(self, salt: int = 0) -> list[int]:
         order = list(range(self.n))
-        random.Random(self.seed * 100_003 + self.epoch).shuffle(order)
+        random.Random(self.seed * 100_003 + self.epoch if not salt else f"{self.seed}/ties").shuffle(order)
         return order
 
     def _pass_order(self) -> list[int]:
@@ -80,13 +95,32 @@ class PromptSampler:
             if kept:
                 self.skipped, order = len(order) - len(kept), kept
         if self.curriculum == "easy_first":
-            by_difficulty = self.difficulty is not None
-            rate = self.table.pass_rate if self.table is not None else (lambda i: None)
-            diff = self.difficulty.__getitem__ if by_difficulty else (lambda i: None)
-            order.sort(key=lambda i: easiness_key(rate(i), diff(i), by_difficulty))
+            order.sort(key=self._easiness)
         return order
 
-    def next(self, k: int) -> list[int]:
+    def _easiness(self, i: int) -> tuple:
+        by_difficulty = self.difficulty is not None
+        rate = self.table.pass_rate(i) if self.table is not None else None
+        return easiness_key(rate, self.difficulty[i] if by_difficulty else None, by_difficulty)
+
+    def _next_paced(self, k: int, step: int) -> list[int]:
+        """``curriculum="paced"``: ``k`` distinct prompts drawn uniformly from those admitted at
+        ``step`` (class docstring); each call its own seeded draw (``draws``: exact resume)."""
+        q = paced_quantile(step, *self.pace)
+        rank = {i: r for r, i in enumerate(self._ties)}  # the fixed tie-break among equal easiness
+        easiest = sorted(range(self.n), key=lambda i: (self._easiness(i), rank[i]))
+        admitted = easiest[: max(k, math.ceil(q * self.n))]
+        if self.band is not None:  # rollout.difficulty_filter: the seen prompts outside the band leave
+            kept = [i for i in admitted if in_band(self.table.pass_rate(i), self.band)]
+            self.skipped = len(admitted) - len(kept)
+            admitted = kept if len(kept) >= k else admitted
+        self.draws += 1
+        return random.Random(self.seed * 1_000_003 + self.draws).sample(admitted, k)
+
+    def next(self, k: int, step: int = 1) -> list[int]:
+        """The next ``k`` prompt indices; ``step`` (1, 2, …) paces ``curriculum="paced"``."""
+        if self.pace is not None:
+            return self._next_paced(k, step)
         out = []
         while len(out) < k:
             if self.pos == len(self._order):
@@ -101,6 +135,8 @@ class PromptSampler:
         state = {"n": self.n, "seed": self.seed, "epoch": self.epoch, "pos": self.pos}
         if self._options:  # the pass's order depends on the table when it began: keep it
             state.update(order=list(self._order), skipped=self.skipped)
+        if self.pace is not None:
+            state["draws"] = self.draws
         return state
 
     def load_state_dict(self, state: dict) -> None:
@@ -111,3 +147,4 @@ class PromptSampler:
             self._order, self.skipped = [int(i) for i in state["order"]], int(state["skipped"])
         else:
             self._order = self._shuffle()
+        self.draws = int(state.get("draws", 0))

@@ -226,7 +226,7 @@ def _generate_round(
     them; the pass-rate table (when one is kept) sees every scored group."""
     cfg, world, r = run.cfg, run.world, run.cfg.rollout
     n = run.local_prompts
-    idx = run.sampler.next(n * world.world_size)[world.rank * n : (world.rank + 1) * n]
+    idx = run.sampler.next(n * world.world_size, step=step)[world.rank * n : (world.rank + 1) * n]
     examples = [run.task.train[i] for i in idx]
     prompt_ids = [run.task.prompt_ids(e) for e in examples]
     sizes = [r.group_size] * len(idx)

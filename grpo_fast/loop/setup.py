@@ -262,18 +262,24 @@ def _prompt_sampler(cfg: Config, task: Task) -> tuple[PassRateTable | None, Prom
     difficulty = None
     if cfg.data.difficulty_field is not None:
         difficulty = [ex.difficulty for ex in task.train]
-    by_rate = r.curriculum == "easy_first" and difficulty is None
+    by_rate = r.curriculum != "none" and difficulty is None
     table = None
     if r.difficulty_filter is not None or r.adaptive_group_size or by_rate:
         table = PassRateTable(len(task.train))
     band = None if r.difficulty_filter is None else list(r.difficulty_filter)
+    pace = (
+        (r.curriculum_start, r.curriculum_steps or max(cfg.steps // 2, 1))
+        if r.curriculum == "paced"
+        else None
+    )
     sampler = PromptSampler(
         len(task.train),
         cfg.seed,
         table=table,
         difficulty_filter=band,
         curriculum=r.curriculum,
-        difficulty=difficulty if r.curriculum == "easy_first" else None,
+        difficulty=difficulty if r.curriculum != "none" else None,
+        pace=pace,
     )
     return table, sampler
 

@@ -22,7 +22,7 @@ log grid (``LRGrid``: 5 values from 1e-6 to 1e-4); ``baseline`` → ``loss.type`
 ``importance_sampling_level`` → ``loss.importance_sampling_level`` (``token`` vs ``sequence``,
 GSPO); ``top_entropy_quantile`` → ``loss.top_entropy_quantile`` (1 vs 0.2, the 80/20 rule);
 ``dynamic_sampling`` → ``rollout.dynamic_sampling`` (false vs true, DAPO); ``curriculum`` →
-``rollout.curriculum`` (``none`` vs ``easy_first``); ``adaptive_group_size`` →
+``rollout.curriculum`` (``none``, ``easy_first``, ``paced``); ``adaptive_group_size`` →
 ``rollout.adaptive_group_size`` (false vs true); ``overlong_buffer`` → ``data.overlong_buffer``
 (0 vs 2: the tiny preset's 4-token responses); ``sft_mix`` → ``sft.mix_coef`` (0 vs 0.1);
 ``difficulty_filter`` → ``rollout.difficulty_filter`` (``null`` vs ``[0,0.9]``; values ``[lo,hi]``). Extra
