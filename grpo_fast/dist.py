@@ -69,6 +69,15 @@ def all_reduce_sum(values: list[float], device: torch.device) -> list[float]:
     return t.tolist()
 
 
+def all_reduce_max(values: list[float], device: torch.device) -> list[float]:
+    """The largest of a few floats over ranks (one collective; a host-device sync)."""
+    if not (torch_dist.is_initialized() and torch_dist.get_world_size() > 1):
+        return list(values)
+    t = torch.tensor(values, dtype=torch.float64, device=device)
+    torch_dist.all_reduce(t, op=torch_dist.ReduceOp.MAX)
+    return t.tolist()
+
+
 def all_gather_objects(obj):
     """Every rank's ``obj``, in rank order (pickled; for small per-step records only)."""
     if not (torch_dist.is_initialized() and torch_dist.get_world_size() > 1):

@@ -4,6 +4,9 @@ The model and tokenizer in Hugging Face format, and ``trainer_state.pt`` with th
 LR schedule, the prompt sampler, the health monitor, the KL controller, the pass-rate table, the
 frozen reference model when there is one, every rank's RNG states, the step and β, and the
 number of warm-start steps (``grpo_fast.policy.checkpoint`` writes and reads the folders).
+Under ``train.parallelism=fsdp`` the weights, the optimizer state and the reference model are
+``torch.distributed.checkpoint`` shards that every rank writes (``grpo_fast.policy.sharded_checkpoint``),
+and a resume on another number of ranks loads them resharded.
 
 And what a stop writes (``grpo_fast.loop.preempt``): ``stop_within`` turns a signal in a phase
 that changes no weights (a rollout, the evaluation before GRPO) into the checkpoint of the step
@@ -24,28 +27,23 @@ from grpo_fast.loop import preempt
 from grpo_fast.loop.state import Run, TrainState
 from grpo_fast.obs.run_folder import SFT_PROGRESS
 from grpo_fast.policy import checkpoint as ckpt
+from grpo_fast.policy import sharded_checkpoint
 
 _DELETE_IT = "delete the folder to resume from the checkpoint before it"
 
 
 def save_checkpoint(run: Run, step: int) -> None:
-    """``checkpoints/step_<step>`` of ``run`` as it is now, by rank 0 (every rank's RNG gathered)."""
+    """``checkpoints/step_<step>`` of ``run`` as it is now, by rank 0 (every rank's RNG gathered);
+    under ``train.parallelism=fsdp`` every rank writes its own shards (``sharded_checkpoint``)."""
     rngs = dist.all_gather_objects(ckpt.rng_state())
+    if run.cfg.train.parallelism == "fsdp":
+        trainer_state = _trainer_state(run, rngs) if run.world.is_main else None
+        models, optimizer = _sharded_models(run), run.trainer.optimizer
+        keep = run.cfg.keep_checkpoints
+        sharded_checkpoint.save(run.ckpt_root, step, models, optimizer, run.tokenizer, trainer_state, keep)
+        return
     if run.world.is_main:
-        extra = {
-            "train_state": run.state.state_dict(),
-            "optimizer": run.trainer.optimizer.state_dict(),
-            "scheduler": run.scheduler.state_dict(),
-            "sampler": run.sampler.state_dict(),
-            "health": run.health.state_dict(),
-            "rng": rngs,
-            "world_size": run.world.world_size,
-            "sft_steps": run.sft_steps,
-        }
-        if run.kl_ctl is not None:
-            extra["kl_controller"] = run.kl_ctl.state_dict()
-        if run.pass_rates is not None:
-            extra["pass_rates"] = run.pass_rates.state_dict()
+        extra = {**_trainer_state(run, rngs), "optimizer": run.trainer.optimizer.state_dict()}
         if run.ref_model is not None:
             extra["ref_model"] = run.ref_model.state_dict()
         ckpt.save_checkpoint(
@@ -54,19 +52,51 @@ def save_checkpoint(run: Run, step: int) -> None:
     dist.barrier()
 
 
+def _trainer_state(run: Run, rngs: list) -> dict:
+    """What a checkpoint holds besides the weights and the optimizer state."""
+    extra = {
+        "train_state": run.state.state_dict(),
+        "scheduler": run.scheduler.state_dict(),
+        "sampler": run.sampler.state_dict(),
+        "health": run.health.state_dict(),
+        "rng": rngs,
+        "world_size": run.world.world_size,
+        "sft_steps": run.sft_steps,
+    }
+    if run.kl_ctl is not None:
+        extra["kl_controller"] = run.kl_ctl.state_dict()
+    if run.pass_rates is not None:
+        extra["pass_rates"] = run.pass_rates.state_dict()
+    return extra
+
+
+def _sharded_models(run: Run) -> dict:
+    """The modules a sharded checkpoint holds, by name."""
+    return {"model": run.model, **({"ref_model": run.ref_model} if run.ref_model is not None else {})}
+
+
 def restore(run: Run, path: Path) -> None:
     """Load the checkpoint at ``path`` into ``run`` (the same number of ranks that wrote it)."""
     ckpt.check_model_folder(path, _DELETE_IT)
     saved = ckpt.load_state(path)
-    if saved["world_size"] != run.world.world_size:
+    sharded = run.cfg.train.parallelism == "fsdp"
+    if sharded != sharded_checkpoint.is_sharded_checkpoint(path):
+        written = "fsdp (sharded)" if not sharded else "ddp (Hugging Face weights)"
+        raise ConfigError(
+            f"resume=true: {path} was written with train.parallelism={written}; resume with the same"
+        )
+    if sharded:  # DCP reshards: another number of ranks loads too
+        sharded_checkpoint.load(path, _sharded_models(run), run.trainer.optimizer, saved)
+    elif saved["world_size"] != run.world.world_size:
         raise ConfigError(
             f"resume=true: {path} was written by {saved['world_size']} rank(s); "
             f"resume with the same number of ranks (now {run.world.world_size})"
         )
-    ckpt.load_model_weights(run.model, path)
-    if run.ref_model is not None:
-        run.ref_model.load_state_dict(saved["ref_model"])
-    run.trainer.optimizer.load_state_dict(saved["optimizer"])
+    else:
+        ckpt.load_model_weights(run.model, path)
+        if run.ref_model is not None:
+            run.ref_model.load_state_dict(saved["ref_model"])
+        run.trainer.optimizer.load_state_dict(saved["optimizer"])
     run.scheduler.load_state_dict(saved["scheduler"])
     run.sampler.load_state_dict(saved["sampler"])
     run.health.load_state_dict(saved["health"])
@@ -76,7 +106,14 @@ def restore(run: Run, path: Path) -> None:
         run.pass_rates.load_state_dict(saved["pass_rates"])
     run.state = TrainState.from_state_dict(saved["train_state"])
     run.sft_steps = int(saved.get("sft_steps", run.sft_steps))
-    ckpt.set_rng_state(saved["rng"][run.world.rank])
+    if saved["world_size"] != run.world.world_size:
+        run.logger.event(
+            f"resume on {run.world.world_size} rank(s) of a checkpoint written by {saved['world_size']}: "
+            "the weights and optimizer state are resharded, but each rank's prompts and sampling "
+            "streams differ from the run that wrote it"
+        )
+    if run.world.rank < len(saved["rng"]):
+        ckpt.set_rng_state(saved["rng"][run.world.rank])
 
 
 @contextlib.contextmanager

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import functools
 import json
 import random
 from pathlib import Path
@@ -31,6 +32,7 @@ from grpo_fast.obs import run_folder
 from grpo_fast.obs.health import HealthMonitor, HealthThresholds
 from grpo_fast.obs.metrics import MetricsLogger
 from grpo_fast.policy import checkpoint as ckpt
+from grpo_fast.policy import fsdp
 from grpo_fast.policy.batch import Sequence, make_microbatches
 from grpo_fast.policy.lora import AdapterOffLoss, is_lora, trainable_counts
 from grpo_fast.policy.loss import PolicyLoss, build_policy_loss
@@ -192,15 +194,23 @@ def _build_run(cfg, device, world, out, logger, task, tokenizer, model, amp) -> 
         if amp is not None:
             ref_model.to(amp)
         ref_loss = build_policy_loss(cfg, ref_model, amp)
-    optimizer = build_optimizer(cfg, model.parameters())
+    sharded = cfg.train.parallelism == "fsdp" and world.enabled
+    if sharded:  # FSDP2: each rank holds 1/N of the weights, gradients and optimizer state
+        offload = cfg.train.fsdp_cpu_offload
+        fsdp.shard_policy(policy_loss, amp, device, world.world_size, offload)
+        if ref_model is not None:
+            fsdp.shard_policy(ref_loss, amp, device, world.world_size, offload)
+    optimizer = build_optimizer(cfg, model.parameters())  # over the shards, under FSDP
     policy = policy_loss
-    if world.enabled:
+    if world.enabled and not sharded:
         from torch.nn.parallel import DistributedDataParallel as DDP
 
         policy = DDP(policy_loss, device_ids=[device.index] if device.type == "cuda" else None)
     pass_rates, sampler = _prompt_sampler(cfg, task)
     sft_loss = None
-    if cfg.sft.mix_coef > 0:  # advantage 1, on-policy, the default options: the plain NLL
+    if cfg.sft.mix_coef > 0 and sharded:  # the sharded root itself, on the full vocabulary
+        sft_loss = functools.partial(policy_loss, truncated=False)
+    elif cfg.sft.mix_coef > 0:  # advantage 1, on-policy, the default options: the plain NLL
         sft_loss = PolicyLoss(model, autocast=amp, backend=cfg.loss.kernel_backend)
     params = [p for p in model.parameters() if p.requires_grad]
     thresholds = {**cfg.health.thresholds, "auto_temperature_boost": cfg.health.auto_temperature}
@@ -304,7 +314,9 @@ def _make_backend(run: Run, engine):
         ctx.model_path = getattr(model, "module", model).peft_config["default"].base_model_name_or_path
     elif engine is None and (cfg.model.name_or_path.startswith("builtin:") or run.sft_steps > 0):
         model_path = run.out / "rollout_init"
-        if world.is_main:
+        if fsdp.is_sharded(run.policy_loss):
+            fsdp.save_full_model(model, tokenizer, model_path, world.is_main, vllm_dtype(model, run.amp))
+        elif world.is_main:
             ckpt.save_pretrained_atomic(model, tokenizer, model_path, dtype=vllm_dtype(model, run.amp))
         dist.barrier()
         ctx.model_path = str(model_path)

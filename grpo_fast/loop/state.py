@@ -23,6 +23,8 @@ from grpo_fast.algo.prompt_sampler import PromptSampler
 from grpo_fast.config import Config
 from grpo_fast.obs.health import HealthMonitor
 from grpo_fast.obs.metrics import MetricsLogger
+from grpo_fast.policy import fsdp
+from grpo_fast.rollout.registry import backend
 from grpo_fast.task.loader import Task
 
 
@@ -124,6 +126,14 @@ class Run:
     @property
     def ckpt_root(self) -> Path:
         return self.out / "checkpoints"
+
+    def generation_weights(self):
+        """A context for a phase that generates: under FSDP with a backend that samples from the
+        training model itself (hf), every unit gathered for its length (``fsdp.gathered``); a
+        no-op otherwise (a backend with its own weights, vllm, needs none of the trainer's)."""
+        if backend(self.cfg.rollout.backend).needs_weight_push:
+            return fsdp.gathered(None)
+        return fsdp.gathered(self.policy_loss)
 
     def loss_options(self) -> LossOptions:
         """This step's loss options: ``loss.*`` with the current β (0 with ``loss.kl_in_reward``:

@@ -23,6 +23,7 @@ from grpo_fast.loop.checkpointing import save_checkpoint
 from grpo_fast.loop.state import Run
 from grpo_fast.obs.metrics import PhaseProgress
 from grpo_fast.policy import checkpoint as ckpt
+from grpo_fast.policy import fsdp
 from grpo_fast.policy.lora import is_lora, merged_model
 from grpo_fast.tools.evaluate import evaluate
 
@@ -35,9 +36,10 @@ def evaluate_run(run: Run, step: int, full: bool, progress: PhaseProgress | None
     if progress is not None:
         progress.phase("eval", len(examples[run.world.rank :: run.world.world_size]))
     advance = preempt.unit_callback(progress.advance_phase if progress is not None else None)
-    metrics, records = evaluate(
-        run.backend, run.task, examples, run.cfg, run.device, world=run.world, progress=advance
-    )
+    with run.generation_weights():
+        metrics, records = evaluate(
+            run.backend, run.task, examples, run.cfg, run.device, world=run.world, progress=advance
+        )
     if run.world.is_main:
         n = run.cfg.logging.samples_per_dump
         _dump_samples(run.out / "samples" / f"eval_step_{step}.jsonl", records[:n])
@@ -114,14 +116,17 @@ def finish(run: Run, t_start: float, first: int = 0) -> None:
     last = ckpt.latest_checkpoint(run.ckpt_root)
     if cfg.checkpoint_every and (last is None or last.name != ckpt.step_dir_name(run.state.step)):
         save_checkpoint(run, run.state.step)
+    save_dtype = None if cfg.train.save_dtype == "auto" else getattr(torch, cfg.train.save_dtype)
+    sharded = fsdp.is_sharded(run.policy_loss)
+    if sharded:  # gathered once, by every rank; written by rank 0
+        fsdp.save_full_model(run.model, run.tokenizer, run.out / "final", run.world.is_main, save_dtype)
     if run.world.is_main:
-        save_dtype = None if cfg.train.save_dtype == "auto" else getattr(torch, cfg.train.save_dtype)
         if is_lora(run.model):  # the adapter in peft's format; merged for serving on request
             ckpt.save_pretrained_atomic(run.model, run.tokenizer, run.out / "final")
             if cfg.train.save_merged:
                 merged = merged_model(run.out / "final", save_dtype)
                 ckpt.save_pretrained_atomic(merged, run.tokenizer, run.out / "final_merged")
-        else:
+        elif not sharded:
             ckpt.save_pretrained_atomic(run.model, run.tokenizer, run.out / "final", dtype=save_dtype)
         print(_summary(run, time.perf_counter() - t_start, first), flush=True)
     dist.barrier()

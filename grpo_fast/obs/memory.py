@@ -141,22 +141,29 @@ def allocation_timeline(step: Callable[[], object]) -> list[tuple[str, object, i
     """``[(event, storage key, bytes)]``, ``event`` ``"create"`` or ``"destroy"``, for the tensor
     storages ``step()`` allocates and frees, in order.
 
-    Reads the allocator's events through ``profile._memory_profile()``, a private API of
-    ``torch.profiler`` (written against torch 2.13). Nothing is hooked into the tensors, so
-    reference counts (which decide, e.g., whether autograd adds a gradient in place) are the
-    step's own.
+    Reads the allocator's events from the profiler's event tree (``Allocation`` nodes: a
+    positive size on create, a negative one on destroy, one allocation id for both; torch 2.13's
+    ``torch._C._profiler``, a private API). Not ``profile._memory_profile()``: its data-flow graph
+    asserts on tensors that a collective writes from another thread (FSDP under gloo).
+    Nothing is hooked into the tensors, so reference counts (which decide, e.g., whether autograd
+    adds a gradient in place) are the step's own.
     """
+    from torch._C._profiler import _EventType
     from torch.profiler import ProfilerActivity, profile
-    from torch.profiler._memory_profiler import Action
 
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
-    with profile(activities=activities, profile_memory=True, record_shapes=True, with_stack=True) as prof:
+    with profile(activities=activities, profile_memory=True, record_shapes=True) as prof:
         step()
-    events = []
-    for _, action, (key, _), size in prof._memory_profile().timeline:
-        if action in (Action.CREATE, Action.DESTROY):
-            events.append(("create" if action == Action.CREATE else "destroy", key, size))
-    return events
+    allocations = []
+    stack = list(prof.profiler.kineto_results.experimental_event_tree())
+    while stack:
+        node = stack.pop()
+        stack.extend(node.children)
+        if node.tag == _EventType.Allocation:
+            f = node.extra_fields
+            allocations.append((node.start_time_ns, str(f.device), f.allocation_id, f.alloc_size))
+    allocations.sort(key=lambda a: a[0])
+    return [("create" if size > 0 else "destroy", (dev, aid), abs(size)) for _, dev, aid, size in allocations]
 
 
 def tracked_peak_bytes(step: Callable[[], object]) -> int:

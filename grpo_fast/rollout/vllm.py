@@ -478,11 +478,30 @@ def _hf_named_tensors(model: torch.nn.Module) -> Iterable[tuple[str, torch.Tenso
     """The policy's tensors under their Hugging Face names, as views (no copy).
 
     vLLM's ``load_weights`` copies each into its own buffer, casting to its dtype (bf16), so
-    the push needs no second copy of the model on the trainer's side.
+    the push needs no second copy of the model on the trainer's side. Under FSDP
+    (``train.parallelism=fsdp``) each tensor is a DTensor shard: it is gathered whole
+    (``full_tensor``, a collective every rank's push runs in the same order) when the engine asks
+    for it, and freed once the engine has copied it, so the push's extra memory is a tensor or
+    two (vLLM's layerwise reload keeps a layer's pieces until the layer is complete), never a
+    second copy of the model (tests/test_fsdp.py measures it).
     """
     model = getattr(model, "module", model)  # DDP
     for name, p in model.state_dict().items():
-        yield name, p.detach()
+        yield name, _whole(p.detach())
+
+
+def _whole(t: torch.Tensor) -> torch.Tensor:
+    """``t``, or a DTensor shard's full tensor, gathered on the mesh's device (a shard offloaded
+    to CPU RAM, ``train.fsdp_cpu_offload``, is copied to the device for the all-gather)."""
+    from torch.distributed.tensor import DTensor
+
+    if not isinstance(t, DTensor):
+        return t
+    kind = t.device_mesh.device_type
+    if t.device.type != kind:
+        local = t.to_local().to(kind, non_blocking=True)
+        t = DTensor.from_local(local, t.device_mesh, t.placements, shape=t.shape, stride=t.stride())
+    return t.full_tensor()
 
 
 def vllm_dtype(model: torch.nn.Module, amp: torch.dtype | None) -> torch.dtype:

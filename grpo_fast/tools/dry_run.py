@@ -7,6 +7,7 @@ from the local cache only).
 
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 
@@ -143,8 +144,14 @@ def _plan_text(cfg: Config, torch) -> str:
         arch = _offline_arch(cfg, plan)
     except UserError as exc:
         return f"  unavailable: {exc}"
-    mp = plan.plan_memory(cfg, arch, gpu)
+    world = int(os.environ.get("WORLD_SIZE", "1"))  # under torchrun, the ranks it started
+    mp = plan.plan_memory(cfg, arch, gpu, world)
     head = f"  {cfg.model.name_or_path} ({arch.num_params / 1e9:.2f} B parameters) on {card}\n"
+    if cfg.train.parallelism == "fsdp" and world == 1:
+        head += (
+            "  train.parallelism=fsdp shards over the ranks torchrun starts (none here): "
+            "grpo-fast plan --world-size N gives one rank's budget\n"
+        )
     body = "\n".join("  " + line for line in mp.table().splitlines())
     if max(mp.train_peak, mp.rollout_peak) > gpu:
         body += (

@@ -32,6 +32,7 @@ import torch
 from grpo_fast.config import AUTO, Config, load_config
 from grpo_fast.errors import ConfigError, cli_errors
 from grpo_fast.ops.fused_linear_grpo_loss import default_chunk_size
+from grpo_fast.rollout.registry import backend as rollout_backend
 
 GB = 1e9
 RESERVE_BYTES = 1.5 * GB  # CUDA context (~0.5 GB) + allocator fragmentation headroom
@@ -63,12 +64,21 @@ class Arch:
 
     @property
     def num_params(self) -> int:
+        return self.layers * self.layer_params + self.root_params
+
+    @property
+    def layer_params(self) -> int:
+        """One decoder layer's parameters (one FSDP unit under ``train.parallelism=fsdp``)."""
         d, kv = self.hidden, self.kv_heads * self.head_dim
         attn = d * d + 2 * d * kv + d * d + d + 2 * kv  # q, k, v, o (+ q/k/v biases, as Qwen2)
         mlp = 3 * d * self.intermediate
-        per_layer = attn + mlp + 2 * d  # two RMSNorm weights
-        emb = self.vocab * d * (1 if self.tie_embeddings else 2)
-        return self.layers * per_layer + emb + d
+        return attn + mlp + 2 * d  # two RMSNorm weights
+
+    @property
+    def root_params(self) -> int:
+        """What is not in a decoder layer: the embeddings, the lm_head (tied: the same) and the
+        final norm (FSDP's root unit)."""
+        return self.vocab * self.hidden * (1 if self.tie_embeddings else 2) + self.hidden
 
     def linear_shapes(self) -> dict[str, tuple[int, int]]:
         """Each decoder layer's linear layers, ``name -> (in, out)`` (Qwen2/Llama names)."""
@@ -164,22 +174,32 @@ class MemoryPlan:
     total_params: int = 0
     frozen_head: bool = False  # LoRA: the lm_head does not train (no fp32 [V, D] gradient)
     vllm_weights_kind: str = "bf16"
+    # train.parallelism=fsdp over world_size ranks (sharded): weights, grads, optimizer and ref
+    # above are this rank's shards; what FSDP gathers on top; what CPU offload keeps in RAM
+    world_size: int = 1
+    sharded: bool = False
+    gathered_layers: float = 0.0  # 2 layers gathered (current + prefetched) + 1 layer's grads
+    gathered_root: float = 0.0  # embeddings + lm_head + norm gathered, + their unsharded grads
+    offloaded: float = 0.0  # train.fsdp_cpu_offload: the shards, grads and optimizer in RAM
 
     def table(self) -> str:
         g = lambda b: f"{b / GB:8.2f} GB"
+        shard = f" (1/{self.world_size} shard)" if self.sharded else ""
+        where = shard + (" in CPU RAM" if self.offloaded else "")
         rows = [
-            ("card", g(self.gpu_bytes)),
+            ("card", g(self.gpu_bytes) + (f" × {self.world_size} ranks, per rank:" if self.sharded else "")),
             (
                 "trainable parameters",
                 f"{self.trainable_params / 1e6:,.1f} M of {self.total_params / 1e6:,.1f} M "
                 f"({100 * self.trainable_params / max(self.total_params, 1):.2f}%)",
             ),
             ("-- training phase --", ""),
-            ("weights", g(self.weights)),
-            ("gradients", g(self.grads)),
-            ("optimizer state", g(self.optimizer)),
+            ("weights" + where, g(self.weights)),
+            ("gradients" + where, g(self.grads)),
+            ("optimizer state" + where, g(self.optimizer)),
+            *self._sharded_rows(g),
             ("autocast weight copies", g(self.autocast_copies)),
-            ("reference model (KL)", g(self.ref_model)),
+            ("reference model (KL)" + shard, g(self.ref_model)),
             (
                 f"activations: {self.activation_per_token / 1e3:.1f} KB/token × {self.seq_tokens} × {self.micro_batch_size}",
                 g(self.activations),
@@ -193,8 +213,8 @@ class MemoryPlan:
             ("training peak", g(self.train_peak)),
             ("-- rollout phase (vLLM awake, gradients freed) --", ""),
             (
-                "trainer resident (weights + optimizer + ref)",
-                g(self.weights + self.optimizer + self.ref_model),
+                "trainer resident (weights + optimizer + ref)" + (" in RAM: none" if self.offloaded else ""),
+                g(0.0 if self.offloaded else self.weights + self.optimizer + self.ref_model),
             ),
             (f"vLLM weights ({self.vllm_weights_kind})", g(self.vllm_weights)),
             ("vLLM workspace", g(VLLM_WORKSPACE_BYTES)),
@@ -210,6 +230,18 @@ class MemoryPlan:
         ]
         width = max(len(k) for k, _ in rows)
         return "\n".join(f"{k:<{width}}  {v}" for k, v in rows)
+
+    def _sharded_rows(self, g) -> list[tuple[str, str]]:
+        """Under FSDP: what is gathered in flight, and what the CPU offload moves to RAM."""
+        if not self.sharded:
+            return []
+        rows = [
+            ("gathered in flight: 2 layers + 1 layer's gradients", g(self.gathered_layers)),
+            ("gathered root: embeddings + lm_head + norm, + gradients", g(self.gathered_root)),
+        ]
+        if self.offloaded:
+            rows.append(("moved to CPU RAM per rank (train.fsdp_cpu_offload)", g(self.offloaded)))
+        return rows
 
 
 def _bytes_per(dtype: str) -> int:
@@ -251,8 +283,9 @@ def trainable_params(cfg: Config, arch: Arch) -> int:
     return _weights(cfg, arch)[4]
 
 
-def plan_memory(cfg: Config, arch: Arch, gpu_bytes: float) -> MemoryPlan:
-    """The budget for ``cfg`` on a card of ``gpu_bytes`` (see the module docstring)."""
+def plan_memory(cfg: Config, arch: Arch, gpu_bytes: float, world_size: int = 1) -> MemoryPlan:
+    """The budget for ``cfg`` on a card of ``gpu_bytes`` (see the module docstring); under
+    ``train.parallelism=fsdp`` the budget of one of ``world_size`` ranks (``_sharded``)."""
     p = arch.num_params
     wb = _bytes_per(cfg.model.dtype)
     lora = cfg.model.lora.r > 0
@@ -261,6 +294,16 @@ def plan_memory(cfg: Config, arch: Arch, gpu_bytes: float) -> MemoryPlan:
     weights, grads, optimizer, autocast_copies, trainable = _weights(cfg, arch)
     # the KL reference: a frozen copy in the compute dtype; under LoRA the base itself (adapter off)
     ref_model = p * act_b if (cfg.loss.beta > 0 or cfg.loss.target_kl) and not lora else 0.0
+    sharded = cfg.train.parallelism == "fsdp" and world_size > 1
+    gathered_layers = gathered_root = offloaded = 0.0
+    if sharded:
+        weights, grads, optimizer, ref_model = (
+            x / world_size for x in (weights, grads, optimizer, ref_model)
+        )
+        autocast_copies = 0.0  # the gathered units are in the compute dtype already
+        gathered_layers, gathered_root = _gathered(arch, act_b, wb)
+        if cfg.train.fsdp_cpu_offload:
+            offloaded = weights + grads + optimizer + ref_model
     d, i, L = arch.hidden, arch.intermediate, arch.layers
     # One layer's activations saved for backward, per token: norms, q/k/v/o inputs and outputs,
     # attention output (flash/SDPA keep no [T, T] matrix), MLP gate/up/act/product ≈ 10·D + 4·I values.
@@ -280,17 +323,19 @@ def plan_memory(cfg: Config, arch: Arch, gpu_bytes: float) -> MemoryPlan:
         from grpo_fast.ops._torch_chunked import ROW_TILE, VOCAB_BLOCK
 
         loss_chunk += TORCH_CHUNKED_TILES * ROW_TILE * min(VOCAB_BLOCK, arch.vocab) * 4
-    fixed = weights + grads + optimizer + autocast_copies + ref_model + loss_chunk + RESERVE_BYTES
+    on_gpu = weights + grads + optimizer + ref_model - offloaded
+    fixed = on_gpu + autocast_copies + gathered_layers + gathered_root + loss_chunk + RESERVE_BYTES
     if cfg.train.micro_batch_size != AUTO:
         mbs = int(cfg.train.micro_batch_size)
     else:
         room = gpu_bytes - fixed
         mbs = int(min(MAX_MICRO_BATCH, room // (per_token * seq))) if room > 0 else 0
         if mbs < 1:
+            fix = "train.fsdp_cpu_offload=true, more ranks" if sharded else "train.optimizer=adamw8bit"
             raise ConfigError(
                 f"train.micro_batch_size=auto: {fixed / GB:.1f} GB of weights, gradients, optimizer state and "
                 f"reserve leave no room for one {seq}-token sequence on a {gpu_bytes / GB:.0f} GB card; enable "
-                "model.gradient_checkpointing, train.optimizer=adamw8bit, or lower rollout.max_tokens"
+                f"model.gradient_checkpointing, {fix}, or lower rollout.max_tokens"
             )
     activations = per_token * seq * mbs
     train_peak = fixed + activations
@@ -298,7 +343,7 @@ def plan_memory(cfg: Config, arch: Arch, gpu_bytes: float) -> MemoryPlan:
     kv_per_token = 2 * L * arch.kv_heads * arch.head_dim * 2  # K and V, bf16
     # vLLM's copy: bf16, or the base in bitsandbytes 4-bit (QLoRA), and the adapter's slot
     vllm_weights = (weights - grads) if cfg.model.load_in_4bit else p * 2 + (grads / 2 if lora else 0.0)
-    resident = weights + optimizer + ref_model + RESERVE_BYTES
+    resident = (0.0 if offloaded else weights + optimizer + ref_model) + RESERVE_BYTES
     if cfg.rollout.gpu_memory_utilization != AUTO:
         util = float(cfg.rollout.gpu_memory_utilization)
     else:
@@ -330,7 +375,27 @@ def plan_memory(cfg: Config, arch: Arch, gpu_bytes: float) -> MemoryPlan:
         vllm_weights_kind=("4-bit base + adapter" if cfg.model.load_in_4bit else "bf16 + adapter")
         if lora
         else "bf16",
+        world_size=world_size,
+        sharded=sharded,
+        gathered_layers=gathered_layers,
+        gathered_root=gathered_root,
+        offloaded=offloaded,
     )
+
+
+def _gathered(arch: Arch, gathered_bytes: int, weight_bytes: int) -> tuple[float, float]:
+    """What FSDP holds unsharded on a rank, in bytes: ``(layers, root)``.
+
+    Layers: the one computing and the one prefetched (in the gathered dtype: bf16 under
+    ``train.mixed_precision=bf16``), plus one layer's unsharded gradient and its reduce-scatter
+    input (fp32 under bf16: gradients reduce in fp32). The root (embeddings, lm_head, final norm)
+    stays gathered through each microbatch's forward and backward, with its unsharded gradient
+    and reduce-scatter input at the end (the fused head's fp32 accumulator is the loss chunk's).
+    """
+    reduce_bytes = 4 if gathered_bytes < weight_bytes else weight_bytes
+    layer, root = arch.layer_params, arch.root_params
+    layers = 2 * layer * gathered_bytes + layer * (gathered_bytes + reduce_bytes)
+    return float(layers), float(root * (2 * gathered_bytes + reduce_bytes))
 
 
 def resolve_auto(cfg: Config, model_config, device: torch.device, world_size: int = 1) -> Config:
@@ -342,7 +407,7 @@ def resolve_auto(cfg: Config, model_config, device: torch.device, world_size: in
         util = r.gpu_memory_utilization if r.gpu_memory_utilization != AUTO else 0.5
     else:
         total = torch.cuda.get_device_properties(device).total_memory
-        plan = plan_memory(cfg, Arch.from_hf_config(model_config), total)
+        plan = plan_memory(cfg, Arch.from_hf_config(model_config), total, world_size)
         mbs, util = plan.micro_batch_size, plan.gpu_memory_utilization
     return dataclasses.replace(
         cfg,
@@ -370,14 +435,14 @@ def clamp_micro_batch(cfg: Config, world_size: int = 1) -> tuple[Config, str | N
     return dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, micro_batch_size=per_rank)), line
 
 
-def smallest_need(cfg: Config, arch: Arch, gpu_bytes: float) -> float:
+def smallest_need(cfg: Config, arch: Arch, gpu_bytes: float, world_size: int = 1) -> float:
     """The fewest bytes a card needs for ``cfg``: training with microbatch 1, and (vLLM) the
     trainer's resident state plus vLLM's weights, workspace and one sequence of KV cache."""
     one = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, micro_batch_size=1))
-    mp = plan_memory(one, arch, gpu_bytes)
+    mp = plan_memory(one, arch, gpu_bytes, world_size)
     need = mp.train_peak
-    if cfg.rollout.backend == "vllm":
-        resident = mp.weights + mp.optimizer + mp.ref_model + mp.reserve
+    if rollout_backend(cfg.rollout.backend).needs_weight_push:  # an engine with its own weights
+        resident = (0.0 if mp.offloaded else mp.weights + mp.optimizer + mp.ref_model) + mp.reserve
         kv = mp.seq_tokens * mp.vllm_kv_per_token
         need = max(need, resident + mp.vllm_weights + VLLM_WORKSPACE_BYTES + kv)
     return need
@@ -389,9 +454,22 @@ def main(argv: list[str] | None = None, prog: str = "python -m grpo_fast.plan") 
     p.add_argument("--preset", default="rtx4090")
     p.add_argument("--config", action="append", default=[], metavar="FILE.yaml")
     p.add_argument("--gpu-mem-gb", type=float, default=None, help="card size (default: this GPU's, else 24)")
+    p.add_argument(
+        "--world-size",
+        type=float,
+        default=1,
+        help="ranks (GPUs) of the run: with train.parallelism=fsdp the budget is one rank's (default 1)",
+    )
     p.add_argument("overrides", nargs="*", metavar="key=value")
     args = p.parse_args(argv)
     cfg = load_config(args.preset, args.config, args.overrides, check_device=False)
+    if not (
+        math.isfinite(args.world_size) and args.world_size >= 1 and args.world_size == int(args.world_size)
+    ):
+        raise ConfigError(
+            f"--world-size must be a whole number of ranks, at least 1; got {args.world_size:g}"
+        )
+    world = int(args.world_size)
     if args.gpu_mem_gb is not None and not (math.isfinite(args.gpu_mem_gb) and args.gpu_mem_gb > 0):
         raise ConfigError(f"--gpu-mem-gb must be a card size in GB, above 0; got {args.gpu_mem_gb:g}")
     if args.gpu_mem_gb is not None:
@@ -400,20 +478,31 @@ def main(argv: list[str] | None = None, prog: str = "python -m grpo_fast.plan") 
         gpu = torch.cuda.get_device_properties(0).total_memory
     else:
         gpu = 24 * GB
-    need = smallest_need(cfg, arch_for(cfg), gpu)
+    need = smallest_need(cfg, arch_for(cfg), gpu, world)
     if need > gpu:
         fixes = ["a lower rollout.max_tokens"]
         fixes += [] if cfg.model.gradient_checkpointing else ["model.gradient_checkpointing=true"]
-        fixes += [] if cfg.train.optimizer == "adamw8bit" else ["train.optimizer=adamw8bit"]
-        kv = ", one sequence of vLLM KV cache" if cfg.rollout.backend == "vllm" else ""
+        if cfg.train.parallelism == "fsdp":
+            fixes += [] if cfg.train.fsdp_cpu_offload else ["train.fsdp_cpu_offload=true"]
+            fixes += ["more ranks (--world-size)"]
+        else:
+            fixes += [] if cfg.train.optimizer == "adamw8bit" else ["train.optimizer=adamw8bit"]
+            fixes += ["train.parallelism=fsdp on several GPUs"]
+        kv = (
+            ", one sequence of vLLM KV cache"
+            if rollout_backend(cfg.rollout.backend).needs_weight_push
+            else ""
+        )
         raise ConfigError(
             f"a {gpu / GB:.1f} GB card is too small for preset {args.preset!r}: its smallest plan "
             f"(microbatch 1{kv}) needs {need / GB:.1f} GB; try {', '.join(fixes)}"
         )
-    plan = plan_memory(cfg, arch_for(cfg), gpu)
+    plan = plan_memory(cfg, arch_for(cfg), gpu, world)
     print(
         f"memory plan for preset {args.preset!r}: {cfg.model.name_or_path} ({arch_for(cfg).num_params / 1e9:.2f} B parameters)"
     )
+    if world > 1 and not plan.sharded:
+        print(f"train.parallelism=ddp: every one of the {world} ranks holds all of this (fsdp shards it)")
     print(plan.table())
     if plan.train_peak > gpu or plan.rollout_peak > gpu:
         print(

@@ -1,0 +1,159 @@
+"""Sharded checkpoints (``train.parallelism=fsdp``): ``torch.distributed.checkpoint`` (DCP).
+
+A checkpoint ``output_dir/checkpoints/step_000100/`` holds ``dcp/``, where every rank writes its
+own shards of the model, of the optimizer state and of the frozen reference model (no gather
+on rank 0: DCP's ``.metadata`` says which bytes of which tensor each file holds), and, from rank
+0, ``trainer_state.pt`` (what ``grpo_fast.loop.checkpointing`` keeps besides the weights: the
+schedule, the prompt sampler, every rank's RNG, ...) and the tokenizer. Atomic like the
+Hugging Face checkpoints (``grpo_fast.policy.checkpoint``): everything goes to
+``step_000100.tmp/`` first, and rank 0 renames it once every rank's shards are written; a run
+killed at any instant leaves the previous checkpoint or the new one. The folder must be on a
+file system every rank sees (one node; several nodes: a shared one).
+
+Loading reads into the run's own state dicts (``get_state_dict`` / ``set_state_dict``), so DCP
+reshards: a checkpoint written by N ranks loads on M ranks, or on one process without any
+process group (the model then unsharded).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from grpo_fast import dist
+from grpo_fast.errors import CheckpointError
+from grpo_fast.policy import checkpoint as ckpt
+
+DCP_DIR = "dcp"
+
+
+def is_sharded_checkpoint(path: Path) -> bool:
+    """Whether the checkpoint folder ``path`` holds DCP shards (``save`` wrote it)."""
+    return (Path(path) / DCP_DIR).is_dir()
+
+
+def _model_state(model: nn.Module) -> dict[str, torch.Tensor]:
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict
+
+    return get_model_state_dict(model)
+
+
+def _state_dicts(models: dict[str, nn.Module], optimizer, with_optimizer: bool) -> dict[str, Any]:
+    """DCP's view of ``models`` (and of ``optimizer``, when ``with_optimizer``): DTensor shards
+    under FSDP, whole tensors otherwise. An optimizer's state dict is only asked for when it has
+    a state: asking initializes an empty one with a zero step (torch 2.13), which would change
+    the next real step."""
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+
+    state: dict[str, Any] = {name: _model_state(m) for name, m in models.items()}
+    if with_optimizer:
+        state["optimizer"] = get_optimizer_state_dict(models["model"], optimizer)
+    return state
+
+
+def save(
+    root: Path,
+    step: int,
+    models: dict[str, nn.Module],
+    optimizer: torch.optim.Optimizer,
+    tokenizer,
+    trainer_state: dict[str, Any] | None,
+    keep: int,
+) -> Path:
+    """Write ``root/step_<step>`` (every rank calls it: a collective) and keep the newest
+    ``keep`` checkpoints. ``models``: ``{"model": policy, "ref_model": reference?}``;
+    ``trainer_state``: rank 0's ``trainer_state.pt`` contents (None elsewhere). A failed write
+    raises ``CheckpointError`` on every rank and leaves the previous checkpoint as it was."""
+    import torch.distributed.checkpoint as dcp
+
+    root = Path(root)
+    target = root / ckpt.step_dir_name(step)
+    tmp = target.with_name(target.name + ".tmp")
+    main = trainer_state is not None
+    _on_every_rank(main, lambda: _fresh_folder(tmp))
+    has_optimizer = bool(optimizer.state)
+    state = _state_dicts(models, optimizer, has_optimizer)
+    try:
+        dcp.save(state, checkpoint_id=str(tmp / DCP_DIR), no_dist=not _distributed())
+    except Exception as exc:  # DCP raises on every rank when any rank's write failed
+        raise CheckpointError(f"step {step}: cannot write {target}: {str(exc).splitlines()[0]}") from None
+    if main:
+        trainer_state = {**trainer_state, "optimizer_saved": has_optimizer}
+
+    def finish() -> None:
+        torch.save(trainer_state, tmp / ckpt.STATE_FILE)
+        tokenizer.save_pretrained(tmp)
+        _fsync_tree(tmp)
+        if target.exists():
+            shutil.rmtree(target)
+        os.replace(tmp, target)
+        _fsync_tree(root, files=False)
+        for old in ckpt.list_checkpoints(root)[:-keep]:
+            shutil.rmtree(old)
+
+    _on_every_rank(main, finish)
+    return target
+
+
+def _distributed() -> bool:
+    """Whether a process group exists (without one, one process reads or writes every shard)."""
+    return torch.distributed.is_available() and torch.distributed.is_initialized()
+
+
+def _fresh_folder(path: Path) -> None:
+    if path.exists():
+        shutil.rmtree(path)  # a leftover from a run killed mid-write
+    path.mkdir(parents=True)
+
+
+def _on_every_rank(main: bool, work) -> None:
+    """``work()`` on rank 0; its failure raised as ``CheckpointError`` on every rank (one
+    collective), so that no rank waits for one that stopped."""
+    why = None
+    if main:
+        try:
+            work()
+        except (OSError, RuntimeError) as exc:
+            why = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc).splitlines()[0]
+    why = dist.broadcast_object(why)
+    if why is not None:
+        raise CheckpointError(f"cannot write the checkpoint: {why}")
+
+
+def _fsync_tree(path: Path, files: bool = True) -> None:
+    """fsync ``path``'s files (and those of its subfolders) and the folders themselves."""
+    for folder, _, names in os.walk(path) if files else [(str(path), [], [])]:
+        for name in names:
+            with open(os.path.join(folder, name), "rb") as fh:
+                os.fsync(fh.fileno())
+        fd = os.open(folder, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+
+def load(path: Path, models: dict[str, nn.Module], optimizer: torch.optim.Optimizer, saved: dict) -> None:
+    """Load the checkpoint at ``path`` into ``models`` and ``optimizer`` in place, resharded to
+    this run's ranks (every rank calls it). ``saved``: its ``trainer_state.pt``."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_optimizer_state_dict
+
+    with_optimizer = bool(saved.get("optimizer_saved", True))
+    state = _state_dicts(models, optimizer, with_optimizer)
+    try:
+        dcp.load(state, checkpoint_id=str(Path(path) / DCP_DIR), no_dist=not _distributed())
+    except Exception as exc:
+        raise CheckpointError(
+            f"checkpoint {path} cannot be read ({str(exc).splitlines()[0]}); delete the folder to resume "
+            "from the one before"
+        ) from None
+    for name, model in models.items():
+        set_model_state_dict(model, state[name])
+    if with_optimizer:
+        set_optimizer_state_dict(models["model"], optimizer, state["optimizer"])

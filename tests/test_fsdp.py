@@ -1,0 +1,439 @@
+"""FSDP2 (``train.parallelism=fsdp``) on CPU with 2 gloo ranks: the same update as DDP from the
+same start, half the bytes on each rank (and the planner's per-rank numbers against them), a
+streamed weight push, sharded checkpoints that resume exactly (and on another number of
+ranks), the final model in Hugging Face format; the config errors and the per-rank plan."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import shutil
+import signal
+import socket
+from pathlib import Path
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+
+from grpo_fast import dist
+from grpo_fast.algo.loss_options import LossOptions
+from grpo_fast.config import load_config
+from grpo_fast.errors import ConfigError
+from grpo_fast.loop.optim import build_optimizer
+from grpo_fast.loop.optimization import optimize_on_rollout
+from grpo_fast.loop.state import Trainer
+from grpo_fast.policy import fsdp
+from grpo_fast.policy.batch import build_sequences, make_microbatches
+from grpo_fast.policy.loss import PolicyLoss
+from grpo_fast.policy.model import enable_checkpointing
+from grpo_fast.task import tiny
+from grpo_fast.testing import join_cpu_ranks
+from grpo_fast.tools import plan
+
+ROOT = Path(__file__).resolve().parents[1]
+GROUP, PROMPTS = 4, 4  # 16 responses: 2 whole groups per rank
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _rank_microbatches(cfg, tok, rank: int, world_size: int, micro_batch: int):
+    """This rank's share of a fixed rollout (prompts, responses of mixed lengths, advantages),
+    with the global length normalizers, in microbatches of ``micro_batch``."""
+    g = torch.Generator().manual_seed(123)
+    rand_len = lambda lo, hi: int(torch.randint(lo, hi, (1,), generator=g))
+    prompts = [torch.randint(3, 15, (rand_len(3, 7),), generator=g).tolist() for _ in range(PROMPTS)]
+    responses = [
+        [*torch.randint(3, 15, (rand_len(1, 5),), generator=g).tolist(), 1] for _ in range(PROMPTS * GROUP)
+    ]
+    adv = torch.randn(PROMPTS * GROUP, generator=g)
+    per = PROMPTS // world_size
+    lo, hi = rank * per, (rank + 1) * per
+    mine = responses[lo * GROUP : hi * GROUP]
+    lengths = [len(r) for r in mine]
+    n_seq, n_tok = dist.all_reduce_sum([len(lengths), sum(lengths)], torch.device("cpu"))
+    seqs = build_sequences(
+        prompts[lo:hi],
+        mine,
+        adv[lo * GROUP : hi * GROUP],
+        length_norm=cfg.loss.length_norm,
+        max_length=cfg.rollout.max_tokens,
+        num_sequences=int(n_seq),
+        num_tokens=n_tok,
+    )
+    return make_microbatches(seqs, micro_batch, tok.pad_token_id, packing=False)
+
+
+def _train(cfg, tok, mbs, mode: str, world: dist.DistInfo, steps: int) -> dict:
+    """``steps`` optimizer steps of the tiny model on ``mbs`` under ``mode`` (ddp, fsdp,
+    fsdp_offload, fsdp_ckpt); the global loss of step 1, the grad norms, the full weights after
+    step 1 and after the last step, and this rank's bytes (gradients as the first step applies them)."""
+    model = tiny.build_model(tok, seed=0)
+    if mode == "fsdp_ckpt":
+        enable_checkpointing(model)
+        model.train()
+    policy = PolicyLoss(model, autocast=None, backend="torch_chunked")
+    if mode.startswith("fsdp"):
+        fsdp.shard_policy(policy, None, torch.device("cpu"), world.world_size, mode == "fsdp_offload")
+    else:
+        from torch.nn.parallel import DistributedDataParallel as DDP
+
+        policy = DDP(policy)
+    params = list(model.parameters())
+    optimizer = build_optimizer(cfg, params)
+    seen = {}
+    real_step = optimizer.step
+
+    def recording_step(*a, **k):
+        out = real_step(*a, **k)
+        if "bytes" not in seen:  # after the first step: its gradients and the AdamW state
+            seen["bytes"] = fsdp.local_bytes(model, optimizer)
+        return out
+
+    optimizer.step = recording_step
+    (missing,) = fsdp.padding_count([len(mbs)], torch.device("cpu"), fsdp.is_sharded(policy))
+    fillers = fsdp.fillers(missing, mbs[0], tok.pad_token_id, torch.device("cpu"))
+    trainer = Trainer(policy, optimizer, params, cfg, world)
+    offload = type(_group(policy).offload_policy).__name__ if fsdp.is_sharded(policy) else None
+    out = {"missing": missing, "grad_norm": [], "offload": offload}
+    for step in range(steps):
+        stats = optimize_on_rollout(trainer, mbs, options=LossOptions(), temperature=1.0, fillers=fillers)
+        out["grad_norm"].append(stats.grad_norm)
+        if step == 0:
+            (out["loss"],) = dist.all_reduce_sum([float(stats.sums["loss"])], torch.device("cpu"))
+            out["after_1"] = _full_weights(model, policy)
+    out["after_last"], out["bytes"] = _full_weights(model, policy), seen["bytes"]
+    return out
+
+
+def _group(policy):
+    return policy._get_fsdp_state()._fsdp_param_group
+
+
+def _full_weights(model, policy) -> dict[str, torch.Tensor]:
+    if fsdp.is_sharded(policy):
+        return fsdp.full_state_dict(model)
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def _bf16_check(tok) -> dict:
+    """Under ``train.mixed_precision=bf16``: the dtype a layer's weight has in its forward, the
+    dtype gradients are reduced in, and the sharded gradient's."""
+    model = tiny.build_model(tok, seed=0)
+    policy = PolicyLoss(model, autocast=torch.bfloat16, backend="torch_chunked")
+    fsdp.shard_policy(policy, torch.bfloat16, torch.device("cpu"), 2)
+    seen = {}
+    proj = fsdp.decoder_layers(model)[0].self_attn.q_proj
+    proj.register_forward_pre_hook(lambda m, _: seen.update(forward=str(m.weight.dtype)))
+    mb = make_microbatches(
+        build_sequences([[3, 4, 5]], [[6, 7, 1]], torch.ones(1), length_norm="sequence_mean", max_length=8),
+        1,
+        tok.pad_token_id,
+        packing=False,
+    )[0]
+    policy(mb, LossOptions(), 1.0).loss.backward()
+    seen["reduce"] = str(fsdp.decoder_layers(model)[0]._get_fsdp_state()._fsdp_param_group._reduce_dtype)
+    seen["grad"] = str(proj.weight.grad.dtype)
+    return seen
+
+
+def _step_worker(rank, world_size, port, out_path):
+    join_cpu_ranks(rank, world_size, port)
+    cfg = load_config("tiny", overrides=["train.lr=1e-4"])
+    tok = tiny.build_tokenizer()
+    world = dist.DistInfo(rank=rank, world_size=world_size)
+    # rank 0 in 3 microbatches, rank 1 in 1: FSDP tops rank 1 up with 2 zero-weight fillers
+    mbs = _rank_microbatches(cfg, tok, rank, world_size, micro_batch=3 if rank == 0 else 8)
+    results = {mode: _train(cfg, tok, mbs, mode, world, steps=3) for mode in MODES}
+    results["bytes_by_rank"] = dist.all_gather_objects({m: results[m]["bytes"] for m in MODES})
+    results["missing_by_rank"] = dist.all_gather_objects(results["fsdp"]["missing"])
+    results["bf16"] = _bf16_check(tok)
+    if rank == 0:
+        torch.save(results, out_path)
+    dist.shutdown()
+
+
+MODES = ("ddp", "fsdp", "fsdp_offload", "fsdp_ckpt")
+
+
+@pytest.fixture(scope="module")
+def step_results(tmp_path_factory):
+    out = tmp_path_factory.mktemp("fsdp_steps") / "rank0.pt"
+    mp.spawn(_step_worker, args=(2, _free_port(), str(out)), nprocs=2, join=True)
+    return torch.load(out, weights_only=False)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", ["fsdp", "fsdp_offload", "fsdp_ckpt"])
+def test_fsdp_step_equals_ddp_from_the_same_start(step_results, mode):
+    """The same start and the same microbatches (rank 1 has fewer: FSDP pads it with fillers):
+    the same loss (≤ 1e-5 relative), the weights after one AdamW step at lr 1e-4 within fp32
+    summation error (FSDP's reduce-scatter and sharded norm sum in another order), after three
+    steps still within 1e-5; with CPU offload, and with gradient checkpointing, alike."""
+    ddp, got = step_results["ddp"], step_results[mode]
+    assert step_results["missing_by_rank"] == [0, 2]  # rank 1 ran 2 fillers after its microbatch
+    assert abs(got["loss"] - ddp["loss"]) <= 1e-5 * abs(ddp["loss"])
+    assert got["grad_norm"] == pytest.approx(ddp["grad_norm"], rel=1e-5)
+    start = tiny.build_model(tiny.build_tokenizer(), seed=0).state_dict()
+    assert max((ddp["after_1"][k] - start[k]).abs().max().item() for k in start) > 5e-5  # it moved
+    assert set(got["after_1"]) == set(ddp["after_1"])
+    worst_1 = max((got["after_1"][k] - ddp["after_1"][k]).abs().max().item() for k in start)
+    worst_3 = max((got["after_last"][k] - ddp["after_last"][k]).abs().max().item() for k in start)
+    assert worst_1 <= 1e-6, worst_1
+    assert worst_3 <= 1e-5, worst_3
+
+
+@pytest.mark.slow
+def test_each_rank_holds_half_the_bytes_and_the_planner_says_so(step_results):
+    """Measured local shards: each rank holds about half of DDP's weight, gradient and AdamW
+    bytes, and the two halves add up to DDP's exactly; the planner's per-rank items for 2 ranks
+    are within 2% of what a rank holds (the tiny model's dims split unevenly by a row)."""
+    by_rank = step_results["bytes_by_rank"]
+    whole = by_rank[0]["ddp"]
+    cfg = load_config("tiny", overrides=["train.parallelism=fsdp", "train.mixed_precision=no"])
+    model_cfg = tiny.build_model_config(tiny.build_tokenizer())
+    mp_ = plan.plan_memory(cfg, plan.Arch.from_hf_config(model_cfg), 80 * plan.GB, world_size=2)
+    planned = {"weights": mp_.weights, "grads": mp_.grads, "optimizer": mp_.optimizer}
+    assert plan.Arch.from_hf_config(model_cfg).num_params * 4 == whole["weights"]
+    for item in ("weights", "grads", "optimizer"):
+        halves = [by_rank[r]["fsdp"][item] for r in (0, 1)]
+        assert sum(halves) == whole[item], item
+        assert all(0.45 * whole[item] <= h <= 0.55 * whole[item] for h in halves), (item, halves)
+        assert all(abs(planned[item] - h) <= 0.02 * h for h in halves), (item, planned[item], halves)
+
+
+@pytest.mark.slow
+def test_fsdp_keys_reach_fully_shard(step_results):
+    """``train.fsdp_cpu_offload`` is FSDP's CPUOffloadPolicy (on CPU it moves nothing, and the
+    step is the same to the bit); under bf16 the layers compute with bf16 weights and reduce
+    their gradients in fp32 into fp32 shards."""
+    assert step_results["fsdp_offload"]["offload"] == "CPUOffloadPolicy"
+    assert step_results["fsdp"]["offload"] == "OffloadPolicy"
+    for k, v in step_results["fsdp"]["after_last"].items():
+        assert torch.equal(v, step_results["fsdp_offload"]["after_last"][k]), k
+    assert step_results["bf16"] == {
+        "forward": "torch.bfloat16",
+        "reduce": "torch.float32",
+        "grad": "torch.float32",
+    }
+
+
+def _push_worker(rank, world_size, port, out_path):
+    """A 6-layer tiny Qwen2 sharded over 2 ranks pushes its weights into the fake engine; the
+    push's tracked peak, one layer's bytes, and whether the engine holds the full weights."""
+    from test_rollout_vllm import FakeVLLMEngine
+    from transformers import AutoModelForCausalLM, Qwen2Config
+
+    from grpo_fast.obs.memory import tracked_peak_bytes
+    from grpo_fast.rollout.vllm import VLLMBackend
+
+    join_cpu_ranks(rank, world_size, port)
+    tok = tiny.build_tokenizer()
+    six = {"num_hidden_layers": 6, "layer_types": ["full_attention"] * 6}
+    config = Qwen2Config(**{**tiny.build_model_config(tok).to_diff_dict(), **six})
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config)
+    expected = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    engine = FakeVLLMEngine(model, tok)
+    policy = PolicyLoss(model, autocast=None, backend="torch_chunked")
+    fsdp.shard_policy(policy, None, torch.device("cpu"), world_size)
+    backend = VLLMBackend(engine, tok, sleep_level=0)
+    peak = tracked_peak_bytes(lambda: backend.update_weights(model, step=1))
+    layer = sum(p.numel() * 4 for p in fsdp.decoder_layers(engine.model)[0].parameters())
+    pushed = engine.model.state_dict()
+    same = all(torch.equal(pushed[k], v) for k, v in expected.items())
+    results = dist.all_gather_objects({"peak": peak, "layer": layer, "same": same})
+    if rank == 0:
+        torch.save(results, out_path)
+    dist.shutdown()
+
+
+@pytest.mark.slow
+def test_the_push_streams_one_tensor_at_a_time(tmp_path):
+    """The weight push from shards gathers each tensor as the engine takes it: on every rank its
+    extra peak (tracked allocations) is below two decoder layers' worth of weights, where the
+    whole model is six, and the engine then holds exactly the full weights."""
+    out = tmp_path / "push.pt"
+    mp.spawn(_push_worker, args=(2, _free_port(), str(out)), nprocs=2, join=True)
+    for r in torch.load(out, weights_only=False):
+        assert r["same"]
+        assert 0 < r["peak"] < 2 * r["layer"], r
+
+
+def _loop_overrides(out: Path, *more: str) -> list[str]:
+    return [
+        f"output_dir={out}",
+        "steps=4",
+        "sft.steps=30",
+        "eval_every=2",
+        "checkpoint_every=3",
+        "data.eval_subset_size=16",
+        "logging.progress=false",
+        "train.parallelism=fsdp",
+        *more,
+    ]
+
+
+def _loop_worker(rank, world_size, port, root):
+    """The tiny preset under FSDP on 2 ranks: a straight 4-step run; the same run stopped by a
+    SIGTERM to rank 1 during step 2 (every rank stops after it, a sharded checkpoint of step 2
+    is written); then resumed to step 4 in the same folder."""
+    from grpo_fast import train
+    from grpo_fast.errors import Preempted
+
+    join_cpu_ranks(rank, world_size, port)
+    dist._OWN_GROUP = False  # one process group for the three runs (each run() would destroy it)
+    root = Path(root)
+    train.run(load_config("tiny", overrides=_loop_overrides(root / "straight")))
+    real = train.end_of_step
+
+    def sigterm_in_step_2(run_, step, *args):
+        if step == 2 and rank == 1:
+            os.kill(os.getpid(), signal.SIGTERM)
+        return real(run_, step, *args)
+
+    train.end_of_step = sigterm_in_step_2
+    try:
+        train.run(load_config("tiny", overrides=_loop_overrides(root / "stopped")))
+    except Preempted as stop:
+        (root / f"preempted_{rank}.txt").write_text(str(stop))
+    finally:
+        train.end_of_step = real
+    if rank == 0:
+        shutil.copytree(root / "stopped", root / "one_rank")  # the step-2 checkpoint, for 1 rank
+    dist.barrier()
+    train.run(load_config("tiny", overrides=_loop_overrides(root / "stopped", "resume=true")))
+    torch.distributed.destroy_process_group()
+
+
+def _metrics_diff():
+    spec = importlib.util.spec_from_file_location("metrics_diff", ROOT / "tools" / "metrics_diff.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.slow
+def test_sharded_checkpoints_resume_exactly_and_on_one_rank(tmp_path, capsys):
+    """Under torch.distributed.checkpoint: a SIGTERM writes a sharded checkpoint (one shard file
+    per rank, no weights on rank 0 alone), the resumed run's metrics equal the straight run's
+    metric for metric, the final model is one Hugging Face folder that transformers loads and
+    that holds the last checkpoint's weights; the 2-rank checkpoint loads on 1 rank, which says
+    in one line that the sampling streams differ, and trains on."""
+    from transformers import AutoModelForCausalLM
+
+    from grpo_fast.policy import sharded_checkpoint
+    from grpo_fast.train import run
+
+    mp.spawn(_loop_worker, args=(2, _free_port(), str(tmp_path)), nprocs=2, join=True)
+    for rank in (0, 1):
+        words = (tmp_path / f"preempted_{rank}.txt").read_text()
+        assert words.startswith("SIGTERM during step 2: checkpoint ") and "step_000002" in words
+    shards = sorted(p.name for p in (tmp_path / "one_rank/checkpoints/step_000002/dcp").iterdir())
+    assert shards == [".metadata", "__0_0.distcp", "__1_0.distcp"]
+    assert not list((tmp_path / "one_rank/checkpoints/step_000002").glob("*.safetensors"))
+    diff = _metrics_diff()
+    straight = diff.read_rows(tmp_path / "straight")
+    assert [r["step"] for r in straight] == [0, 1, 2, 3, 4] and all(r["world_size"] == 2 for r in straight)
+    assert diff.differences(straight, diff.read_rows(tmp_path / "stopped")) == []
+
+    final = AutoModelForCausalLM.from_pretrained(tmp_path / "straight" / "final")
+    plain = tiny.build_model(tiny.build_tokenizer(), seed=1)
+    sharded_checkpoint.load(
+        tmp_path / "straight/checkpoints/step_000004", {"model": plain}, torch.optim.AdamW(plain.parameters()),
+        {"optimizer_saved": False},
+    )  # fmt: skip
+    for k, v in plain.state_dict().items():
+        assert torch.equal(final.state_dict()[k], v), k
+
+    one = tmp_path / "one_rank"
+    shutil.rmtree(one / "final", ignore_errors=True)
+    capsys.readouterr()
+    run(load_config("tiny", overrides=_loop_overrides(one, "resume=true", "steps=3", "eval_every=0")))
+    said = capsys.readouterr().err  # the run's event lines go to stderr
+    assert "resume on 1 rank(s) of a checkpoint written by 2" in said and "sampling streams differ" in said
+    rows = [json.loads(x) for x in (one / "metrics.jsonl").read_text().splitlines()]
+    assert rows[-1]["step"] == 3 and rows[-1]["world_size"] == 1
+
+
+@pytest.mark.parametrize(
+    "overrides, words",
+    [
+        (["train.parallelism=fsdp", "train.optimizer=adamw8bit"], "train.optimizer=adamw8bit with train.parallelism=fsdp"),
+        (["train.parallelism=fsdp", "model.lora.r=8"], "model.lora.r > 0 with train.parallelism=fsdp is not supported yet"),
+        (["train.fsdp_cpu_offload=true"], "train.fsdp_cpu_offload=true needs train.parallelism=fsdp"),
+        (["train.parallelism=zero3"], "train.parallelism='zero3' is not one of: ddp, fsdp"),
+    ],
+)  # fmt: skip
+def test_fsdp_config_errors_are_one_line(overrides, words, capsys):
+    with pytest.raises(
+        ConfigError, match="^" + words.replace("(", r"\(").replace(")", r"\)").replace(".", r"\.")
+    ):
+        load_config("tiny", overrides=overrides)
+    from grpo_fast.train import main
+
+    assert main(["--preset", "tiny", *overrides]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error: ") and words in err[0]
+
+
+def test_the_planner_prints_one_ranks_budget(capsys):
+    """``grpo-fast plan --world-size N`` with fsdp: weights, gradients and optimizer state are
+    1/N of DDP's, the gathered layers and root are listed, and with CPU offload the shards move
+    to RAM and leave the GPU (Qwen2.5-7B on 8 × 80 GB, and on 2 × 24 GB with offload)."""
+    seven_b = ["model.name_or_path=Qwen/Qwen2.5-7B"]
+    one_card = load_config("h100", overrides=[*seven_b, "train.micro_batch_size=1"], check_device=False)
+    ddp = plan.plan_memory(one_card, plan.KNOWN_ARCHS["Qwen/Qwen2.5-7B"], 1000 * plan.GB)  # what DDP holds
+    assert (
+        plan.main(
+            [
+                "--preset",
+                "h100",
+                "--gpu-mem-gb",
+                "80",
+                "--world-size",
+                "8",
+                "train.parallelism=fsdp",
+                *seven_b,
+            ]
+        )
+        == 0
+    )
+    out = capsys.readouterr().out
+    assert "80.00 GB × 8 ranks, per rank:" in out and "gathered in flight" in out and "gathered root" in out
+    for label, value in (
+        ("weights (1/8 shard)", ddp.weights),
+        ("optimizer state (1/8 shard)", ddp.optimizer),
+    ):
+        line = next(x for x in out.splitlines() if x.startswith(label))
+        assert f"{value / 8 / plan.GB:.2f} GB" in line, line
+    offload = ["train.optimizer=adamw", "train.fsdp_cpu_offload=true", *seven_b]
+    assert (
+        plan.main(
+            [
+                "--preset",
+                "rtx4090",
+                "--gpu-mem-gb",
+                "24",
+                "--world-size",
+                "2",
+                "train.parallelism=fsdp",
+                *offload,
+            ]
+        )
+        == 0
+    )
+    out = capsys.readouterr().out
+    assert "moved to CPU RAM per rank (train.fsdp_cpu_offload)" in out
+    assert "trainer resident (weights + optimizer + ref) in RAM: none" in out
+    assert "warning" not in out  # 7B full fine-tuning fits 2 × 24 GB with offload
+    assert plan.main(["--world-size", "0"]) == 2
+    assert (
+        capsys.readouterr().err.strip()
+        == "error: --world-size must be a whole number of ranks, at least 1; got 0"
+    )
