@@ -268,24 +268,26 @@ def test_config_keys_reach_the_samplers_and_the_trainer():
         load_config("tiny", overrides=["loss.truncated_logprobs=true"])
 
 
-def test_hf_backend_hands_top_k_to_generate(monkeypatch):
-    """transformers applies temperature, top-k (0 = off), top-p in that order, as vLLM."""
-    from grpo_fast.rollout.hf import HFBackend
+def test_hf_backend_hands_top_k_to_its_sampler(monkeypatch):
+    """The hf backend's decode draws every token with the run's temperature, top-k (0 = off) and
+    top-p (applied in that order, as vLLM; tests/test_rollout_hf.py checks the draws)."""
+    from grpo_fast.rollout import hf
     from grpo_fast.task import tiny
 
     tok = tiny.build_tokenizer()
     model = tiny.build_model(tok, seed=0)
-    seen = {}
-    original = model.generate
+    seen = []
+    original = hf.sample_next
 
-    def spy(**kw):
-        seen.update(kw)
-        return original(**kw)
+    def spy(logits, params):
+        seen.append((params.temperature, params.top_k, params.top_p))
+        return original(logits, params)
 
-    monkeypatch.setattr(model, "generate", spy)
+    monkeypatch.setattr(hf, "sample_next", spy)
     cfg = load_config("tiny", overrides=["rollout.top_k=4", "rollout.top_p=0.8", "rollout.group_size=2"])
-    HFBackend(model, tok, 8).generate([tok("1+2=")["input_ids"]], sampling_params(cfg.rollout))
-    assert (seen["top_k"], seen["top_p"]) == (4, 0.8)
+    params = sampling_params(cfg.rollout)
+    hf.HFBackend(model, tok, 8).generate([tok("1+2=")["input_ids"]], params)
+    assert seen and set(seen) == {(params.temperature, 4, 0.8)}
 
 
 def test_probe_pass_reads_the_full_vocabulary():

