@@ -91,8 +91,10 @@ def test_state_resumes_the_same_draws():
     s = PromptSampler(8, seed=2, curriculum="paced", difficulty=DIFFICULTY, pace=(0.25, 6))
     for step in (1, 2, 3):
         s.next(3, step=step)
-    again = PromptSampler(8, seed=2, curriculum="paced", difficulty=DIFFICULTY, pace=(0.25, 6))
+    # a resume with another run length (curriculum_steps null: half of it) keeps the run's pace
+    again = PromptSampler(8, seed=2, curriculum="paced", difficulty=DIFFICULTY, pace=(0.25, 60))
     again.load_state_dict(s.state_dict())
+    assert again.pace == (0.25, 6)
     assert [again.next(3, step=t) for t in (4, 5, 6)] == [s.next(3, step=t) for t in (4, 5, 6)]
 
 

@@ -135,8 +135,8 @@ class PromptSampler:
         state = {"n": self.n, "seed": self.seed, "epoch": self.epoch, "pos": self.pos}
         if self._options:  # the pass's order depends on the table when it began: keep it
             state.update(order=list(self._order), skipped=self.skipped)
-        if self.pace is not None:
-            state["draws"] = self.draws
+        if self.pace is not None:  # the pace too: a resume with more steps keeps the run's
+            state.update(draws=self.draws, pace=list(self.pace))
         return state
 
     def load_state_dict(self, state: dict) -> None:
@@ -148,3 +148,5 @@ class PromptSampler:
         else:
             self._order = self._shuffle()
         self.draws = int(state.get("draws", 0))
+        if "pace" in state:
+            self.pace = (float(state["pace"][0]), int(state["pace"][1]))
