@@ -140,6 +140,16 @@ def test_shipped_experiment_files_layer_on_every_preset(path, preset):
     assert not changed, f"{path} on {preset} changed keys it does not name: {sorted(changed)}"
 
 
+@pytest.mark.parametrize("preset", list(PRESETS))
+def test_fsdp_file_shards_with_plain_adamw_on_every_preset(preset):
+    """configs/fsdp.yaml: train.parallelism=fsdp with plain AdamW on any preset (rtx4090's 8-bit
+    AdamW has no FSDP path: without the file's optimizer line that preset is a ConfigError)."""
+    file = Path(__file__).parent.parent / "configs" / "fsdp.yaml"
+    cfg = load_config(preset, [str(file)], check_device=False)
+    assert (cfg.train.parallelism, cfg.train.optimizer) == ("fsdp", "adamw")
+    assert not cfg.train.fsdp_cpu_offload
+
+
 def _flat(tree: dict, prefix: str = "") -> dict:
     """``{"a": {"b": 1}} -> {"a.b": 1}``."""
     out = {}

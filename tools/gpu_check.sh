@@ -23,12 +23,14 @@
 #   has the rtx4090 preset on a card capped at 24 GB, skipped without bitsandbytes), the vLLM step
 #   (2 steps of the tiny preset's loop with rollout.backend=vllm, rollout.sleep_level=1, on its
 #   random Qwen2 saved offline; skipped without vllm) 120 s, the same with configs/qlora.yaml (NF4
-#   base, adapter sync to vLLM) 90 s, report 30 s. The fused op's file has the frozen_head axis too.
+#   base, adapter sync to vLLM) 90 s, the FSDP step (2 steps of the tiny preset's loop under torchrun
+#   with configs/fsdp.yaml on 2 GPUs, a sharded checkpoint at step 2; skipped on fewer GPUs) 90 s,
+#   report 30 s. The fused op's file has the frozen_head axis too.
 #   Expected on an H200: ≈ 8-9 min; the budget keeps the whole script under 10 min.
 #
-# OUTDIR gets 9 files: env.json (versions, GPU, copy bandwidth, every part's command, status and
+# OUTDIR gets 10 files: env.json (versions, GPU, copy bandwidth, every part's command, status and
 # time), nvidia-smi.txt, check.log (preflight, bandwidth, report), tests.log, bench.log, vllm.log
-# (the vLLM step's training log and metrics), bench.json
+# (the vLLM step's training log and metrics), fsdp.log (the FSDP step's), bench.json
 # (pytest-benchmark JSON of all benchmark files, with each case's command), BENCHMARKS.md
 # (tools/bench_report.py) and summary.md (printed at the end). A failing part is recorded and the
 # script goes on; it exits 0.
@@ -111,6 +113,7 @@ info = {"versions": {m: version(m) for m in ("torch", "triton", "pytest", "pytes
 torch = importlib.import_module("torch") if info["versions"]["torch"] else None
 info["versions"]["cuda"] = torch.version.cuda if torch else None
 info["cuda_available"] = bool(torch and torch.cuda.is_available())
+info["gpu_count"] = torch.cuda.device_count() if info["cuda_available"] else 0
 if info["cuda_available"]:
     p = torch.cuda.get_device_properties(0)
     info["device"] = f"{p.name}, {p.total_memory / 1e9:.0f} GB, {p.multi_processor_count} SMs"
@@ -208,6 +211,19 @@ else
         --config configs/qlora.yaml rollout.backend=vllm rollout.sleep_level=1 \
         rollout.gpu_memory_utilization=0.3 steps=2 sft.steps=0 eval_every=0 checkpoint_every=0 \
         "output_dir=$TMP/qlora-vllm-run"
+fi
+
+# ---- FSDP2: two steps of the tiny preset's loop under torchrun on 2 GPUs (nccl), configs/fsdp.yaml:
+# sharded training, the hf rollout on the gathered model, a sharded checkpoint, the final model
+read -r n_gpus < <("$PY" -c 'import json, sys; print(json.load(open(sys.argv[1])).get("gpu_count", 0))' \
+    "$TMP/preflight.json")
+if [[ "${n_gpus:-0}" -lt 2 && "$DRY" != 1 ]]; then
+    echo "fsdp-steps: skipped, it needs 2 GPUs and this machine has ${n_gpus:-0}"
+    printf 'fsdp-steps\tskipped: needs 2 GPUs, found %s\t0\t-\n' "${n_gpus:-0}" >>"$PARTS"
+else
+    run_part fsdp-steps 90 "$OUT/fsdp.log" "$PY" -m torch.distributed.run --standalone --nproc_per_node=2 \
+        -m grpo_fast.train --preset tiny device=cuda --config configs/fsdp.yaml steps=2 sft.steps=0 \
+        eval_every=0 checkpoint_every=2 "output_dir=$TMP/fsdp-run"
 fi
 
 # ---- bench.json (all files, each case with its command), BENCHMARKS.md, env.json, summary.md
