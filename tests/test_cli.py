@@ -202,8 +202,9 @@ def test_dry_run_of_a_gpu_preset_on_a_cpu_plans_24_gb_and_says_it_cannot_run(cap
 
 def test_dry_run_in_a_fresh_process_loads_no_model(tmp_path):
     """What keeps the dry run to seconds: in a fresh process it resolves the tiny preset without
-    building its model, and a model that does not exist is only named, never read (no traceback:
-    at most the one-line error the real run would stop on). Its wall time is not asserted here."""
+    building its model, and a model that does not exist is only named, never read: exit 2 (the
+    real run would stop on it) with its one-line error, no traceback. Its wall time is not
+    asserted here."""
     run = lambda *extra: subprocess.run(
         [sys.executable, "-m", "grpo_fast.train", "--dry-run", f"output_dir={tmp_path / 'run'}", *extra],
         capture_output=True, text=True, cwd=ROOT, timeout=120,
@@ -213,7 +214,12 @@ def test_dry_run_in_a_fresh_process_loads_no_model(tmp_path):
     assert "no model was loaded" in res.stdout
     missing = run("model.name_or_path=/no/such/model")
     assert "no model was loaded" in missing.stdout and "/no/such/model" in missing.stdout
-    assert missing.returncode in (0, 2) and "Traceback" not in missing.stderr, missing.stderr
+    # the dry run's checks of what the real run would stop on (dry_run._run_problems) find the
+    # missing folder: exit 2 and that one error line
+    assert missing.returncode == 2, missing.stderr
+    assert missing.stderr.strip().splitlines() == [
+        "error: model.name_or_path='/no/such/model': no such folder"
+    ], missing.stderr
 
 
 def test_bad_override_in_dry_run_is_one_line_exit_2(capsys):
