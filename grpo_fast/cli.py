@@ -22,6 +22,7 @@ import sys
 from collections.abc import Sequence
 
 from grpo_fast.config import presets_and_keys_help
+from grpo_fast.errors import exit_process
 
 COMMANDS = {
     "train": ("grpo_fast.train", "GRPO training (--dry-run: resolve and print, load no model)"),
@@ -65,5 +66,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     return module.main(rest, prog=prog)
 
 
+def entry() -> None:
+    """The console script (``pyproject.toml``): ``main``'s exit code, at once after a signal."""
+    exit_process(main())
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    entry()

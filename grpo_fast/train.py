@@ -41,7 +41,6 @@ current unit with what can be resumed written (``grpo_fast.loop.preempt``).
 from __future__ import annotations
 
 import argparse
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -50,7 +49,7 @@ import torch
 
 from grpo_fast import dist
 from grpo_fast.config import Config, load_config, presets_and_keys_help
-from grpo_fast.errors import ConfigError, cli_errors
+from grpo_fast.errors import ConfigError, cli_errors, exit_process
 from grpo_fast.loop import preempt
 from grpo_fast.loop.checkpointing import stop_within
 from grpo_fast.loop.optimization import optimization_phase
@@ -151,5 +150,10 @@ def _train(cfg: Config, device: torch.device, world: dist.DistInfo, out: Path, e
     return out
 
 
+def entry() -> None:
+    """The console script (``pyproject.toml``): ``main``'s exit code, at once after a signal."""
+    exit_process(main())
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    entry()

@@ -244,7 +244,12 @@ def test_sigterm_in_the_warm_start_of_a_real_process_exits_within_seconds_with_o
     proc = _popen(out, *WARM)
     _wait_for_rows(proc, out / "sft_metrics.jsonl", 2)  # 20 steps in: rows while it runs
     os.kill(proc.pid, signal.SIGTERM)
-    _, err = proc.communicate(timeout=60)  # a generous bound on "within seconds"
+    sent = time.perf_counter()
+    _, err = proc.communicate(timeout=60)
+    # the promise to a scheduler: out within 10 s of SIGTERM. Measured at load 9 on 2 cores: the
+    # error line 1.6 s after the signal, the exit 2.3 s after it (53 s with the interpreter's
+    # teardown, which errors.exit_process skips after a signal)
+    assert time.perf_counter() - sent < 10.0, err[-2000:]
     assert proc.returncode == 128 + signal.SIGTERM, err[-2000:]
     assert "Traceback" not in err
     last = err.strip().splitlines()[-1]
@@ -311,3 +316,20 @@ def test_ctrl_c_outside_a_run_s_phases_is_one_line_and_130(capsys):
 
     assert tool() == 130
     assert capsys.readouterr().err == "error: interrupted (SIGINT): nothing more was done\n"
+
+
+@pytest.mark.parametrize(("code", "teardown"), [(2, True), (0, True), (143, False), (130, False)])
+def test_exit_process_skips_the_teardown_only_after_a_signal(tmp_path, code, teardown):
+    """``errors.exit_process``: an exit code above 128 (a signal's) ends the process at once, its
+    output flushed and no atexit handler run; any other exits normally."""
+    mark = tmp_path / "atexit_ran"
+    script = (
+        "import atexit, pathlib, sys\n"
+        "from grpo_fast.errors import exit_process\n"
+        f"atexit.register(lambda: pathlib.Path({str(mark)!r}).touch())\n"
+        "print('last line', end='')\n"
+        f"exit_process({code})\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert (proc.returncode, proc.stdout) == (code, "last line")
+    assert mark.exists() == teardown
