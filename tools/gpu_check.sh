@@ -170,7 +170,7 @@ run_part tests 120 "$OUT/tests.log" "$PY" -m pytest -m gpu tests/ -q -p no:cache
     ${IGNORE[@]+"${IGNORE[@]}"}
 run_part kernel-tests 90 "$OUT/tests.log" "$PY" -m pytest -m "not gpu and not slow" -k triton \
     tests/test_token_logprobs.py tests/test_grpo_loss.py tests/test_fused_linear_grpo_loss.py \
-    -q -p no:cacheprovider -rfEs ${IGNORE[@]+"${IGNORE[@]}"}
+    tests/test_truncated_logprobs.py -q -p no:cacheprovider -rfEs ${IGNORE[@]+"${IGNORE[@]}"}
 
 # ---- the GPU benchmarks, one pytest run per file (a slow file cannot take the others' results with it)
 if [[ "$has_bench_plugin" != 1 ]]; then
