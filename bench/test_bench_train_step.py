@@ -180,7 +180,13 @@ class OptimizationPhase:
             num_sequences=len(lengths),
             num_tokens=sum(lengths),
         )
-        mbs = make_microbatches(seqs, int(cfg.train.micro_batch_size), self.pad_id, cfg.train.packing)
+        mbs = make_microbatches(
+            seqs,
+            int(cfg.train.micro_batch_size),
+            self.pad_id,
+            cfg.train.packing,
+            share_prompts=cfg.train.share_prompts,
+        )
         return [mb.to(self.device) for mb in mbs] if on_device else mbs
 
     def __call__(self, batch: RolloutBatch) -> float:
@@ -235,7 +241,11 @@ def random_init_policy(cfg: Config, device: torch.device) -> torch.nn.Module:
 
 
 def optimization_workload(
-    preset: str, backend: str, device: torch.device, model: torch.nn.Module | None = None
+    preset: str,
+    backend: str,
+    device: torch.device,
+    model: torch.nn.Module | None = None,
+    overrides: tuple[str, ...] = (),
 ) -> tuple[OptimizationPhase, RolloutBatch]:
     """``preset``'s optimization phase with ``loss.kernel_backend=backend``, on ``device``.
 
@@ -243,7 +253,7 @@ def optimization_workload(
     A GPU preset: a random-init ``GPU_ARCH`` (or ``model``, to share one) and ``GPU_TRAIN_PROMPTS``
     prompts × its group size.
     """
-    cfg = preset_config(preset, backend)
+    cfg = preset_config(preset, backend, *overrides)
     if cfg.model.name_or_path.startswith("builtin:"):
         tokenizer = load_tokenizer(cfg.model.name_or_path)
         model = load_policy(cfg, tokenizer, device) if model is None else model
@@ -326,6 +336,61 @@ def build_optimization_step(preset: str, backend: str) -> Callable[[], float]:
 
 def build_tiny_train_step() -> Callable[[], dict[str, float]]:
     return TinyTrainStep()
+
+
+# Prompt-heavy (as real GRPO work is: a prompt shared by its group, 2/3 of each sequence): a random
+# Qwen2 of 4 layers, D = 512, V = 32,768, tied (bench/peers' prompt-heavy case), 8 prompts of 128
+# tokens × 8 responses of exactly 64, microbatches of 16 responses (two whole groups).
+PROMPT_HEAVY = dict(prompts=8, group=8, prompt_tokens=128, response_tokens=64, micro_batch=16)
+
+
+def share_prompts_workload(workload: str, share: bool) -> tuple[OptimizationPhase, RolloutBatch]:
+    """The optimization phase with ``train.share_prompts=share`` on ``workload``: ``tiny`` (the
+    preset's model and batch, 6-token prompts) or ``prompt128`` (``PROMPT_HEAVY``)."""
+    device = torch.device("cpu")
+    flag = f"train.share_prompts={str(share).lower()}"
+    if workload == "tiny":
+        return optimization_workload("tiny", "torch_chunked", device, overrides=(flag,))
+    from transformers import Qwen2Config
+
+    w = PROMPT_HEAVY
+    overrides = (
+        flag,
+        f"rollout.group_size={w['group']}",
+        f"rollout.batch_size={w['prompts'] * w['group']}",
+        f"rollout.max_tokens={w['response_tokens']}",
+        f"train.micro_batch_size={w['micro_batch']}",
+    )
+    cfg = preset_config("tiny", "torch_chunked", *overrides)
+    config = Qwen2Config(
+        vocab_size=32768,
+        hidden_size=512,
+        intermediate_size=1536,
+        num_hidden_layers=4,
+        num_attention_heads=8,
+        num_key_value_heads=2,
+        tie_word_embeddings=True,
+        bos_token_id=1,
+        eos_token_id=1,
+        pad_token_id=0,
+    )
+    torch.manual_seed(0)
+    model = load_policy(cfg, None, device, hf_config=config)
+    cfg = plan.resolve_auto(cfg, model.config, device)
+    batch = synthetic_rollout(
+        w["prompts"],
+        w["group"],
+        w["prompt_tokens"],
+        w["response_tokens"],
+        config.vocab_size,
+        min_tokens=w["response_tokens"],
+    )
+    return OptimizationPhase(cfg, model, device, pad_id=0), batch
+
+
+def build_share_prompts_step(workload: str, share: bool) -> Callable[[], float]:
+    phase, batch = share_prompts_workload(workload, share)
+    return lambda: phase(batch)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -570,4 +635,36 @@ def test_train_step_tiny_cpu(benchmark, request):
         tokens_per_s=_per_s(
             sum(x["tokens"] for x in rounds), sum(x["rollout_s"] + x["train_s"] for x in rounds)
         ),
+    )
+
+
+@pytest.mark.benchmark(group="train_step-cpu-share_prompts")
+@pytest.mark.parametrize("workload", ["tiny", "prompt128"])
+@pytest.mark.parametrize("impl", ["unshared", "shared"])
+def test_optimization_phase_share_prompts_cpu(benchmark, request, workload, impl):
+    """``train.share_prompts``: each prompt computed once for its group's responses, against each
+    response carrying its own copy (the same gradients: tests/test_shared_prompts.py)."""
+    phase, batch = share_prompts_workload(workload, impl == "shared")
+    phase(batch)  # warm-up: optimizer state, thread pools
+    # prompt128's phase takes tens of seconds on 2 cores (12,288 tokens through a 27 M model)
+    rounds = CPU_ROUNDS if workload == "tiny" else 3
+    benchmark.pedantic(phase, args=(batch,), rounds=rounds, iterations=1)
+    cfg = phase.cfg
+    prompt_tokens = len(batch.prompt_ids[0])
+    _describe(
+        benchmark,
+        request,
+        torch.device("cpu"),
+        impl=impl,
+        case=(
+            f"{workload}: {len(batch.prompt_ids)} prompts of {prompt_tokens} tokens × "
+            f"{cfg.rollout.group_size} responses of ≤ {cfg.rollout.max_tokens}, micro-batch "
+            f"{cfg.train.micro_batch_size}, torch_chunked"
+        ),
+        phase="optimization",
+        status="ok",
+        peak_memory_bytes=peak_rss_growth(build_share_prompts_step, workload, impl == "shared"),
+        tokens=batch.tokens,
+        response_tokens=batch.response_tokens,
+        tokens_per_s=_per_s(batch.tokens, _median(benchmark)),
     )

@@ -76,6 +76,7 @@ class Case:
     describe: str
     prompt_tokens: int = 16  # the random-Qwen2 cases' prompt length
     layers: int = 6  # the random-Qwen2 cases' decoder layers
+    overrides: tuple[str, ...] = ()  # grpo_fast's own keys for the case (TRL has no counterpart)
 
     @property
     def steps(self) -> int:
@@ -129,10 +130,13 @@ PROMPT_HEAVY = Case(
     rounds=3,
     describe=(
         "random Qwen2 (4 layers, D 512, V 32,768, tied): 8 prompts of 128 tokens × 8 responses of "
-        "exactly 64 tokens, lr 1e-5, reward = share of even token ids"
+        "exactly 64 tokens, lr 1e-5, reward = share of even token ids; grpo_fast with "
+        "train.share_prompts=true"
     ),
     prompt_tokens=128,
     layers=4,
+    # each prompt computed once for its 8 responses (TRL repeats it in every sequence)
+    overrides=("train.share_prompts=true",),
 )
 CASES = {c.name: c for c in (TINY, WIDE, PROMPT_HEAVY)}
 WIDE_VOCAB = 32768
@@ -161,6 +165,7 @@ def tiny_config(case: Case, device: str = "cpu") -> Config:
             "train.schedule=constant",
             "loss.length_norm=sequence_mean",
             "loss.beta=0.0",
+            *case.overrides,
         ],
         check_device=False,
     )
