@@ -1,5 +1,6 @@
 """fused_linear_grpo_loss forward + backward from hidden states: the materialized eager path,
-torch.compile of it, torch_chunked, triton, and Liger-Kernel's fused-linear GRPO loss (CUDA only).
+torch.compile of it, torch_chunked, triton, and Liger-Kernel's fused-linear GRPO loss (CUDA only),
+beside ``gemm_floor``: the op's three GEMMs alone at the same shape, the time it cannot go below.
 And a ``chunk_size`` axis: rows of logits per lm_head chunk, default against smaller and larger; and
 a ``frozen_head`` axis: the lm_head trainable (full fine-tuning) or frozen (LoRA: no ``[V, D]`` fp32
 gradient, 2 GEMMs a chunk instead of 3).
@@ -54,6 +55,33 @@ def build_liger_step(n: int, d: int, v: int, dtype: torch.dtype, device: str):
     return step
 
 
+def build_gemm_floor_step(n: int, d: int, v: int, dtype: torch.dtype, device: str):
+    """The fused op's three GEMMs and nothing else, on its default chunks: per chunk ``logits = h·Wᵀ``,
+    ``grad_hidden = logits·W`` and ``grad_weight += logitsᵀ·h`` (the op's fp32 accumulation), into
+    buffers made once. The op's time over this row is what its softmax, entropy and gradient
+    elementwise work, row math and allocations cost."""
+    from grpo_fast.ops.fused_linear_grpo_loss import _accumulate_fp32, default_chunk_size
+
+    g = torch.Generator(device).manual_seed(0)
+    hidden = torch.randn(n, d, generator=g, device=device).to(dtype)
+    weight = (torch.randn(v, d, generator=g, device=device) / math.sqrt(d)).to(dtype)
+    chunk = default_chunk_size(n, v, dtype, torch.device(device).type)
+    logits = torch.empty(chunk, v, dtype=dtype, device=device)
+    grad_hidden = torch.empty_like(hidden)
+    grad_weight = torch.zeros(v, d, dtype=torch.float32, device=device)
+
+    def step() -> None:
+        for r0 in range(0, n, chunk):
+            h = hidden[r0 : r0 + chunk]
+            z = torch.mm(h, weight.t(), out=logits[: h.shape[0]])  # [C, V]
+            torch.mm(z, weight, out=grad_hidden[r0 : r0 + chunk])  # [C, D]
+            _accumulate_fp32(grad_weight, z.t(), h)  # [V, D] fp32
+        if hidden.is_cuda:
+            torch.cuda.synchronize()  # sync point: the timer stops after the kernels
+
+    return step
+
+
 # The issue-12 loss variants on the fused op: (loss options, lm_head GEMMs per chunk). GSPO and
 # the entropy quantile run the two-pass mode (one more logits GEMM).
 VARIANTS = {
@@ -81,29 +109,24 @@ def test_gpu_variants(run_bench, variant, n, d, v):
 
 
 @pytest.mark.parametrize(("n", "d", "v"), CPU_SHAPES)
-@pytest.mark.parametrize("impl", ["eager", "compiled", "torch_chunked"])
+@pytest.mark.parametrize("impl", ["eager", "compiled", "torch_chunked", "gemm_floor"])
 def test_cpu(run_bench, impl, n, d, v):
-    run_bench(
-        fused_linear_workload,
-        impl,
-        n,
-        d,
-        v,
-        torch.float32,
-        "cpu",
-        device=torch.device("cpu"),
-        rounds=3,
-        may_fail=impl == "compiled",
-    )
+    if impl == "gemm_floor":
+        build, args = build_gemm_floor_step, (n, d, v, torch.float32, "cpu")
+    else:
+        build, args = fused_linear_workload, (impl, n, d, v, torch.float32, "cpu")
+    run_bench(build, *args, device=torch.device("cpu"), rounds=3, may_fail=impl == "compiled")
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize(("n", "d", "v"), GPU_SHAPES)
-@pytest.mark.parametrize("impl", ["eager", "compiled", "torch_chunked", "triton", "liger"])
+@pytest.mark.parametrize("impl", ["eager", "compiled", "torch_chunked", "triton", "liger", "gemm_floor"])
 def test_gpu(run_bench, impl, n, d, v):
     if impl == "liger":
         pytest.importorskip("liger_kernel")
         build, args = build_liger_step, (n, d, v, torch.bfloat16, "cuda")
+    elif impl == "gemm_floor":
+        build, args = build_gemm_floor_step, (n, d, v, torch.bfloat16, "cuda")
     else:
         build, args = fused_linear_workload, (impl, n, d, v, torch.bfloat16, "cuda")
     run_bench(
