@@ -5,6 +5,7 @@ ranks), the final model in Hugging Face format; the config errors and the per-ra
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import json
 import os
@@ -437,3 +438,40 @@ def test_the_planner_prints_one_ranks_budget(capsys):
         capsys.readouterr().err.strip()
         == "error: --world-size must be a whole number of ranks, at least 1; got 0"
     )
+
+
+def test_a_filler_adds_no_gradient_under_a_kl_penalty():
+    """A zero-weight filler (what FSDP tops a rank up with) carries π_ref = 0 as a placeholder;
+    under β > 0 at a low temperature its log-prob can fall below −88.7, where k3 = exp(0 − log π)
+    overflows: the filler must still add exactly nothing (no NaN reduce-scattered)."""
+    from grpo_fast.loop.optimization import _accumulate_gradients
+    from grpo_fast.loop.stats import StepStats
+
+    tok = tiny.build_tokenizer()
+    model = tiny.build_model(tok, seed=0)
+    # an untied head that scores each token far below the others after itself: a filler [t, t]
+    # with label t gets log π(t) ≪ 0 (with the tied head t is its own best successor)
+    head = model.get_output_embeddings()
+    head.weight = torch.nn.Parameter(-1000.0 * head.weight.detach().clone())
+    policy = PolicyLoss(model, autocast=None, backend="torch_chunked")
+    cfg = load_config("tiny", overrides=["loss.beta=0.04"])
+    params = [p for p in model.parameters() if p.requires_grad]
+    trainer = Trainer(policy, build_optimizer(cfg, params), params, cfg)
+    seqs = build_sequences(
+        [tok("1+2=")["input_ids"]],
+        [tok("3")["input_ids"]],
+        torch.ones(1),
+        length_norm="token_mean",
+        max_length=4,
+    )
+    like = make_microbatches(seqs, 1, tok.pad_token_id, packing=False)[0]
+    like = dataclasses.replace(like, ref_logprobs=torch.zeros_like(like.labels, dtype=torch.float32))
+    options = dataclasses.replace(cfg.loss.loss_options(), beta=0.04)
+    # the tiny pad token's embedding is 0 (its filler's logits are all 0): a filler of a real
+    # token instead, as a model whose pad token is a trained one (Qwen's <|endoftext|>) has
+    filler = fsdp.fillers(1, like, tok.convert_tokens_to_ids("7"), torch.device("cpu"))[0]
+    with torch.no_grad():
+        assert policy(filler, options, 0.01).logprobs.min() < -88.7
+    _accumulate_gradients(trainer, [], [], StepStats(), options, 0.01, None, fillers=[filler])
+    grads = [p.grad for p in params if p.grad is not None]
+    assert grads and all(torch.equal(g, torch.zeros_like(g)) for g in grads)

@@ -257,8 +257,12 @@ def _accumulate_gradients(
         epoch_stats.add(out_mb, mb)
         if on_microbatch is not None:
             on_microbatch(1)
-    for mb in fillers:  # weight 0: no loss, no gradient, no statistics
-        trainer.policy(mb, options, temperature).loss.backward()
+    # weight 0: no loss, no gradient, no statistics. β = 0: a filler's π_ref is a placeholder 0,
+    # and k3 = exp(0 − log π) overflows to inf below log π ≈ −88.7 (0 · inf = NaN, reduce-scattered
+    # to every rank); the ratio exp(log π − 0) ≤ 1 stays finite
+    filler_options = dataclasses.replace(options, beta=0.0)
+    for mb in fillers:
+        trainer.policy(mb, filler_options, temperature).loss.backward()
 
 
 def optimize_on_rollout(
