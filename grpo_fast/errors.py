@@ -7,6 +7,7 @@ at fault. Anything else is a bug and keeps its traceback.
 
 from __future__ import annotations
 
+import atexit
 import os
 import sys
 from collections.abc import Callable
@@ -72,18 +73,18 @@ def cli_errors(main: Callable[..., int | None]) -> Callable[..., int]:
 def exit_process(code: int | None):
     """End the process with ``code``: what a command's ``__main__`` and console script call.
 
-    A run stopped by a signal (``code > 128``) skips the interpreter's teardown (``os._exit``
-    after flushing, and after finishing a wandb run): freeing torch's, Triton's and transformers'
-    modules took 2.5 s of CPU, 16 s wall on 2 cores at load 9, time a scheduler's grace period
-    does not have. Everything the run keeps is on disk by then (checkpoints are written
-    atomically, ``metrics.jsonl`` and ``sft_metrics.jsonl`` a closed line at a time).
+    A run stopped by a signal (``code > 128``) runs the atexit handlers (vLLM's engine shutdown,
+    ``weakref.finalize`` clean-ups such as the adapter folder in /dev/shm, wandb's finish) and then
+    skips the interpreter's own teardown (``os._exit`` after flushing): freeing torch's, Triton's
+    and transformers' modules took 2.5 s of CPU, 16 s wall on 2 cores at load 9, time a
+    scheduler's grace period does not have. Everything the run keeps is on disk by then
+    (checkpoints are written atomically, ``metrics.jsonl`` and ``sft_metrics.jsonl`` a closed
+    line at a time).
     """
     code = int(code or 0)
     if code <= 128:
         sys.exit(code)
-    wandb = sys.modules.get("wandb")
-    if wandb is not None and getattr(wandb, "run", None) is not None:
-        wandb.finish(exit_code=code)
+    atexit._run_exitfuncs()
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)

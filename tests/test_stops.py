@@ -320,16 +320,22 @@ def test_ctrl_c_outside_a_run_s_phases_is_one_line_and_130(capsys):
 
 @pytest.mark.parametrize(("code", "teardown"), [(2, True), (0, True), (143, False), (130, False)])
 def test_exit_process_skips_the_teardown_only_after_a_signal(tmp_path, code, teardown):
-    """``errors.exit_process``: an exit code above 128 (a signal's) ends the process at once, its
-    output flushed and no atexit handler run; any other exits normally."""
-    mark = tmp_path / "atexit_ran"
+    """``errors.exit_process``: an exit code above 128 (a signal's) runs the atexit handlers (an
+    engine's shutdown, a temporary folder's removal), flushes the output, and ends the process
+    before the interpreter tears its modules down (a module-level object's ``__del__`` never
+    runs); any other code exits normally."""
+    atexit_mark, teardown_mark = tmp_path / "atexit_ran", tmp_path / "teardown_ran"
     script = (
-        "import atexit, pathlib, sys\n"
+        "import atexit, pathlib\n"
         "from grpo_fast.errors import exit_process\n"
-        f"atexit.register(lambda: pathlib.Path({str(mark)!r}).touch())\n"
+        f"atexit.register(lambda: pathlib.Path({str(atexit_mark)!r}).touch())\n"
+        "class Module:\n"
+        f"    def __del__(self, touch=pathlib.Path({str(teardown_mark)!r}).touch): touch()\n"
+        "kept = Module()\n"
         "print('last line', end='')\n"
         f"exit_process({code})\n"
     )
     proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
     assert (proc.returncode, proc.stdout) == (code, "last line")
-    assert mark.exists() == teardown
+    assert atexit_mark.exists()
+    assert teardown_mark.exists() == teardown
