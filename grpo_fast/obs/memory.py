@@ -162,7 +162,9 @@ def allocation_timeline(step: Callable[[], object]) -> list[tuple[str, object, i
         if node.tag == _EventType.Allocation:
             f = node.extra_fields
             allocations.append((node.start_time_ns, str(f.device), f.allocation_id, f.alloc_size))
-    allocations.sort(key=lambda a: a[0])
+    # by time; at one instant creates first, so a storage made and freed within one profiler tick
+    # is never freed before it exists (which would leave it counted as alive)
+    allocations.sort(key=lambda a: (a[0], a[3] < 0))
     return [("create" if size > 0 else "destroy", (dev, aid), abs(size)) for _, dev, aid, size in allocations]
 
 
