@@ -44,13 +44,21 @@ def _finite_labels(logits: torch.Tensor, seed: int) -> torch.Tensor:
 
 
 def _check_against_reference(
-    logits: torch.Tensor, labels: torch.Tensor, dtype: torch.dtype, temperature: float, backend: str
+    logits: torch.Tensor,
+    labels: torch.Tensor,
+    dtype: torch.dtype,
+    temperature: float,
+    backend: str,
+    entropy_grad: bool = True,
 ) -> None:
-    """Outputs and the logits gradient (random upstream gradients on both outputs) vs float64."""
+    """Outputs and the logits gradient (random upstream gradients on both outputs; with
+    ``entropy_grad=False`` none on the entropy, the loss without an entropy term) vs float64."""
     device = backend_device(backend)
     n = logits.shape[0]
     g = torch.Generator().manual_seed(1)
     g_lp, g_h = torch.randn(n, generator=g), torch.randn(n, generator=g)
+    if not entropy_grad:
+        g_h = torch.zeros(n)
 
     def run(fn, z: torch.Tensor, dev: torch.device):
         z = z.detach().to(dev, copy=True).requires_grad_()
@@ -86,15 +94,21 @@ def test_fp16_matches_float64_reference(backend):
 
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_neg_inf_entries(backend, dtype):
+@pytest.mark.parametrize(
+    ("temperature", "entropy_grad"), [(0.7, True), (1.0, False)], ids=["T0.7", "T1-no-entropy"]
+)
+def test_neg_inf_entries(backend, dtype, temperature, entropy_grad):
     """A padded vocabulary (−inf tail), −inf inside rows, a row whose first 8,192-wide tile is all
-    −inf (the online max starts at −inf), and a row of only −inf (NaN, as in the reference)."""
+    −inf (the online max starts at −inf), and a row of only −inf (NaN, as in the reference); at
+    T = 0.7 with an entropy gradient, and at T = 1 without one (the default loss's backward)."""
     logits = _random_logits(12, 20000, seed=4)
     logits[:, -1000:] = -math.inf  # padded vocabulary
     logits[::3, 100:4000:7] = -math.inf
     logits[1, :16000] = -math.inf
     logits[2] = -math.inf
-    _check_against_reference(logits, _finite_labels(logits, seed=4), dtype, 0.7, backend)
+    _check_against_reference(
+        logits, _finite_labels(logits, seed=4), dtype, temperature, backend, entropy_grad
+    )
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
