@@ -105,10 +105,10 @@ def _free_port() -> int:
 @pytest.mark.parametrize("length_norm", ["sequence_mean", "token_mean", "constant"])
 def test_one_step_on_two_ranks_equals_one_rank(tmp_path, length_norm):
     """Realistic split: micro batch 3 on 16 sequences gives different microbatches on 1 and 2
-    ranks, so gradients agree to fp32 summation order, and weights after one AdamW step to
-    ≤ 1e-6. (Adam's first step is lr·g/(|g| + eps): weights whose gradient is ~eps = 1e-8
-    turn that rounding into up to ~1% of a step, so the bound is stated at lr 1e-4; at the
-    tiny preset's 2e-4 the worst weight differs by 1.6e-6. Same microbatches: next test.)"""
+    ranks, so gradients agree to fp32 summation order, and weights after one AdamW step differ
+    only by what those gradient differences explain. (Adam's first step is lr·g/(|g| + eps):
+    weights whose gradient is ~eps = 1e-8 turn that rounding into up to a few % of a step.
+    Same microbatches: next test, bitwise.)"""
     overrides = [f"loss.length_norm={length_norm}", "train.micro_batch_size=3", "train.lr=1e-4"]
     out = tmp_path / "rank0.pt"
     mp.spawn(_worker, args=(2, _free_port(), overrides, str(out)), nprocs=2, join=True)
@@ -118,8 +118,18 @@ def test_one_step_on_two_ranks_equals_one_rank(tmp_path, length_norm):
     weights = [k for k in one if not k.startswith("grad/")]
     moved = max((one[k] - start[k]).abs().max().item() for k in weights)
     assert moved > 5e-5  # the step did change the weights (Adam's first step moves each by ≈ lr)
-    worst = max((one[k] - two[k]).abs().max().item() for k in weights)
-    assert worst <= 1e-6, worst
+    # Adam's first step moves a weight by lr·g/(|g| + eps), lr = the largest move: two ranks' step
+    # differs from one rank's only as much as their gradients' g/(|g| + eps) do, and by the fp32
+    # rounding of the update (a weight whose gradient is ~eps turns a rounding-level gradient
+    # difference into up to a few % of a step: 1.8e-6 at lr 1e-4 with the fused head of 58aa2b8)
+    for k in (k for k in weights if f"grad/{k}" in one):  # a tied lm_head is the embeddings' tensor
+        g1, g2 = one[f"grad/{k}"].double(), two[f"grad/{k}"].double()
+        direction = lambda g: g / (g.abs() + 1e-8)
+        explained = moved * (direction(g1) - direction(g2)).abs()
+        rounding = 4 * torch.finfo(torch.float32).eps * (one[k].abs() + moved)
+        excess = ((one[k] - two[k]).abs().double() - explained - rounding).max().item()
+        assert excess <= 0, (k, excess)
+    assert max((one[k] - two[k]).abs().max().item() for k in weights) <= 0.05 * moved
     # the all-reduced gradient is the 1-rank gradient up to fp32 summation order: a few ulps of
     # the tensor's largest entry (fp32 eps ≈ 1.2e-7) where terms cancel
     for k in (k for k in one if k.startswith("grad/")):

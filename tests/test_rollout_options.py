@@ -5,6 +5,7 @@ rewards, group sizes by pass rate, the difficulty filter and the curriculum, KL 
 
 from __future__ import annotations
 
+import contextlib
 from types import SimpleNamespace
 
 import pytest
@@ -98,6 +99,7 @@ def _run(script, *overrides, n_prompts=6, answers=None, difficulty=None, reward=
         pass_rates=pass_rates,
         local_prompts=cfg.rollout.batch_size // cfg.rollout.group_size,
         state=SimpleNamespace(beta=cfg.loss.beta),
+        generation_weights=contextlib.nullcontext,  # unsharded: nothing to gather
     )
 
 

@@ -57,7 +57,11 @@ def test_plan_the_rollout_side_sweeps():
     }
     assert planned == {
         "dynamic_sampling": ["rollout.dynamic_sampling=false", "rollout.dynamic_sampling=true"],
-        "curriculum": ["rollout.curriculum=none", "rollout.curriculum=easy_first"],
+        "curriculum": [
+            "rollout.curriculum=none",
+            "rollout.curriculum=easy_first",
+            "rollout.curriculum=paced",
+        ],
         "adaptive_group_size": ["rollout.adaptive_group_size=false", "rollout.adaptive_group_size=true"],
         "overlong_buffer": ["data.overlong_buffer=0", "data.overlong_buffer=2"],
         "sft_mix": ["sft.mix_coef=0", "sft.mix_coef=0.1"],
