@@ -40,6 +40,22 @@ def judge(prompt: str, response: str) -> str:
     return {str(a + b): "right", (str(a + b) + "0")[:4]: "tenfold"}.get(response.strip(), "foreign")
 
 
+def check_grouped(rollout, questions: list[str], n: int, tokenizer) -> None:
+    """A backend's ``rollout`` of the oracle for ``questions``, ``n`` samples each: every
+    response kept under its own prompt, in prompt order, its samples alternating right/tenfold,
+    and rewarded 1/0/1... by the tiny task's reward against the even samples' answer."""
+    from grpo_fast.task import tiny
+
+    prompts = [tokenizer.decode(p) for p in rollout.response_prompt_ids()]
+    assert prompts == [q for q in questions for _ in range(n)]
+    judged = [judge(p, r) for p, r in zip(prompts, rollout.response_text)]
+    assert judged == [("right", "tenfold")[k % 2] for k in range(n)] * len(questions)
+    rewards = [
+        tiny.tiny_reward_fn(r, expected(p, 0))["reward"] for p, r in zip(prompts, rollout.response_text)
+    ]
+    assert rewards == [(1.0, 0.0)[k % 2] for k in range(n)] * len(questions)
+
+
 class AnswerModel(torch.nn.Module):
     """The oracle as a causal LM (module docstring): ``forward(...) -> .logits [R, L, V]``."""
 

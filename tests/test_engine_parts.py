@@ -205,15 +205,7 @@ def test_hf_backend_keeps_each_response_with_its_prompt():
         [tok(q)["input_ids"] for q in questions],
         SamplingParams(n=3, temperature=1.0, top_p=1.0, max_tokens=4, min_tokens=0),
     )
-    prompts = [tok.decode(p) for p in out.response_prompt_ids()]
-    assert prompts == [q for q in questions for _ in range(3)]
-    judged = [answer_oracle.judge(p, r) for p, r in zip(prompts, out.response_text)]
-    assert judged == ["right", "tenfold", "right"] * len(questions)
-    rewards = [
-        tiny.tiny_reward_fn(r, answer_oracle.expected(p, 0))["reward"]
-        for p, r in zip(prompts, out.response_text)
-    ]
-    assert rewards == [1.0, 0.0, 1.0] * len(questions)
+    answer_oracle.check_grouped(out, questions, 3, tok)
     assert set(out.finish_reason) == {"stop"}
 
 

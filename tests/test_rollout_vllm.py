@@ -159,15 +159,7 @@ def test_vllm_backend_keeps_each_response_with_its_prompt():
     backend.update_weights(model)
     questions = ["12+34=", "5+7=", "60+21=", "9+9="]
     out = backend.generate([tok(q)["input_ids"] for q in questions], replace(PARAMS, n=3, max_tokens=4))
-    prompts = [tok.decode(p) for p in out.response_prompt_ids()]
-    assert prompts == [q for q in questions for _ in range(3)]
-    judged = [answer_oracle.judge(p, r) for p, r in zip(prompts, out.response_text)]
-    assert judged == ["right", "tenfold", "right"] * len(questions)
-    rewards = [
-        tiny.tiny_reward_fn(r, answer_oracle.expected(p, 0))["reward"]
-        for p, r in zip(prompts, out.response_text)
-    ]
-    assert rewards == [1.0, 0.0, 1.0] * len(questions)
+    answer_oracle.check_grouped(out, questions, 3, tok)
 
 
 def test_no_sleep_mode_on_the_platform_keeps_the_engine_awake():
