@@ -261,22 +261,31 @@ def _collate(rows: list[list[Sequence]], pad_id: int, packing: bool) -> Microbat
     if packing:
         cu_seqlens = torch.tensor([*starts, width], dtype=torch.int32)
         max_seqlen = int(cu_seqlens.diff().max())
-    sampler = None
-    if all(x is not None for x in slp):
-        sampler = torch.tensor([v for x in slp for v in x], dtype=torch.float32)
     return Microbatch(
         input_ids=ids,
         attention_mask=None if packing else attn,
         position_ids=pos if packing else None,
         select=select,
+        **_per_token_fields(labels, adv, w, slp, seq_ids, resp_idx),
+        cu_seqlens=cu_seqlens,
+        max_seqlen=max_seqlen,
+    )
+
+
+def _per_token_fields(labels, adv, w, slp, seq_ids, resp_idx) -> dict[str, torch.Tensor | None]:
+    """The per-response-token tensors of a microbatch from its lists, in either layout: labels,
+    advantages, loss weights, the sampler's log-probs (when every sequence has them), the
+    sequence ids and the response indices (when every sequence has one)."""
+    sampler = None
+    if slp and all(x is not None for x in slp):
+        sampler = torch.tensor([v for x in slp for v in x], dtype=torch.float32)
+    return dict(
         labels=torch.tensor(labels, dtype=torch.long),
         advantages=torch.tensor(adv, dtype=torch.float32),
         loss_weights=torch.tensor(w, dtype=torch.float32),
         sampler_logprobs=sampler,
         sequence_ids=torch.tensor(seq_ids, dtype=torch.long),
         response_index=None if None in resp_idx else torch.tensor(resp_idx, dtype=torch.long),
-        cu_seqlens=cu_seqlens,
-        max_seqlen=max_seqlen,
     )
 
 
@@ -365,19 +374,11 @@ def _collate_shared(rows: list[list[tuple[list[int], list[Sequence]]]], pad_id: 
                 at += n
         for t in range(at, width):  # padding attends to itself only (no empty softmax row)
             mask[r, 0, t, t] = True
-    sampler = None
-    if slp and all(x is not None for x in slp):
-        sampler = torch.tensor([v for x in slp for v in x], dtype=torch.float32)
     return Microbatch(
         input_ids=ids,
         attention_mask=mask,
         position_ids=pos,
         select=select,
-        labels=torch.tensor(labels, dtype=torch.long),
-        advantages=torch.tensor(adv, dtype=torch.float32),
-        loss_weights=torch.tensor(w, dtype=torch.float32),
-        sampler_logprobs=sampler,
-        sequence_ids=torch.tensor(seq_ids, dtype=torch.long),
-        response_index=None if None in resp_idx else torch.tensor(resp_idx, dtype=torch.long),
+        **_per_token_fields(labels, adv, w, slp, seq_ids, resp_idx),
         select_index=torch.tensor(index, dtype=torch.long),
     )
