@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-import hashlib
 import json
 import os
 import signal
@@ -15,33 +14,15 @@ import textwrap
 from pathlib import Path
 
 import pytest
+from run_folders import QUICK, finished_run
+from run_folders import copy_folder as _copy
+from run_folders import tree as _tree
 
 from grpo_fast import config as config_mod
 from grpo_fast import dist
 from grpo_fast.config import ON_RESUME, Config, load_config
 from grpo_fast.obs import run_folder
 from grpo_fast.train import main
-
-QUICK = [
-    "--preset",
-    "tiny",
-    "sft.steps=0",
-    "eval_every=0",
-    "checkpoint_every=1",
-    "rollout.batch_size=16",
-    "train.micro_batch_size=16",
-    "logging.progress=false",
-    "logging.sample_every=0",
-]
-
-
-def _tree(folder: Path) -> dict[str, str]:
-    """Every file under ``folder`` (the lock file too) → its sha256: a folder's checksums."""
-    return {
-        str(p.relative_to(folder)): hashlib.sha256(p.read_bytes()).hexdigest()
-        for p in sorted(folder.rglob("*"))
-        if p.is_file()
-    }
 
 
 def _err_lines(capsys) -> list[str]:
@@ -54,15 +35,8 @@ def _steps(folder: Path) -> list[int]:
 
 @pytest.fixture(scope="module")
 def finished(tmp_path_factory) -> Path:
-    """A finished 2-step run (checkpoints, final model, metrics), copied by the tests that change it."""
-    out = tmp_path_factory.mktemp("finished") / "run"
-    assert main([*QUICK, "steps=2", f"output_dir={out}"]) == 0
-    return out
-
-
-def _copy(src: Path, dst: Path) -> Path:
-    subprocess.run(["cp", "-a", str(src), str(dst)], check=True)
-    return dst
+    """A finished 2-step run, copied by the tests that change it."""
+    return finished_run(tmp_path_factory)
 
 
 # ---------------------------------------------------------------------------- the table

@@ -5,31 +5,20 @@ microbatch larger than the batch, a data line of megabytes."""
 
 from __future__ import annotations
 
-import hashlib
 import json
 import random
-import subprocess
 from pathlib import Path
 
 import pytest
+from run_folders import QUICK, finished_run
+from run_folders import copy_folder as _copy
+from run_folders import tree as _tree
 
 from grpo_fast.config import load_config
 from grpo_fast.obs import run_folder
 from grpo_fast.tools import evaluate as evaluate_mod
 from grpo_fast.tools import plan as plan_mod
 from grpo_fast.train import main
-
-QUICK = [
-    "--preset",
-    "tiny",
-    "sft.steps=0",
-    "eval_every=0",
-    "checkpoint_every=1",
-    "rollout.batch_size=16",
-    "train.micro_batch_size=16",
-    "logging.progress=false",
-    "logging.sample_every=0",
-]
 
 
 def _one_line(capsys, code: int, rc: int) -> str:
@@ -39,24 +28,10 @@ def _one_line(capsys, code: int, rc: int) -> str:
     return err[0]
 
 
-def _tree(folder: Path) -> dict[str, str]:
-    return {
-        str(p.relative_to(folder)): hashlib.sha256(p.read_bytes()).hexdigest()
-        for p in sorted(folder.rglob("*"))
-        if p.is_file()
-    }
-
-
 @pytest.fixture(scope="module")
 def finished(tmp_path_factory) -> Path:
-    out = tmp_path_factory.mktemp("finished") / "run"
-    assert main([*QUICK, "steps=2", f"output_dir={out}"]) == 0
-    return out
-
-
-def _copy(src: Path, dst: Path) -> Path:
-    subprocess.run(["cp", "-a", str(src), str(dst)], check=True)
-    return dst
+    """A finished 2-step run, copied by the tests that change it."""
+    return finished_run(tmp_path_factory)
 
 
 # ---------------------------------------------------------------------------- damaged model files
