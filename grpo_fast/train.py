@@ -49,7 +49,7 @@ import torch
 
 from grpo_fast import dist
 from grpo_fast.config import Config, load_config, presets_and_keys_help
-from grpo_fast.errors import ConfigError, cli_errors, exit_process
+from grpo_fast.errors import ConfigError, Preempted, cli_errors, exit_process
 from grpo_fast.loop import preempt
 from grpo_fast.loop.checkpointing import stop_within
 from grpo_fast.loop.optimization import optimization_phase
@@ -57,7 +57,7 @@ from grpo_fast.loop.rollout_phase import rollout_phase
 from grpo_fast.loop.setup import setup
 from grpo_fast.loop.stats import step_metrics
 from grpo_fast.loop.step_end import end_of_step, finish
-from grpo_fast.obs import run_folder
+from grpo_fast.obs import eta, run_folder
 from grpo_fast.obs.metrics import PhaseProgress, reset_peak_memory
 from grpo_fast.policy.model import quiet_transformers, resolve_device
 
@@ -125,28 +125,35 @@ def check_output_dir(out: Path) -> None:
 
 def _train(cfg: Config, device: torch.device, world: dist.DistInfo, out: Path, engine) -> Path:
     """Setup, then per step: rollout phase → optimization phase → totals, β and the step counter
-    → metrics → end of step (health, eval, log, stops, checkpoint); then the final model."""
-    t_start = time.perf_counter()
-    run = setup(cfg, device, world, out, engine)
-    cfg, first = run.cfg, run.state.step  # with the planner's "auto" values resolved
-    with PhaseProgress(cfg.logging.progress and world.is_main, cfg.steps, run.state.step) as progress:
-        for step in range(run.state.step + 1, cfg.steps + 1):
-            t0 = time.perf_counter()
-            reset_peak_memory(device)
-            with stop_within(run, step - 1, f"step {step}'s rollout"):  # a signal: step - 1's checkpoint
-                batch = rollout_phase(run, step, progress)
-            result = optimization_phase(run, step, batch, progress)
-            totals = result.stats.global_totals(
-                world, device, batch.raw_rewards, batch.rollout, batch.reward_meta, result.skipped_tokens
-            )
-            if run.kl_ctl is not None:  # β follows the KL it penalizes (in the loss, or in the rewards)
-                run.state.set_beta(run.kl_ctl.update(totals["kl"], int(result.counts["seqs"])))
-            if cfg.loss.entropy_target is not None:  # the entropy coefficient follows the mean entropy
-                run.state.update_entropy_coef(totals["entropy"], cfg.loss)  # (all ranks' mean: one value)
-            run.state.finish_step(step, applied=not result.stats.nonfinite)
-            row = step_metrics(run, step, batch, result, totals, time.perf_counter() - t0)
-            end_of_step(run, step, batch, result, row, progress)
+    → metrics → end of step (health, eval, log, stops, checkpoint); then the final model, and
+    what the run timed into this machine's history for the next plan line (``grpo_fast.obs.eta``;
+    a run stopped by a signal too)."""
+    t_start, asked, run, first = time.perf_counter(), cfg, None, 0
+    try:
+        run = setup(cfg, device, world, out, engine)
+        cfg, first = run.cfg, run.state.step  # with the planner's "auto" values resolved
+        with PhaseProgress(cfg.logging.progress and world.is_main, cfg.steps, run.state.step) as progress:
+            for step in range(run.state.step + 1, cfg.steps + 1):
+                t0 = time.perf_counter()
+                reset_peak_memory(device)
+                with stop_within(run, step - 1, f"step {step}'s rollout"):  # a signal: step - 1's checkpoint
+                    batch = rollout_phase(run, step, progress)
+                result = optimization_phase(run, step, batch, progress)
+                totals = result.stats.global_totals(
+                    world, device, batch.raw_rewards, batch.rollout, batch.reward_meta, result.skipped_tokens
+                )
+                if run.kl_ctl is not None:  # β follows the KL it penalizes (in the loss, or in the rewards)
+                    run.state.set_beta(run.kl_ctl.update(totals["kl"], int(result.counts["seqs"])))
+                if cfg.loss.entropy_target is not None:  # the entropy coefficient follows the mean entropy
+                    run.state.update_entropy_coef(totals["entropy"], cfg.loss)  # (all ranks' mean: one value)
+                run.state.finish_step(step, applied=not result.stats.nonfinite)
+                row = step_metrics(run, step, batch, result, totals, time.perf_counter() - t0)
+                end_of_step(run, step, batch, result, row, progress)
+    except Preempted:  # a signal: what the run timed until then still counts
+        eta.record_run(asked, device, world, out, first, run.sft_steps if run is not None else None)
+        raise
     finish(run, t_start, first)
+    eta.record_run(asked, device, world, out, first, run.sft_steps)  # as asked: as the plan line saw it
     return out
 
 

@@ -56,7 +56,7 @@ def test_a_run_says_its_plan_first_shows_time_left_and_prints_its_result_on_stdo
     assert err[0] == (
         "plan: an SFT warm start of up to 12 steps (it stops once greedy accuracy on 8 training "
         "problems reaches 0.99, checked every 5 steps), then GRPO to step 4, 2 prompts × 8 responses "
-        "each; the progress lines give the time left"
+        "each; no time estimate yet: the progress lines give the time left once the first steps are timed"
     )
     assert bars == [{"args": (True, 12, 0, "SFT warm start"), "steps": 12}]
     first = next(ln for ln in err if ln.startswith("sft warm start 5/12"))

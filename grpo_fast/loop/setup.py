@@ -28,7 +28,7 @@ from grpo_fast.loop.optim import build_optimizer, build_scheduler
 from grpo_fast.loop.sft import sft_warm_start
 from grpo_fast.loop.state import Run, Trainer, TrainState
 from grpo_fast.loop.step_end import evaluate_run
-from grpo_fast.obs import run_folder
+from grpo_fast.obs import eta, run_folder
 from grpo_fast.obs.health import HealthMonitor, HealthThresholds
 from grpo_fast.obs.metrics import MetricsLogger
 from grpo_fast.policy import checkpoint as ckpt
@@ -67,7 +67,7 @@ def setup(cfg: Config, device: torch.device, world: dist.DistInfo, out: Path, en
     task.tokenizer = tokenizer
     model, warm_base = _load_model(cfg, out, tokenizer, device, world)
     amp = autocast_dtype(cfg, device)
-    _announce_plan(cfg, world, logger)  # what the run will do, once its inputs have loaded
+    _announce_plan(cfg, world, logger, device)  # what the run will do, once its inputs have loaded
     asked, cfg = cfg, plan.resolve_auto(cfg, model.config, device, world.world_size)
     cfg, clamped = plan.clamp_micro_batch(cfg, world.world_size)
     if clamped:
@@ -238,8 +238,9 @@ def _build_run(cfg, device, world, out, logger, task, tokenizer, model, amp) -> 
     )
 
 
-def _announce_plan(cfg: Config, world: dist.DistInfo, logger) -> None:
-    """One line, before anything loads: the warm start, the GRPO steps, the evaluations."""
+def _announce_plan(cfg: Config, world: dist.DistInfo, logger, device: torch.device) -> None:
+    """One line, before the run starts: the warm start, the GRPO steps, the evaluations, and
+    about how long it takes on this machine (``grpo_fast.obs.eta``)."""
     s, r = cfg.sft, cfg.rollout
     first = ""
     if cfg.resume:
@@ -255,7 +256,8 @@ def _announce_plan(cfg: Config, world: dist.DistInfo, logger) -> None:
     grpo = f"GRPO to step {cfg.steps}, {r.batch_size // r.group_size} prompts × {r.group_size} responses each"
     evals = f", an evaluation every {cfg.eval_every} steps" if cfg.eval_every else ""
     ranks = f", on {world.world_size} ranks" if world.enabled else ""
-    logger.event(f"plan: {first}{grpo}{evals}{ranks}; the progress lines give the time left")
+    if world.is_main:  # the other ranks print nothing
+        logger.event(f"plan: {first}{grpo}{evals}{ranks}; {eta.plan_estimate(cfg, device, world.world_size)}")
 
 
 def _entropy_coef_start(cfg: Config) -> float | None:

@@ -62,9 +62,13 @@ def end_of_step(run: Run, step: int, batch, result, row: dict, progress: PhasePr
     cut = None  # the signal that cut this step's evaluation short
     try:
         if cfg.eval_every and (step % cfg.eval_every == 0 or step == cfg.steps) and run.eval_subset:
+            t0 = time.perf_counter()
             row.update(evaluate_run(run, step, full=False, progress=progress))
+            row["time/eval_s"] = time.perf_counter() - t0
         if cfg.full_eval_every and (step % cfg.full_eval_every == 0 or step == cfg.steps):
+            t0 = time.perf_counter()
             row.update(evaluate_run(run, step, full=True, progress=progress))
+            row["time/eval_full_s"] = time.perf_counter() - t0
     except preempt.Interrupt as stop:
         cut = stop.signum
     if run.world.is_main and cfg.logging.sample_every and step % cfg.logging.sample_every == 0:
