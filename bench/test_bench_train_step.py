@@ -41,7 +41,7 @@ import torch
 from grpo_fast import dist
 from grpo_fast.algo.course import compute_group_normalized_rewards
 from grpo_fast.algo.prompt_sampler import PromptSampler
-from grpo_fast.config import Config, load_config
+from grpo_fast.config import Config, load_config, shares_prompts
 from grpo_fast.loop.optim import build_optimizer
 from grpo_fast.loop.optimization import optimize_on_rollout
 from grpo_fast.loop.state import Trainer
@@ -185,7 +185,7 @@ class OptimizationPhase:
             int(cfg.train.micro_batch_size),
             self.pad_id,
             cfg.train.packing,
-            share_prompts=cfg.train.share_prompts,
+            share_prompts=shares_prompts(cfg),
         )
         return [mb.to(self.device) for mb in mbs] if on_device else mbs
 
@@ -342,18 +342,27 @@ def build_tiny_train_step() -> Callable[[], dict[str, float]]:
 # Qwen2 of 4 layers, D = 512, V = 32,768, tied (bench/peers' prompt-heavy case), 8 prompts of 128
 # tokens × 8 responses of exactly 64, microbatches of 16 responses (two whole groups).
 PROMPT_HEAVY = dict(prompts=8, group=8, prompt_tokens=128, response_tokens=64, micro_batch=16)
+# Long responses after the prompt, as an R1-Zero step has them (there ~150-token prompts, responses of
+# hundreds of tokens): the same model, 2 prompts of 128 tokens × 8 responses of 128-384 tokens,
+# microbatches of 8 (one group). Here sharing the prompt saves least and a dense [L, L] mask over
+# [prompt, r_1 … r_8] would cost most (2,176² against the unshared 8 · 384² query-key pairs).
+LONG_RESPONSES = dict(
+    prompts=2, group=8, prompt_tokens=128, response_tokens=384, min_tokens=128, micro_batch=8
+)
+SHARE_PROMPTS_WORKLOADS = {"prompt128": PROMPT_HEAVY, "long": LONG_RESPONSES}
 
 
 def share_prompts_workload(workload: str, share: bool) -> tuple[OptimizationPhase, RolloutBatch]:
     """The optimization phase with ``train.share_prompts=share`` on ``workload``: ``tiny`` (the
-    preset's model and batch, 6-token prompts) or ``prompt128`` (``PROMPT_HEAVY``)."""
+    preset's model and batch, 6-token prompts), ``prompt128`` (``PROMPT_HEAVY``) or ``long``
+    (``LONG_RESPONSES``)."""
     device = torch.device("cpu")
     flag = f"train.share_prompts={str(share).lower()}"
     if workload == "tiny":
         return optimization_workload("tiny", "torch_chunked", device, overrides=(flag,))
     from transformers import Qwen2Config
 
-    w = PROMPT_HEAVY
+    w = SHARE_PROMPTS_WORKLOADS[workload]
     overrides = (
         flag,
         f"rollout.group_size={w['group']}",
@@ -383,7 +392,7 @@ def share_prompts_workload(workload: str, share: bool) -> tuple[OptimizationPhas
         w["prompt_tokens"],
         w["response_tokens"],
         config.vocab_size,
-        min_tokens=w["response_tokens"],
+        min_tokens=w.get("min_tokens", w["response_tokens"]),
     )
     return OptimizationPhase(cfg, model, device, pad_id=0), batch
 
@@ -639,14 +648,14 @@ def test_train_step_tiny_cpu(benchmark, request):
 
 
 @pytest.mark.benchmark(group="train_step-cpu-share_prompts")
-@pytest.mark.parametrize("workload", ["tiny", "prompt128"])
+@pytest.mark.parametrize("workload", ["tiny", "prompt128", "long"])
 @pytest.mark.parametrize("impl", ["unshared", "shared"])
 def test_optimization_phase_share_prompts_cpu(benchmark, request, workload, impl):
     """``train.share_prompts``: each prompt computed once for its group's responses, against each
     response carrying its own copy (the same gradients: tests/test_shared_prompts.py)."""
     phase, batch = share_prompts_workload(workload, impl == "shared")
     phase(batch)  # warm-up: optimizer state, thread pools
-    # prompt128's phase takes tens of seconds on 2 cores (12,288 tokens through a 27 M model)
+    # prompt128's and long's phases take seconds on 2 cores (12,288 / ~6,000 tokens, a 27 M model)
     rounds = CPU_ROUNDS if workload == "tiny" else 3
     benchmark.pedantic(phase, args=(batch,), rounds=rounds, iterations=1)
     cfg = phase.cfg

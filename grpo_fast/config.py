@@ -210,9 +210,10 @@ class TrainConfig:
     epochs_per_rollout_batch: int = option(1, _POSITIVE)  # > 1 computes old log-probs and clips off-policy
     packing: bool = False  # padding-free packing of microbatches (flash-attn varlen / sdpa mask)
     # Each prompt computed once for all its responses in the training forward and backward (and the
-    # π_old / π_ref passes): [prompt, r_1 … r_G] under a block mask, the same gradients to fp32
-    # summation order (grpo_fast.policy.batch.shared_prompt_microbatches); needs sdpa or eager attention
-    share_prompts: bool = False
+    # π_old / π_ref passes): [prompt, r_1 … r_G] rows, the same gradients to fp32 summation order
+    # (grpo_fast.policy.batch.shared_prompt_microbatches, policy/shared_attention.py); needs sdpa or
+    # eager attention. auto: on, unless model.attn_implementation=flash_attention_2 (shares_prompts)
+    share_prompts: bool | str = option(AUTO, AutoOrBool())
     # Skip the forward/backward of responses whose advantage is exactly 0 (groups whose rewards are
     # all equal) where the loss says their gradient is exactly 0 (LossOptions.zero_advantage_zero_gradient).
     skip_zero_advantage: bool = True
@@ -592,6 +593,14 @@ def _omegaconf_error(exc: OmegaConfBaseException, where: str, key_hint: str = "?
     return ConfigError(f"config key {key!r} from {where}: {msg}")
 
 
+def shares_prompts(cfg: Config) -> bool:
+    """``train.share_prompts`` as the run applies it: ``auto`` is on, except where the model was
+    asked for flash-attention 2 (``model.attn_implementation=flash_attention_2``), which the shared
+    forward does not wrap (grpo_fast/policy/shared_attention.py)."""
+    share = cfg.train.share_prompts
+    return share if isinstance(share, bool) else cfg.model.attn_implementation != "flash_attention_2"
+
+
 def load_config(
     preset: str | None = None,
     config_files: list[str] | None = None,
@@ -751,10 +760,10 @@ def _check_model(cfg: Config) -> None:
             "reference (loss.beta > 0): π_ref is the base with the adapter off, which would not hold the "
             "warm start; set sft.target=base, sft.steps=0 or loss.beta=0"
         )
-    if cfg.train.share_prompts and m.attn_implementation == "flash_attention_2":
+    if cfg.train.share_prompts is True and m.attn_implementation == "flash_attention_2":
         raise ConfigError(
-            "train.share_prompts=true needs an attention that takes a block mask: model.attn_implementation="
-            "sdpa or eager (auto picks sdpa then), not flash_attention_2"
+            "train.share_prompts=true runs its own attention around sdpa or eager: model.attn_implementation="
+            "sdpa, eager or auto (which picks sdpa then), not flash_attention_2; or train.share_prompts=false"
         )
     if cfg.rollout.lora_sync == "merged" and m.load_in_4bit:
         raise ConfigError(

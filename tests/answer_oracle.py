@@ -130,18 +130,23 @@ def install_in_process(tokenizer) -> None:
 
 
 def check_microbatch(mb, tokenizer) -> list[str]:
-    """For one (unpacked) training microbatch: each sequence's response judged against the prompt
-    in front of it, and its advantage's sign (``"right+"``, ``"tenfold-"``, ...)."""
+    """For one training microbatch (a row per sequence, or shared prompts: ``[prompt, r_1 … r_k]``
+    rows): each sequence's response (its labels) judged against the prompt it is trained behind,
+    the tokens before the position that predicts its first label, and its advantage's sign
+    (``"right+"``, ``"tenfold-"``, ...)."""
     out = []
-    lengths = mb.select.sum(dim=1).tolist()
-    advantages = mb.advantages.split(lengths)
-    for r, n in enumerate(lengths):
-        if n == 0:
-            continue
-        cols = mb.select[r].nonzero()[:, 0]
-        prompt = tokenizer.decode(mb.input_ids[r, : int(cols[0]) + 1].tolist(), skip_special_tokens=True)
-        response = tokenizer.decode(mb.input_ids[r, int(cols[0]) + 1 : int(cols[-1]) + 2].tolist(),
-                                    skip_special_tokens=True)  # fmt: skip
-        sign = "+" if float(advantages[r][0]) > 0 else "-" if float(advantages[r][0]) < 0 else "0"
+    ids = mb.input_ids.flatten()
+    width = mb.input_ids.shape[1]
+    positions = (
+        mb.position_ids.flatten() if mb.position_ids is not None else torch.arange(ids.numel()) % width
+    )
+    for k in mb.sequence_ids.unique().tolist():
+        tokens = (mb.sequence_ids == k).nonzero()[:, 0]
+        first = int(mb.select_index[tokens[0]])  # the prompt's last token
+        prompt_ids = ids[first - int(positions[first]) : first + 1]
+        prompt = tokenizer.decode(prompt_ids.tolist(), skip_special_tokens=True)
+        response = tokenizer.decode(mb.labels[tokens].tolist(), skip_special_tokens=True)
+        adv = float(mb.advantages[tokens[0]])
+        sign = "+" if adv > 0 else "-" if adv < 0 else "0"
         out.append(judge(prompt, response) + sign)
     return out

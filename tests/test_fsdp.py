@@ -43,9 +43,10 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _rank_microbatches(cfg, tok, rank: int, world_size: int, micro_batch: int):
+def _rank_microbatches(cfg, tok, rank: int, world_size: int, micro_batch: int, share_prompts: bool = False):
     """This rank's share of a fixed rollout (prompts, responses of mixed lengths, advantages),
-    with the global length normalizers, in microbatches of ``micro_batch``."""
+    with the global length normalizers, in microbatches of ``micro_batch`` (each prompt once for
+    its responses with ``share_prompts``)."""
     g = torch.Generator().manual_seed(123)
     rand_len = lambda lo, hi: int(torch.randint(lo, hi, (1,), generator=g))
     prompts = [torch.randint(3, 15, (rand_len(3, 7),), generator=g).tolist() for _ in range(PROMPTS)]
@@ -67,7 +68,7 @@ def _rank_microbatches(cfg, tok, rank: int, world_size: int, micro_batch: int):
         num_sequences=int(n_seq),
         num_tokens=n_tok,
     )
-    return make_microbatches(seqs, micro_batch, tok.pad_token_id, packing=False)
+    return make_microbatches(seqs, micro_batch, tok.pad_token_id, packing=False, share_prompts=share_prompts)
 
 
 def _train(cfg, tok, mbs, mode: str, world: dist.DistInfo, steps: int) -> dict:
@@ -149,8 +150,14 @@ def _step_worker(rank, world_size, port, out_path):
     tok = tiny.build_tokenizer()
     world = dist.DistInfo(rank=rank, world_size=world_size)
     # rank 0 in 3 microbatches, rank 1 in 1: FSDP tops rank 1 up with 2 zero-weight fillers
-    mbs = _rank_microbatches(cfg, tok, rank, world_size, micro_batch=3 if rank == 0 else 8)
-    results = {mode: _train(cfg, tok, mbs, mode, world, steps=3) for mode in MODES}
+    mbs, shared = (
+        _rank_microbatches(cfg, tok, rank, world_size, micro_batch=3 if rank == 0 else 8, share_prompts=share)
+        for share in (False, True)
+    )
+    results = {
+        mode: _train(cfg, tok, shared if mode.endswith("_shared") else mbs, mode, world, steps=3)
+        for mode in MODES
+    }
     results["bytes_by_rank"] = dist.all_gather_objects({m: results[m]["bytes"] for m in MODES})
     results["missing_by_rank"] = dist.all_gather_objects(results["fsdp"]["missing"])
     results["bf16"] = _bf16_check(tok)
@@ -159,7 +166,7 @@ def _step_worker(rank, world_size, port, out_path):
     dist.shutdown()
 
 
-MODES = ("ddp", "fsdp", "fsdp_offload", "fsdp_ckpt")
+MODES = ("ddp", "fsdp", "fsdp_offload", "fsdp_ckpt", "ddp_shared", "fsdp_shared")
 
 
 @pytest.fixture(scope="module")
@@ -170,13 +177,15 @@ def step_results(tmp_path_factory):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("mode", ["fsdp", "fsdp_offload", "fsdp_ckpt"])
+@pytest.mark.parametrize("mode", ["fsdp", "fsdp_offload", "fsdp_ckpt", "fsdp_shared"])
 def test_fsdp_step_equals_ddp_from_the_same_start(step_results, mode):
     """The same start and the same microbatches (rank 1 has fewer: FSDP pads it with fillers):
     the same loss (≤ 1e-5 relative), the weights after one AdamW step at lr 1e-4 within fp32
     summation error (FSDP's reduce-scatter and sharded norm sum in another order), after three
-    steps still within 1e-5; with CPU offload, and with gradient checkpointing, alike."""
-    ddp, got = step_results["ddp"], step_results[mode]
+    steps still within 1e-5; with CPU offload, with gradient checkpointing, and with shared prompts
+    (``train.share_prompts``: each rank's prompts once for their responses; against DDP on the same
+    shared microbatches), alike."""
+    ddp, got = step_results["ddp_shared" if mode == "fsdp_shared" else "ddp"], step_results[mode]
     assert step_results["missing_by_rank"] == [0, 2]  # rank 1 ran 2 fillers after its microbatch
     assert abs(got["loss"] - ddp["loss"]) <= 1e-5 * abs(ddp["loss"])
     assert got["grad_norm"] == pytest.approx(ddp["grad_norm"], rel=1e-5)

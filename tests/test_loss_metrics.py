@@ -113,7 +113,7 @@ def test_variant_config_files_train_on_tiny(name, tmp_path, monkeypatch):
 
     def recording(self, mb, options, temperature):
         if torch.is_grad_enabled():
-            calls.append((options, mb.old_logprobs is not None, mb.loss_weights.clone(), mb.select.sum(1),
+            calls.append((options, mb.old_logprobs is not None, mb.loss_weights.clone(), torch.bincount(mb.sequence_ids),
                           mb.advantages.clone()))  # fmt: skip
         return real(self, mb, options, temperature)
 

@@ -1,5 +1,6 @@
-"""``train.share_prompts``: each prompt computed once for all its responses (a block mask over
-``[prompt, r_1 … r_G]``, grpo_fast/policy/batch.py ``shared_prompt_microbatches``). The loss, the
+"""``train.share_prompts``: each prompt computed once for all its responses (``[prompt, r_1 … r_G]``
+rows, grpo_fast/policy/batch.py ``shared_prompt_microbatches``, attended by
+grpo_fast/policy/shared_attention.py). The loss, the
 per-token log-probs and every parameter's gradient equal the unshared layout's to fp32 summation
 order: padded and packed, with gradient checkpointing, a group split across microbatches or kept
 whole, some responses left out (the zero-advantage skip), at token and sequence (GSPO) level."""
@@ -19,6 +20,16 @@ from grpo_fast.policy.loss import PolicyLoss
 from grpo_fast.task import tiny
 
 GROUP = 4
+
+
+@pytest.fixture(params=["dense", "gathered"])
+def attention_path(request, monkeypatch):
+    """Both ways the shared attention runs: one dense block mask per row (rows up to
+    ``DENSE_MAX_WIDTH`` tokens) and the per-response gathers (longer rows), each forced here."""
+    from grpo_fast.policy import shared_attention
+
+    monkeypatch.setattr(shared_attention, "DENSE_MAX_WIDTH", 10**9 if request.param == "dense" else 0)
+    return request.param
 
 
 def _rollout(seed: int = 0):
@@ -64,7 +75,9 @@ def _assert_same(a, b):
 
 @pytest.mark.parametrize("packing", [False, True], ids=["padded", "packed"])
 @pytest.mark.parametrize("micro_batch_size", [GROUP, 3, 12], ids=["whole-groups", "split-groups", "one-mb"])
-def test_shared_prompts_give_the_unshared_loss_logprobs_and_gradients(packing, micro_batch_size):
+def test_shared_prompts_give_the_unshared_loss_logprobs_and_gradients(
+    packing, micro_batch_size, attention_path
+):
     tok, seqs = _rollout()
     model = tiny.build_model(tok, seed=0)
     unshared = _step(model, seqs, tok.pad_token_id, micro_batch_size, packing=packing)
@@ -76,8 +89,8 @@ def test_shared_prompts_give_the_unshared_loss_logprobs_and_gradients(packing, m
     assert all(len(mb.labels) <= micro_batch_size * 6 for mb in shared[3])
 
 
-def test_with_gradient_checkpointing_gspo_and_responses_left_out():
-    """Checkpointed layers recompute under the same block mask; GSPO's sequence ratio over the
+def test_with_gradient_checkpointing_gspo_and_responses_left_out(attention_path):
+    """Checkpointed layers recompute with the same layout; GSPO's sequence ratio over the
     shared layout's sequence ids; a group with some responses left out (as the zero-advantage
     skip leaves it) keeps its prompt for the rest, and a group with none left has no prompt."""
     from grpo_fast.policy.model import enable_checkpointing
@@ -121,9 +134,9 @@ def _order(mb) -> list[int]:
     return seen
 
 
-def test_a_block_mask_is_refused_by_flash_attention_in_one_line():
+def test_flash_attention_is_refused_in_one_line():
     with pytest.raises(
-        ConfigError, match=r"train\.share_prompts=true needs an attention that takes a block mask"
+        ConfigError, match=r"train\.share_prompts=true runs its own attention around sdpa or eager"
     ):
         load_config(
             "tiny", overrides=["train.share_prompts=true", "model.attn_implementation=flash_attention_2"]
@@ -142,8 +155,100 @@ def test_the_key_reaches_the_loop_microbatches(tmp_path, monkeypatch):
         "make_microbatches",
         lambda *a, **k: seen.append(k.get("share_prompts")) or real(*a, **k),
     )
-    for share in ("false", "true"):
+    for share in ("false", "true", "auto"):
         quick = ["steps=1", "sft.steps=0", "eval_every=0", "checkpoint_every=0", "rollout.batch_size=16",
                  "logging.progress=false", "train.skip_zero_advantage=false", f"output_dir={tmp_path / share}"]  # fmt: skip
         train_mod.run(load_config("tiny", overrides=[*quick, f"train.share_prompts={share}"]))
-    assert seen == [False, True]
+    assert seen == [False, True, True]
+
+
+def test_auto_is_on_except_where_flash_attention_was_asked_for():
+    from grpo_fast.config import shares_prompts
+
+    assert load_config("tiny").train.share_prompts == "auto"
+    assert shares_prompts(load_config("tiny")) is True
+    fa2 = load_config("tiny", overrides=["model.attn_implementation=flash_attention_2"], check_device=False)
+    assert shares_prompts(fa2) is False
+    assert shares_prompts(load_config("tiny", overrides=["train.share_prompts=false"])) is False
+
+
+def test_eager_attention_gives_the_unshared_gradients_too(attention_path):
+    """The shared path wraps either base implementation; under eager it matches eager unshared."""
+    tok, seqs = _rollout(seed=2)
+    model = tiny.build_model(tok, seed=0)
+    model.set_attn_implementation("eager")
+    unshared = _step(model, seqs, tok.pad_token_id, 5, packing=False)
+    shared = _step(model, seqs, tok.pad_token_id, 5, packing=False, share_prompts=True)
+    _assert_same(unshared, shared)
+
+
+def test_calls_without_a_layout_run_the_base_attention_unchanged():
+    """Generation and evaluation run the same model after ``enable``: a left-padded batch (a 2-D
+    mask, as ``generate`` passes it) gives bit-identical logits before and after."""
+    from grpo_fast.policy import shared_attention
+
+    tok, _ = _rollout()
+    model = tiny.build_model(tok, seed=0).eval()
+    batch = tok(["12+34=", "7+8="], return_tensors="pt", padding=True, padding_side="left")
+    with torch.no_grad():
+        before = model(**batch).logits
+        shared_attention.enable(model)
+        assert model.config._attn_implementation == "grpo_fast_shared+sdpa"
+        shared_attention.enable(model)  # idempotent
+        after = model(**batch).logits
+    torch.testing.assert_close(after, before, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("dense_max_width", [None, 0], ids=["default", "gathered"])
+def test_attention_work_is_at_most_the_unshared_layouts(monkeypatch, dense_max_width):
+    """Long responses after a short prompt: a dense mask over ``[prompt, r_1 … r_4]`` scores
+    (4 + 4·12)² = 2,704 query-key pairs per head where the unshared rows score 4 · 16² = 1,024; the
+    gathers score 4² + 4 · 12 · 16 = 784 (counted over every SDPA call of a forward). The dense mask
+    is for short rows only: this row of 52 tokens takes it under ``DENSE_MAX_WIDTH`` = 128."""
+    from grpo_fast.policy import shared_attention
+
+    if dense_max_width is not None:
+        monkeypatch.setattr(shared_attention, "DENSE_MAX_WIDTH", dense_max_width)
+    from grpo_fast.policy.batch import Sequence
+
+    tok, _ = _rollout()
+    model = tiny.build_model(tok, seed=0)
+    g = torch.Generator().manual_seed(0)
+    seqs = [
+        Sequence([5, 6, 7, 8, *torch.randint(3, 15, (12,), generator=g).tolist()], 4, 1.0 - i / 2, 0.1, response_index=i)
+        for i in range(4)
+    ]  # fmt: skip
+    real = torch.nn.functional.scaled_dot_product_attention
+    pairs = []
+
+    def counting(q, k, v, *a, **kw):
+        pairs.append(q.shape[0] * q.shape[-2] * k.shape[-2])
+        return real(q, k, v, *a, **kw)
+
+    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", counting)
+    per_layer = {}
+    for share in (False, True):
+        pairs.clear()
+        mb = make_microbatches(seqs, 4, tok.pad_token_id, packing=False, share_prompts=share)[0]
+        PolicyLoss(model, autocast=None, backend="torch_chunked")(mb, LossOptions(), 1.0)
+        per_layer[share] = sum(pairs) // model.config.num_hidden_layers
+    gathered = 4 * 4 + 4 * 12 * 16
+    assert per_layer == {False: 4 * 16 * 16, True: 52 * 52 if dense_max_width is None else gathered}
+
+
+def test_a_lora_adapter_gets_the_unshared_gradients(attention_path):
+    """Under ``model.lora`` (a peft model around the base) the shared path is taken and gives the
+    adapter the unshared layout's gradients."""
+    from grpo_fast.policy.lora import apply_lora
+
+    tok, seqs = _rollout(seed=3)
+    lora = load_config("tiny", overrides=["model.lora.r=4"]).model.lora
+    model = apply_lora(tiny.build_model(tok, seed=0), lora, "builtin:tiny")
+    with torch.no_grad():  # a non-zero B, so that every adapter weight gets a gradient
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0, 0.02, generator=torch.Generator().manual_seed(len(name)))
+    unshared = _step(model, seqs, tok.pad_token_id, GROUP, packing=False)
+    shared = _step(model, seqs, tok.pad_token_id, GROUP, packing=False, share_prompts=True)
+    assert shared[2] and all("lora_" in name for name in shared[2])
+    _assert_same(unshared, shared)

@@ -11,8 +11,9 @@ same lr / betas / weight decay, constant LR, gradient clipping at 1.0, fp32, no 
 checkpointing, both generating with transformers ``generate`` (temperature 1, top-p 1, no top-k).
 Both start from copies of one set of weights and take the same prompts in the same order. What
 differs is each tool's own design, which is what is measured: grpo_fast skips the forward and
-backward of zero-advantage responses and never runs prompt tokens through the lm_head; TRL (on
-CPU) scores every position through its chunked lm_head.
+backward of zero-advantage responses, computes each prompt once for its group's responses
+(``train.share_prompts``, on by default) and never runs prompt tokens through the lm_head; TRL (on
+CPU) repeats the prompt in every sequence and scores every position through its chunked lm_head.
 
 TRL is stepped from outside while its own ``Trainer.train()`` loop runs (``TRLStepper``): no part
 of its loop is re-implemented here.
@@ -33,7 +34,7 @@ import torch
 from grpo_fast import dist
 from grpo_fast.algo.course import compute_group_normalized_rewards
 from grpo_fast.algo.prompt_sampler import PromptSampler
-from grpo_fast.config import Config, load_config
+from grpo_fast.config import Config, load_config, shares_prompts
 from grpo_fast.loop.optim import build_optimizer
 from grpo_fast.policy.batch import build_sequences, make_microbatches
 from grpo_fast.policy.loss import build_policy_loss
@@ -130,13 +131,10 @@ PROMPT_HEAVY = Case(
     rounds=3,
     describe=(
         "random Qwen2 (4 layers, D 512, V 32,768, tied): 8 prompts of 128 tokens × 8 responses of "
-        "exactly 64 tokens, lr 1e-5, reward = share of even token ids; grpo_fast with "
-        "train.share_prompts=true"
+        "exactly 64 tokens, lr 1e-5, reward = share of even token ids"
     ),
     prompt_tokens=128,
     layers=4,
-    # each prompt computed once for its 8 responses (TRL repeats it in every sequence)
-    overrides=("train.share_prompts=true",),
 )
 CASES = {c.name: c for c in (TINY, WIDE, PROMPT_HEAVY)}
 WIDE_VOCAB = 32768
@@ -364,7 +362,7 @@ class GrpoFastStepper:
                 int(cfg.train.micro_batch_size),
                 self.problem.tokenizer.pad_token_id,
                 cfg.train.packing,
-                share_prompts=cfg.train.share_prompts,
+                share_prompts=shares_prompts(cfg),
             )
         ]
         self._optimize(

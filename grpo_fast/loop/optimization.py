@@ -20,7 +20,7 @@ from grpo_fast import dist
 from grpo_fast.algo.core import kl_early_stop
 from grpo_fast.algo.loss_options import LossOptions
 from grpo_fast.algo.sampler_correction import cut_importance_weights, raw_importance_weights
-from grpo_fast.config import Config
+from grpo_fast.config import Config, shares_prompts
 from grpo_fast.loop.rollout_phase import RolloutBatch
 from grpo_fast.loop.state import Run, Trainer
 from grpo_fast.loop.stats import StepStats
@@ -80,7 +80,7 @@ def optimization_phase(
             int(cfg.train.micro_batch_size),
             run.tokenizer.pad_token_id,
             cfg.train.packing,
-            share_prompts=cfg.train.share_prompts,
+            share_prompts=shares_prompts(cfg),
         )
     ]
     ref_loss = None if cfg.loss.kl_in_reward else run.ref_loss

@@ -24,6 +24,7 @@ from grpo_fast.algo.core import (
     normalize_group_rewards,
     overlong_penalty,
 )
+from grpo_fast.config import shares_prompts
 from grpo_fast.loop import preempt
 from grpo_fast.loop.state import Run
 from grpo_fast.obs.metrics import PhaseProgress
@@ -287,7 +288,7 @@ def response_kl_k1(
         int(cfg.train.micro_batch_size),
         run.tokenizer.pad_token_id,
         cfg.train.packing,
-        share_prompts=cfg.train.share_prompts,
+        share_prompts=shares_prompts(cfg),
     )
     options = run.scoring_options()
     # FSDP: as many passes on every rank (zero-weight fillers); none under DDP

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 import torch
 
 from grpo_fast.algo.core import length_norm_weights
+from grpo_fast.policy.shared_attention import SharedLayout
 
 
 @dataclass
@@ -22,8 +23,7 @@ class Microbatch:
 
     Fields:
         input_ids: ``[b, L]`` int64; attention_mask: ``[b, L]`` (1 = real token), None for
-            packed rows, or with shared prompts a 4-D block mask ``[b, 1, L, L]`` bool (True =
-            attend: ``shared_prompt_microbatches``).
+            packed rows and for shared prompts (``shared`` says who attends to whom).
         position_ids: ``[b, L]`` or None (packed rows restart positions per sequence).
         select: ``[b, L]`` bool, the positions whose *next* token is a response token (the
             hidden state at t predicts token t+1); with shared prompts a prompt's last position
@@ -48,6 +48,8 @@ class Microbatch:
             max_seqlen: the longest of them. What flash-attention's varlen kernel takes, given
             so that transformers does not derive them from ``position_ids`` in every layer (a
             ``nonzero`` and a max read back to the host, two syncs per layer).
+        shared: with shared prompts (``shared_prompt_microbatches``), each prompt's and each
+            response's token indices, which the attention gathers (``shared_attention``).
 
     Built on the CPU (``make_microbatches``), then moved with ``to(device)``, which copies the
     tensors without reading them: the derived fields cost no host-device sync on CUDA. Built
@@ -76,6 +78,7 @@ class Microbatch:
     label_bounds: tuple[int, int] | None = None
     cu_seqlens: torch.Tensor | None = None
     max_seqlen: int | None = None
+    shared: SharedLayout | None = None
 
     def __post_init__(self) -> None:
         n = int(self.labels.shape[0])
@@ -110,7 +113,7 @@ class Microbatch:
 
     def to(self, device: torch.device) -> Microbatch:
         """The same microbatch with its tensors on ``device`` (copied, never read: no sync)."""
-        move = lambda t: t.to(device, non_blocking=True) if isinstance(t, torch.Tensor) else t
+        move = lambda t: t.to(device, non_blocking=True) if isinstance(t, torch.Tensor | SharedLayout) else t
         return Microbatch(**{k: move(v) for k, v in self.__dict__.items()})
 
 
@@ -295,9 +298,9 @@ def shared_prompt_microbatches(
     """Microbatches in which each prompt is computed once for all its responses.
 
     The sequences of one prompt (the same prompt tokens) are laid out as ``[prompt, r_1 … r_k]``
-    in one segment: every response attends to the prompt and, causally, to itself only (a 4-D
-    block mask, ``attention_mask [b, 1, L, L]`` bool, True = attend), with the positions it would
-    have alone (``P … P + |r| − 1``). A prompt token is then computed once per segment instead of
+    in one segment: every response attends to the prompt and, causally, to itself only (the
+    ``SharedLayout`` in ``shared``, which ``shared_attention`` gathers by: no ``[L, L]`` mask, and
+    the attention work of the unshared layout), with the positions it would have alone (``P … P + |r| − 1``). A prompt token is then computed once per segment instead of
     once per response, in the forward and in the backward (its keys and values get the sum of the
     responses' gradients): the same loss and gradients as one row per sequence, to fp32 summation
     order. Each response's first label is predicted from the prompt's last position, which all
@@ -306,7 +309,7 @@ def shared_prompt_microbatches(
     A microbatch holds at most ``micro_batch_size`` responses: a prompt whose responses do not fit
     is split, carrying the prompt once in each microbatch it reaches. Without ``packing`` each
     segment is a row (right-padded to the longest); with ``packing`` a microbatch's segments share
-    one row (the mask keeps them apart). Prompts with the longest segments first.
+    one row (the layout keeps them apart). Prompts with the longest segments first.
 
     Example (prompt [5, 6] with responses [8, 9] and [7]; one row of 5):
         >>> mb = shared_prompt_microbatches([Sequence([5, 6, 8, 9], 2, 1.0, 0.5), Sequence([5, 6, 7], 2, -1.0, 0.5)],
@@ -343,7 +346,7 @@ def _collate_shared(rows: list[list[tuple[list[int], list[Sequence]]]], pad_id: 
     ids = torch.full((b, width), pad_id, dtype=torch.long)
     pos = torch.zeros((b, width), dtype=torch.long)
     select = torch.zeros((b, width), dtype=torch.bool)
-    mask = torch.zeros((b, 1, width, width), dtype=torch.bool)
+    prompt_spans, response_spans = [], []  # (start, length) / (segment, start, length), flat in b·L
     index, labels, adv, w, slp, seq_ids, resp_idx = [], [], [], [], [], [], []
     for r, row in enumerate(rows):
         at = 0
@@ -351,14 +354,13 @@ def _collate_shared(rows: list[list[tuple[list[int], list[Sequence]]]], pad_id: 
             n_p, p0 = len(prompt), at
             ids[r, at : at + n_p] = torch.tensor(prompt)
             pos[r, at : at + n_p] = torch.arange(n_p)
-            mask[r, 0, at : at + n_p, at : at + n_p] = torch.ones(n_p, n_p, dtype=torch.bool).tril()
+            prompt_spans.append((r * width + p0, n_p))
             at += n_p
             for s in responses:
                 n = s.n_response
                 ids[r, at : at + n] = torch.tensor(s.tokens[s.n_prompt :])
                 pos[r, at : at + n] = torch.arange(n_p, n_p + n)
-                mask[r, 0, at : at + n, p0 : p0 + n_p] = True  # the prompt
-                mask[r, 0, at : at + n, at : at + n] = torch.ones(n, n, dtype=torch.bool).tril()
+                response_spans.append((len(prompt_spans) - 1, r * width + at, n))
                 # label t of the response is predicted at the position before it: the prompt's
                 # last token for the first, then the response's own tokens
                 before = [r * width + p0 + n_p - 1] + [r * width + at + t for t in range(n - 1)]
@@ -372,13 +374,12 @@ def _collate_shared(rows: list[list[tuple[list[int], list[Sequence]]]], pad_id: 
                 resp_idx.extend([s.response_index] * n)
                 slp.append(s.sampler_logprobs)
                 at += n
-        for t in range(at, width):  # padding attends to itself only (no empty softmax row)
-            mask[r, 0, t, t] = True
     return Microbatch(
         input_ids=ids,
-        attention_mask=mask,
+        attention_mask=None,
         position_ids=pos,
         select=select,
         **_per_token_fields(labels, adv, w, slp, seq_ids, resp_idx),
         select_index=torch.tensor(index, dtype=torch.long),
+        shared=SharedLayout.build(b, width, prompt_spans, response_spans),
     )

@@ -19,6 +19,7 @@ from grpo_fast.algo.core import GRPOLossOutput
 from grpo_fast.algo.loss_options import LossOptions
 from grpo_fast.domains import AUTO
 from grpo_fast.ops import fused_linear_grpo_loss
+from grpo_fast.policy import shared_attention
 from grpo_fast.policy.batch import Microbatch
 
 
@@ -57,8 +58,10 @@ def response_hidden_states(model: nn.Module, mb: Microbatch) -> torch.Tensor:
     backbone = model.get_decoder() if hasattr(model, "get_decoder") else model.model
     kwargs = {"input_ids": mb.input_ids, "use_cache": False}
     attn = getattr(getattr(model, "config", None), "_attn_implementation", None) or ""
-    if mb.attention_mask is not None and mb.attention_mask.dim() == 4:
-        kwargs["attention_mask"] = _block_mask_for(attn, mb.attention_mask)
+    if mb.shared is not None:  # train.share_prompts: the layout, not a mask, says who sees whom
+        shared_attention.enable(model)
+        kwargs["attention_mask"] = shared_attention.placeholder_mask(mb.input_ids)
+        kwargs["shared_prompt_layout"] = mb.shared
     elif mb.attention_mask is not None:
         kwargs["attention_mask"] = mb.attention_mask
     if mb.position_ids is not None:
@@ -72,22 +75,6 @@ def response_hidden_states(model: nn.Module, mb: Microbatch) -> torch.Tensor:
         )
     hidden = backbone(**kwargs).last_hidden_state  # [b, L, D]
     return hidden.flatten(0, 1).index_select(0, mb.select_index)  # [b·L, D] -> [n, D], no sync
-
-
-def _block_mask_for(attn: str, mask: torch.Tensor) -> torch.Tensor:
-    """A shared-prompt block mask (``[b, 1, L, L]`` bool, True = attend) as the attention takes it:
-    SDPA as it is; eager attention adds its mask to the scores, so 0 / the most negative float.
-    transformers hands a 4-D mask to the attention unchanged (masking_utils, 5.24)."""
-    if attn.startswith("flash_attention"):
-        raise ValueError(
-            "train.share_prompts needs an attention that takes a block mask (sdpa, eager): flash-attention's "
-            "varlen kernel cannot let several responses see one prompt; set model.attn_implementation=sdpa"
-        )
-    if attn == "eager":
-        return torch.zeros(mask.shape, dtype=torch.float32, device=mask.device).masked_fill(
-            ~mask, torch.finfo(torch.float32).min
-        )
-    return mask
 
 
 class PolicyLoss(nn.Module):

@@ -12,7 +12,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from grpo_fast.config import AUTO, Config
+from grpo_fast.config import AUTO, Config, shares_prompts
 from grpo_fast.errors import ConfigError
 from grpo_fast.task import tiny
 
@@ -129,8 +129,8 @@ def _from_hub_or_folder(cfg: Config, source: str, dtype: torch.dtype, device: to
     attn = m.attn_implementation
     if attn == AUTO:
         has_fa2 = importlib.util.find_spec("flash_attn") is not None
-        # train.share_prompts needs a block mask, which flash-attention's varlen kernel cannot take
-        fa2 = device.type == "cuda" and has_fa2 and not cfg.train.share_prompts
+        # train.share_prompts wraps sdpa or eager attention (policy/shared_attention.py), not flash
+        fa2 = device.type == "cuda" and has_fa2 and not shares_prompts(cfg)
         attn = "flash_attention_2" if fa2 else "sdpa"
     if hf_config is not None:
         with torch.device(device):  # initialize in place: a 1.5 B fp32 model is 6 GB

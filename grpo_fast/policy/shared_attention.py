@@ -1,0 +1,275 @@
+"""Shared-prompt attention (``train.share_prompts``): each response attends to its prompt's keys and
+values and, causally, to itself, without an ``[L, L]`` mask over the packed row.
+
+A shared-prompt microbatch lays each prompt out once, followed by its responses:
+``[prompt, r_1 … r_k]`` (``batch.shared_prompt_microbatches``). The linear layers run on that row
+as it is (each prompt token once, not once per response); only attention needs to know who sees
+whom. A dense block mask over the row would make attention cost ``(P + Σ|r|)²`` scores where each
+response on its own costs ``|r| · (P + |r|)``: for an R1-Zero step (P ≈ 150, 8 responses of ≈ 500
+tokens) 17.2 M scores against 5.2 M, which would eat what the shared prompt saves. Here instead,
+per layer:
+
+- the prompts: ``[S_p, h, P, d]`` queries over their own keys, causal (one SDPA call);
+- the responses: ``[S_r, h, R, d]`` queries over ``[their prompt's keys ; their own]``
+  ``[S_r, h, P + R, d]``, gathered from the row by index (one SDPA call, a ``[S_r, 1, R, P + R]``
+  bool mask for the causal part and the padding);
+
+then scattered back into the row. That is the unshared layout's attention work exactly (less the
+prompt's repeated queries), and the gradient of a prompt key or value is the sum over the
+responses that gathered it (``index_select``'s backward is an ``index_add``): the same gradients
+as one row per sequence, to fp32 summation order.
+
+It plugs into transformers (written against 5.24) as an attention implementation registered
+under ``grpo_fast_shared+<base>`` (``enable``): a call that carries a ``SharedLayout`` in its
+keyword arguments (``shared_prompt_layout=``, which the decoder hands down to every layer's
+attention, also when a checkpointed layer recomputes in the backward) takes this path; every
+other call (generation, evaluation) goes to the base implementation (``sdpa`` or ``eager``)
+unchanged, with its mask built as the base builds it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+
+import torch
+import torch.nn.functional as F
+
+PREFIX = "grpo_fast_shared+"
+# Attention implementations a shared-prompt forward wraps: calls without a layout (generation,
+# evaluation) keep them; the shared forward itself runs torch's SDPA with a mask (on CUDA the
+# memory-efficient kernel). Not flash-attention: transformers tests for it by name in places, so a
+# renamed flash implementation is not known to behave as the original (unmeasured: no CUDA here).
+BASES = ("sdpa", "eager")
+
+
+# Rows up to this many tokens are attended with one dense [L, L] block mask instead of the gathers:
+# there the attention is small and the gathers' per-call work is not (the tiny preset's rows of
+# ≤ 48 tokens: optimization phase 0.062 s dense against 0.071 s gathered on 2 cores).
+DENSE_MAX_WIDTH = 128
+
+
+@dataclass
+class SharedLayout:
+    """Who attends to whom in one shared-prompt microbatch of b rows of L tokens.
+
+    Either ``dense_mask`` (rows of at most ``DENSE_MAX_WIDTH`` tokens) or the gather indices, flat
+    into the microbatch's ``b·L`` tokens. Shapes: S_p prompt segments of up to P tokens, S_r
+    responses of up to R tokens.
+
+    Fields:
+        dense_mask: ``[b, 1, L, L]`` bool (True = attend): each prompt causal, each response its
+            prompt and itself causally, a padding token itself only.
+        prompt_index: ``[S_p, P]`` int64, each segment's prompt tokens (a shorter prompt repeats its
+            first token in the padding slots).
+        prompt_mask: ``[S_p, 1, P, P]`` bool (True = attend), causal within each prompt, or None
+            when every prompt has P tokens (then ``is_causal``).
+        response_index: ``[S_r, R]`` int64, each response's tokens (padded like the prompts).
+        key_index: ``[S_r, P + R]`` int64, the keys each response sees: its prompt's P slots, then
+            its own R.
+        response_mask: ``[S_r, 1, R, P + R]`` bool: a response token sees its prompt's real tokens
+            and its own up to itself; a padding slot sees its prompt's first token only (never an
+            empty softmax row).
+        prompt_src, prompt_dst, response_src, response_dst: ``[*]`` int64, where the real tokens'
+            outputs go: row ``src`` of the flattened ``[S·P]`` (``[S·R]``) output to token ``dst``
+            of the ``b·L`` row (padding slots are not written back).
+    """
+
+    dense_mask: torch.Tensor | None = None
+    prompt_index: torch.Tensor | None = None
+    prompt_mask: torch.Tensor | None = None
+    response_index: torch.Tensor | None = None
+    key_index: torch.Tensor | None = None
+    response_mask: torch.Tensor | None = None
+    prompt_src: torch.Tensor | None = None
+    prompt_dst: torch.Tensor | None = None
+    response_src: torch.Tensor | None = None
+    response_dst: torch.Tensor | None = None
+
+    @classmethod
+    def build(
+        cls,
+        rows: int,
+        width: int,
+        prompts: list[tuple[int, int]],
+        responses: list[tuple[int, int, int]],
+        dense_max_width: int | None = None,
+    ) -> SharedLayout:
+        """For ``rows`` rows of ``width`` tokens, from ``prompts``: ``(start, length)`` of each
+        segment's prompt in the flat ``rows·width`` tokens, and ``responses``: ``(segment, start,
+        length)`` of each response (lengths ≥ 1). A dense mask when ``width ≤ dense_max_width``
+        (None: ``DENSE_MAX_WIDTH``).
+
+        Example (one row: prompt [0, 1], responses [2, 3] and [4]):
+            >>> lay = SharedLayout.build(1, 5, [(0, 2)], [(0, 2, 2), (0, 4, 1)], dense_max_width=0)
+            >>> lay.key_index.tolist(), lay.response_mask[1, 0].int().tolist()
+            ([[0, 1, 2, 3], [0, 1, 4, 4]], [[1, 1, 1, 0], [1, 0, 0, 0]])
+            >>> SharedLayout.build(1, 5, [(0, 2)], [(0, 2, 2), (0, 4, 1)]).dense_mask[0, 0].int().tolist()
+            [[1, 0, 0, 0, 0], [1, 1, 0, 0, 0], [1, 1, 1, 0, 0], [1, 1, 1, 1, 0], [1, 1, 0, 0, 1]]
+        """
+        if width <= (DENSE_MAX_WIDTH if dense_max_width is None else dense_max_width):
+            return cls(dense_mask=_dense_mask(rows, width, prompts, responses))
+        p_len = torch.tensor([n for _, n in prompts])
+        p_max = int(p_len.max())
+        slot = torch.arange(p_max)
+        p_start = torch.tensor([s for s, _ in prompts])
+        p_valid = slot[None, :] < p_len[:, None]  # [S_p, P]
+        prompt_index = torch.where(p_valid, p_start[:, None] + slot[None, :], p_start[:, None])
+        prompt_mask = None
+        if not bool(p_valid.all()):
+            causal = slot[None, :, None] >= slot[None, None, :]  # [1, P, P]
+            prompt_mask = causal & p_valid[:, None, :]
+            prompt_mask[:, :, 0] = True  # a padding slot's row: its prompt's first token
+            prompt_mask = prompt_mask[:, None]
+
+        seg = torch.tensor([g for g, _, _ in responses])
+        r_len = torch.tensor([n for _, _, n in responses])
+        r_max = int(r_len.max())
+        rslot = torch.arange(r_max)
+        r_start = torch.tensor([s for _, s, _ in responses])
+        r_valid = rslot[None, :] < r_len[:, None]  # [S_r, R]
+        response_index = torch.where(r_valid, r_start[:, None] + rslot[None, :], r_start[:, None])
+        key_index = torch.cat([prompt_index[seg], response_index], dim=1)
+        sees_prompt = p_valid[seg][:, None, :].expand(-1, r_max, -1)  # [S_r, R, P]
+        sees_self = (rslot[:, None] >= rslot[None, :])[None] & r_valid[:, None, :]  # [S_r, R, R]
+        response_mask = torch.cat([sees_prompt, sees_self], dim=2)
+        pad_rows = ~r_valid
+        response_mask[pad_rows] = False
+        response_mask[..., 0] |= pad_rows  # key 0 is the prompt's first token, always real
+        return cls(
+            prompt_index=prompt_index,
+            prompt_mask=prompt_mask,
+            response_index=response_index,
+            key_index=key_index,
+            response_mask=response_mask[:, None],
+            prompt_src=p_valid.flatten().nonzero().squeeze(1),
+            prompt_dst=prompt_index[p_valid],
+            response_src=r_valid.flatten().nonzero().squeeze(1),
+            response_dst=response_index[r_valid],
+        )
+
+    def to(self, device: torch.device, non_blocking: bool = True) -> SharedLayout:
+        """The same layout on ``device`` (copied, never read: no sync)."""
+        move = lambda t: None if t is None else t.to(device, non_blocking=non_blocking)
+        return SharedLayout(**{f.name: move(getattr(self, f.name)) for f in fields(self)})
+
+
+def _dense_mask(rows: int, width: int, prompts, responses) -> torch.Tensor:
+    mask = torch.zeros(rows * width, width, dtype=torch.bool)  # [b·L, L]: row r's block is rows r·L …
+    mask[torch.arange(rows * width), torch.arange(rows * width) % width] = True  # padding: itself
+    for start, n in prompts:
+        c = start % width
+        mask[start : start + n, c : c + n] = torch.ones(n, n, dtype=torch.bool).tril()
+    for seg, start, n in responses:
+        p_start, p_n = prompts[seg]
+        c, pc = start % width, p_start % width
+        mask[start : start + n, pc : pc + p_n] = True
+        mask[start : start + n, c : c + n] = torch.ones(n, n, dtype=torch.bool).tril()
+    return mask.view(rows, 1, width, width)
+
+
+def attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    layout: SharedLayout,
+    scaling: float | None = None,
+    dropout: float = 0.0,
+) -> torch.Tensor:
+    """Shared-prompt attention over a packed row.
+
+    ``query`` ``[b, h, L, d]``, ``key`` / ``value`` ``[b, h_kv, L, d]`` (h a multiple of h_kv, the
+    grouped-query layout) → ``[b, L, h, d]`` (transformers' attention output layout). Tokens that
+    belong to no prompt or response (the row's padding) get zeros.
+    """
+    b, h, length, d = query.shape
+    rep = h // key.shape[1]
+    if layout.dense_mask is not None:
+        if rep > 1:
+            key, value = key.repeat_interleave(rep, dim=1), value.repeat_interleave(rep, dim=1)
+        out = F.scaled_dot_product_attention(
+            query, key, value, attn_mask=layout.dense_mask, dropout_p=dropout, scale=scaling
+        )  # [b, h, L, d]
+        return out.transpose(1, 2)
+    flat = lambda t: t.transpose(1, 2).reshape(b * length, t.shape[1], d)  # [b·L, heads, d]
+    q, k, v = flat(query), flat(key), flat(value)
+
+    def gather(t: torch.Tensor, index: torch.Tensor, heads_rep: int) -> torch.Tensor:
+        g = t.index_select(0, index.flatten()).view(*index.shape, t.shape[1], d).transpose(1, 2)
+        return g.repeat_interleave(heads_rep, dim=1) if heads_rep > 1 else g  # [S, h, T, d]
+
+    def sdpa(qi, ki, mask) -> torch.Tensor:
+        return F.scaled_dot_product_attention(
+            gather(q, qi, 1),
+            gather(k, ki, rep),
+            gather(v, ki, rep),
+            attn_mask=mask,
+            dropout_p=dropout,
+            is_causal=mask is None,
+            scale=scaling,
+        )  # [S, h, T, d]
+
+    out_p = sdpa(layout.prompt_index, layout.prompt_index, layout.prompt_mask)
+    out_r = sdpa(layout.response_index, layout.key_index, layout.response_mask)
+    rows = lambda o: o.transpose(1, 2).reshape(-1, h, d)  # [S·T, h, d]
+    out = q.new_zeros(b * length, h, d)
+    out = out.index_copy(0, layout.prompt_dst, rows(out_p).index_select(0, layout.prompt_src))
+    out = out.index_copy(0, layout.response_dst, rows(out_r).index_select(0, layout.response_src))
+    return out.view(b, length, h, d)
+
+
+def _wrapped(base: str):
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    def forward(module, query, key, value, attention_mask, **kwargs):
+        layout = kwargs.pop("shared_prompt_layout", None)
+        if layout is None:  # eager is the model's own function, not in the registry
+            fn = _eager_of(module) if base == "eager" else ALL_ATTENTION_FUNCTIONS[base]
+            return fn(module, query, key, value, attention_mask, **kwargs)
+        if kwargs.get("sliding_window") is not None:
+            raise ValueError("train.share_prompts does not support sliding-window attention layers")
+        out = attention(
+            query, key, value, layout, scaling=kwargs.get("scaling"), dropout=kwargs.get("dropout", 0.0)
+        )
+        return out, None
+
+    return forward
+
+
+def _eager_of(module):
+    """The model's own eager attention function (every transformers model defines one in its
+    modeling file as ``eager_attention_forward``)."""
+    import sys
+
+    return sys.modules[type(module).__module__].eager_attention_forward
+
+
+def enable(model: torch.nn.Module) -> None:
+    """Let ``model``'s attention take shared-prompt layouts: its attention implementation becomes
+    ``grpo_fast_shared+<base>`` (registered on first use, with the base's mask builder), which
+    behaves as the base for every call without a layout. Idempotent. ``ValueError`` for a base
+    not in ``BASES`` (flex attention, a custom kernel)."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
+
+    config = model.config
+    current = config._attn_implementation or "eager"
+    if current.startswith(PREFIX):
+        return
+    if current not in BASES:
+        raise ValueError(
+            f"train.share_prompts=true: the model's attention {current!r} is not one it can wrap "
+            f"({', '.join(BASES)}): set model.attn_implementation=sdpa or train.share_prompts=false"
+        )
+    name = PREFIX + current
+    if name not in AttentionInterface._global_mapping:
+        AttentionInterface.register(name, _wrapped(current))
+        AttentionMaskInterface.register(name, ALL_MASK_ATTENTION_FUNCTIONS[current])
+    config._attn_implementation = name
+
+
+def placeholder_mask(input_ids: torch.Tensor) -> torch.Tensor:
+    """A ``[b, 1, 1, 1]`` bool stand-in for the attention mask of a shared-prompt forward:
+    transformers hands a 4-D mask to the attention as it is (masking_utils, 5.24), so it builds no
+    ``[b, 1, L, L]`` mask from the position ids (which restart in every response) and the shared
+    path, which ignores it, pays nothing for it."""
+    return torch.ones(input_ids.shape[0], 1, 1, 1, dtype=torch.bool, device=input_ids.device)
