@@ -154,17 +154,30 @@ class SharedLayout:
 
 
 def _dense_mask(rows: int, width: int, prompts, responses) -> torch.Tensor:
-    mask = torch.zeros(rows * width, width, dtype=torch.bool)  # [b·L, L]: row r's block is rows r·L …
-    mask[torch.arange(rows * width), torch.arange(rows * width) % width] = True  # padding: itself
-    for start, n in prompts:
-        c = start % width
-        mask[start : start + n, c : c + n] = torch.ones(n, n, dtype=torch.bool).tril()
-    for seg, start, n in responses:
-        p_start, p_n = prompts[seg]
-        c, pc = start % width, p_start % width
-        mask[start : start + n, pc : pc + p_n] = True
-        mask[start : start + n, c : c + n] = torch.ones(n, n, dtype=torch.bool).tril()
-    return mask.view(rows, 1, width, width)
+    """``[rows, 1, width, width]`` bool from the spans, by broadcasting (no per-span loop: the tiny
+    preset's 288 spans cost 24 ms of ``tril`` calls in a 73 ms optimization phase that way)."""
+    total = rows * width
+    piece = torch.full((total,), -1)  # which span each token is in (−1: padding)
+    segment = torch.full((total,), -1)  # the prompt segment of that span
+    is_prompt = torch.zeros(total, dtype=torch.bool)
+    starts = [s for s, _ in prompts] + [s for _, s, _ in responses]
+    lengths = [n for _, n in prompts] + [n for _, _, n in responses]
+    segs = list(range(len(prompts))) + [g for g, _, _ in responses]
+    n_tok = torch.tensor(lengths)
+    token = torch.repeat_interleave(torch.tensor(starts), n_tok) + (
+        torch.arange(int(n_tok.sum())) - torch.repeat_interleave(n_tok.cumsum(0) - n_tok, n_tok)
+    )
+    piece[token] = torch.repeat_interleave(torch.arange(len(starts)), n_tok)
+    segment[token] = torch.repeat_interleave(torch.tensor(segs), n_tok)
+    is_prompt[token] = torch.repeat_interleave(torch.arange(len(starts)) < len(prompts), n_tok)
+    view = lambda t: t.view(rows, width)
+    piece, segment, is_prompt = view(piece), view(segment), view(is_prompt)
+    col = torch.arange(width)
+    causal = col[:, None] >= col[None, :]  # [L, L]: key ≤ query
+    same_piece = (piece[:, :, None] == piece[:, None, :]) & (piece[:, :, None] >= 0) & causal
+    own_prompt = is_prompt[:, None, :] & (segment[:, None, :] == segment[:, :, None]) & ~is_prompt[:, :, None]
+    padding_self = (piece < 0)[:, :, None] & torch.eye(width, dtype=torch.bool)
+    return (same_piece | (own_prompt & (segment[:, :, None] >= 0)) | padding_self)[:, None]
 
 
 def attention(
