@@ -32,7 +32,9 @@ from bench.peers.workloads import (
     TINY,
     VERSIONS,
     WIDE,
+    ComputeThread,
     GrpoFastStepper,
+    OnThread,
     Problem,
     TRLStepper,
     dist_version,
@@ -77,8 +79,8 @@ def profiled_step(stepper, device: torch.device) -> dict[str, list[list]]:
     """Self time (s) of the top ops of one step, per phase: ``rollout`` (under ``ROLLOUT_SCOPE``)
     and ``train`` (the rest). On CUDA, self device time."""
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
-    # TRL's step runs in its own thread (TRLStepper): without profile_all_threads (torch ≥ 2.6,
-    # experimental) only this thread's ops would be recorded
+    # the steps run on the duel's compute thread (ComputeThread): without profile_all_threads
+    # (torch ≥ 2.6, experimental) only this thread's ops would be recorded
     everywhere = _ExperimentalConfig(profile_all_threads=True)
     with profile(activities=activities, experimental_config=everywhere) as prof:
         stepper.step()
@@ -102,7 +104,7 @@ def profiled_step(stepper, device: torch.device) -> dict[str, list[list]]:
 
 def _mark_rollout(stepper) -> None:
     """Put each side's rollout phase under ``ROLLOUT_SCOPE`` for the profiler."""
-    if isinstance(stepper, GrpoFastStepper):
+    if isinstance(stepper, OnThread):
         generate = stepper.backend.generate
 
         def scoped(*args, **kwargs):
@@ -120,13 +122,25 @@ def _mark_rollout(stepper) -> None:
         stepper.trainer._generate_and_score_completions = scoped_trl
 
 
-def run_duel(benchmark, request, problem: Problem, device: torch.device) -> None:
+def run_duel(benchmark, request, case_name: str, device: torch.device) -> None:
+    """The duel on one ``ComputeThread`` (bench/peers/workloads.py: both tools' compute, the warm
+    start and the evaluations on one OS thread, as each tool's would be alone); this thread only
+    orders the steps and times them."""
+    compute = ComputeThread()
+    try:
+        _duel(benchmark, request, compute.run(make_problem, case_name), device, compute)
+    finally:
+        compute.close()
+
+
+def _duel(benchmark, request, problem: Problem, device: torch.device, compute: ComputeThread) -> None:
     case = problem.case
-    ours, trl = GrpoFastStepper(problem, device), TRLStepper(problem, device)
+    ours = OnThread(compute.run(GrpoFastStepper, problem, device), compute)
+    trl = compute.run(TRLStepper, problem, device, compute)
     sides = [ours, trl]
     for s in sides:
         _mark_rollout(s)
-    acc_before = greedy_accuracy(ours.model, problem)
+    acc_before = compute.run(greedy_accuracy, ours.model, problem)
     loads = [os.getloadavg()[0]]
     order = lambda i: sides if i % 2 == 0 else sides[::-1]
     for i in range(case.warmup_steps):
@@ -162,7 +176,7 @@ def run_duel(benchmark, request, problem: Problem, device: torch.device) -> None
                 "reward_last5": sum(r.reward for r in s.records[-5:]) / len(s.records[-5:]),
                 "peak_memory_bytes": peak[s.name],
                 "eval_accuracy_before": acc_before,
-                "eval_accuracy_after": greedy_accuracy(s.model, problem),
+                "eval_accuracy_after": compute.run(greedy_accuracy, s.model, problem),
                 "top_ops": top_ops[s.name],
             }
         )
@@ -205,7 +219,7 @@ def _grpo_fast_version() -> str:
 @pytest.mark.parametrize("case_name", [TINY.name, WIDE.name, PROMPT_HEAVY.name])
 def test_train_step_vs_trl_cpu(benchmark, request, case_name):
     pytest.importorskip("trl", reason=PEERS_MISSING)
-    run_duel(benchmark, request, make_problem(case_name), torch.device("cpu"))
+    run_duel(benchmark, request, case_name, torch.device("cpu"))
 
 
 @pytest.mark.gpu
@@ -214,4 +228,4 @@ def test_train_step_vs_trl_gpu(benchmark, request):
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA device")
     pytest.importorskip("trl", reason=PEERS_MISSING)
-    run_duel(benchmark, request, make_problem(WIDE.name), torch.device("cuda"))
+    run_duel(benchmark, request, WIDE.name, torch.device("cuda"))

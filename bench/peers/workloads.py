@@ -16,12 +16,14 @@ backward of zero-advantage responses, computes each prompt once for its group's 
 CPU) repeats the prompt in every sequence and scores every position through its chunked lm_head.
 
 TRL is stepped from outside while its own ``Trainer.train()`` loop runs (``TRLStepper``): no part
-of its loop is re-implemented here.
+of its loop is re-implemented here. All of both tools' compute runs on one thread
+(``ComputeThread``), as each tool's would alone in its process.
 """
 
 from __future__ import annotations
 
 import math
+import queue
 import random
 import tempfile
 import threading
@@ -436,11 +438,92 @@ def trl_args(case: Case, output_dir: str, device: torch.device):
     )
 
 
+class ComputeThread:
+    """The one OS thread that runs all of a duel's compute: the warm start, both tools' models,
+    every step of each and the evaluations (``run``), TRL's own ``Trainer.train()`` loop among them.
+
+    Why one thread: torch's CPU ops run their parallel regions on an OpenMP team, and libgomp keeps
+    a team per calling thread. With two tools computing from two threads (TRL's loop in its own, as
+    it must be, and grpo_fast on the main thread) a 2-core machine holds 4 OpenMP threads, and
+    libgomp then throttles its spin-wait (more threads than cores): every parallel region wakes
+    its worker through the kernel. Measured on 2 cores after both had run steps: a ``[256, 24]``
+    softmax 6.7 → 84 µs, a ``[256, 128] @ [128, 256]`` matmul 53 → 135 µs, grpo_fast's tiny step
+    66 → 123 ms (TRL's alike) — a cost of the duel, which one tool alone in its process never
+    pays. On this thread both tools share one team, as each would alone.
+    """
+
+    _STOP = object()
+
+    def __init__(self):
+        self._jobs: queue.SimpleQueue = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self.serve, daemon=True, name="duel-compute")
+        self._thread.start()
+
+    def submit(self, fn: Callable, *args) -> threading.Event:
+        """Queue ``fn(*args)``; the returned event is set once it has run (result in ``_box``)."""
+        done = threading.Event()
+        done._box = {}  # type: ignore[attr-defined]
+        self._jobs.put((fn, args, done))
+        return done
+
+    def run(self, fn: Callable, *args):
+        """``fn(*args)`` on the compute thread (directly when called from it), its result or error."""
+        if threading.current_thread() is self._thread:
+            return fn(*args)
+        done = self.submit(fn, *args)
+        done.wait()
+        if "error" in done._box:
+            raise done._box["error"]
+        return done._box["value"]
+
+    def serve(self, until: object = None) -> None:
+        """Run queued jobs until the ``until`` token is queued (``resume``); the thread's own loop
+        runs until ``close``. TRL's step gate serves here while its loop is held."""
+        while True:
+            job = self._jobs.get()
+            if job is self._STOP or (until is not None and job is until):
+                return
+            fn, args, done = job
+            try:
+                done._box["value"] = fn(*args)
+            except BaseException as exc:  # handed to the caller of run()
+                done._box["error"] = exc
+            finally:
+                done.set()
+
+    def resume(self, token: object) -> None:
+        """Let the ``serve(until=token)`` in progress return."""
+        self._jobs.put(token)
+
+    def close(self) -> None:
+        self._jobs.put(self._STOP)
+        self._thread.join(timeout=60)
+
+
+class OnThread:
+    """A stepper whose ``step()`` runs on the duel's ``ComputeThread``; its attributes are the
+    stepper's."""
+
+    def __init__(self, stepper, compute: ComputeThread):
+        self.__dict__["_stepper"], self.__dict__["_compute"] = stepper, compute
+
+    def step(self):
+        return self._compute.run(self._stepper.step)
+
+    def __getattr__(self, name):
+        return getattr(self._stepper, name)
+
+    def __setattr__(self, name, value):
+        setattr(self._stepper, name, value)
+
+
 class TRLStepper:
-    """TRL's ``GRPOTrainer.train()`` in a background thread, held at each ``on_step_end`` by a
-    callback: ``step()`` lets it run exactly one loop iteration (the previous step's bookkeeping,
-    the next batch, generation and scoring, the loss, backward, clip and optimizer step) and waits
-    until it stops again, so the two tools never run at the same time.
+    """TRL's ``GRPOTrainer.train()`` as a job of the duel's ``ComputeThread``, held at each
+    ``on_step_end`` by a callback that serves the thread's other jobs meanwhile (grpo_fast's steps
+    among them): ``step()`` lets it run exactly one loop iteration (the previous step's
+    bookkeeping, the next batch, generation and scoring, the loss, backward, clip and optimizer
+    step) and waits until it stops again, so the two tools never run at the same time. Construct it
+    on the compute thread (``compute.run(TRLStepper, problem, device, compute)``).
 
     The rollout phase is TRL's ``_generate_and_score_completions`` (generate, decode, rewards,
     advantages), timed by wrapping that method on the instance: a reach-in into TRL 1.16's
@@ -449,7 +532,7 @@ class TRLStepper:
 
     name = "trl"
 
-    def __init__(self, problem: Problem, device: torch.device):
+    def __init__(self, problem: Problem, device: torch.device, compute: ComputeThread):
         from datasets import Dataset
         from transformers import TrainerCallback
         from trl import GRPOTrainer
@@ -460,7 +543,8 @@ class TRLStepper:
         self.reward = _RecordingReward(problem.reward_fn)
         self._tmp = tempfile.TemporaryDirectory(prefix="trl-peer-")
         data = Dataset.from_dict({"prompt": problem.prompts, "answer": problem.answers})
-        self._go, self._stopped = threading.Semaphore(0), threading.Semaphore(0)
+        self._compute, self._go = compute, object()  # the token that lets the held loop go on
+        self._stopped = threading.Semaphore(0)
         self._error: BaseException | None = None
         self._finished = False
         stepper = self
@@ -468,7 +552,7 @@ class TRLStepper:
         class Gate(TrainerCallback):
             def on_step_end(self, args, state, control, **kwargs):
                 stepper._stopped.release()
-                stepper._go.acquire()
+                compute.serve(until=stepper._go)  # the other jobs run here while TRL is held
 
         self.trainer = GRPOTrainer(
             model=self.model,
@@ -488,13 +572,11 @@ class TRLStepper:
             return out
 
         self.trainer._generate_and_score_completions = timed_generate
-        self._thread = threading.Thread(target=self._train, daemon=True, name="trl-train")
         self._started = False
         self.records: list[StepRecord] = []
 
     def _train(self) -> None:
         try:
-            self._go.acquire()
             self.trainer.train()
         except BaseException as exc:
             self._error = exc
@@ -505,12 +587,13 @@ class TRLStepper:
     def step(self) -> StepRecord:
         if self._finished:
             raise RuntimeError("TRL's loop has finished: the case has no more steps")
-        if not self._started:
-            self._thread.start()
-            self._started = True
         self._rollout_s = 0.0
         t0 = time.perf_counter()
-        self._go.release()
+        if not self._started:
+            self._started = True
+            self._compute.submit(self._train)  # runs the first step, then holds at the gate
+        else:
+            self._compute.resume(self._go)
         self._stopped.acquire()
         if self.model.device.type == "cuda":
             torch.cuda.synchronize()  # sync point: TRL's optimizer step may still be queued at on_step_end
@@ -525,7 +608,7 @@ class TRLStepper:
         """Let the loop run to its end (it does not step again once ``max_steps`` is reached)."""
         if self._started and not self._finished:
             while not self._finished:
-                self._go.release()
+                self._compute.resume(self._go)
                 self._stopped.acquire()
         self._tmp.cleanup()
 
