@@ -52,20 +52,18 @@ from grpo_fast.policy import checkpoint as ckpt
 log = logging.getLogger(__name__)
 
 # ---------------------------------------------------------------- the tiny preset's reference
-# PLACEHOLDERS, to be measured: the tiny preset (`grpo-fast train --preset tiny`, seed 0) on the
-# reference machine, an idle 2-core machine. TINY_REFERENCE_PROBE_S is what
-# `python -m grpo_fast.obs.eta --probe` prints there; the others are that run's entry in
-# ~/.cache/grpo_fast/timings.json (sft_step_s, sft_steps, grpo_step_s, eval_s). Until then they
-# are rough values: the README's run (290 warm-start steps, ~0.11 s a GRPO step, 83 s) and a
-# probe read on a busy 2-core Xeon (4-8 ms).
-TINY_REFERENCE_PROBE_S = 0.004  # seconds per probe matmul (speed_probe)
-TINY_REFERENCE_SFT_STEP_S = 0.05  # seconds per warm-start step, its accuracy checks included
+# The tiny preset (`grpo-fast train --preset tiny`, seed 0) measured on the reference machine, 2 idle
+# cores (Intel Xeon, 2 torch threads, load 1.5-1.7), 2026-12-02: the probe's value there
+# (`python -m grpo_fast.obs.eta --probe`: 0.000375 / 0.000368 s), and that run's entry in
+# ~/.cache/grpo_fast/timings.json; it took 46.3 s from the plan line to "done", 50.2 s wall.
+TINY_REFERENCE_PROBE_S = 0.00037  # seconds per probe matmul (speed_probe)
+TINY_REFERENCE_SFT_STEP_S = 0.0336  # seconds per warm-start step, its accuracy checks included
 TINY_REFERENCE_SFT_STEPS = 290  # warm-start steps to sft.target_accuracy=0.25 (not scaled)
-TINY_REFERENCE_GRPO_STEP_S = 0.11  # median time/step_s
-TINY_REFERENCE_EVAL_S = 0.3  # mean time/eval_s (500 problems)
+TINY_REFERENCE_GRPO_STEP_S = 0.065  # median time/step_s
+TINY_REFERENCE_EVAL_S = 0.072  # mean time/eval_s (500 problems)
 
-# The probe: fp32 matmuls of the tiny model's activation shapes (2048 tokens, hidden 64, MLP 256)
-PROBE_SHAPES = ((2048, 64), (64, 256))
+# The probe: fp32 matmuls of the tiny model's MLP up-projection (2048 tokens, hidden 128, MLP 256)
+PROBE_SHAPES = ((2048, 128), (128, 256))
 PROBE_BUDGET_S = 0.12  # about this long, at least PROBE_MIN and at most PROBE_MAX matmuls
 PROBE_MIN, PROBE_MAX = 8, 400
 
