@@ -252,3 +252,40 @@ def test_a_lora_adapter_gets_the_unshared_gradients(attention_path):
     shared = _step(model, seqs, tok.pad_token_id, GROUP, packing=False, share_prompts=True)
     assert shared[2] and all("lora_" in name for name in shared[2])
     _assert_same(unshared, shared)
+
+
+def test_a_model_outside_the_attention_interface_is_refused_in_one_line():
+    """StableLM (transformers 5.24) picks its attention without the interface: the shared forward
+    could not plug in, so ``enable`` refuses it rather than run the base under the placeholder."""
+    from transformers import StableLmConfig, StableLmForCausalLM
+
+    from grpo_fast.policy import shared_attention
+
+    model = StableLmForCausalLM(
+        StableLmConfig(vocab_size=32, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                       num_attention_heads=2, num_key_value_heads=2)
+    )  # fmt: skip
+    with pytest.raises(
+        ConfigError, match=r"StableLmForCausalLM does not dispatch its attention .*train\.share_prompts=false"
+    ):
+        shared_attention.enable(model)
+
+
+def test_layers_that_drop_the_layout_fail_loudly(monkeypatch):
+    """A decoder layer that does not pass its keyword arguments on (Nemotron's in 5.24) would run
+    the base attention under the all-True placeholder, every token seeing the whole row: the
+    forward then stops with a ConfigError instead of a wrong loss. Planted: the first layer drops
+    the layout."""
+    tok, seqs = _rollout()
+    model = tiny.build_model(tok, seed=0)
+    layer = model.model.layers[0]
+    real = type(layer).forward
+
+    def dropping(self, *a, **k):
+        k.pop("shared_prompt_layout", None)
+        return real(self, *a, **k)
+
+    monkeypatch.setattr(layer, "forward", dropping.__get__(layer))
+    mb = make_microbatches(seqs, GROUP, tok.pad_token_id, packing=False, share_prompts=True)[0]
+    with pytest.raises(ConfigError, match=r"took the shared layout in 2 of 3 layers"):
+        PolicyLoss(model, autocast=None, backend="torch_chunked")(mb, LossOptions(), 1.0)

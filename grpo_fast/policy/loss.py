@@ -73,7 +73,11 @@ def response_hidden_states(model: nn.Module, mb: Microbatch) -> torch.Tensor:
             max_length_q=mb.max_seqlen,
             max_length_k=mb.max_seqlen,
         )
+    if mb.shared is not None:
+        mb.shared.used = 0
     hidden = backbone(**kwargs).last_hidden_state  # [b, L, D]
+    if mb.shared is not None:
+        shared_attention.check_used(model, mb.shared)
     return hidden.flatten(0, 1).index_select(0, mb.select_index)  # [b·L, D] -> [n, D], no sync
 
 

@@ -6,7 +6,7 @@ A shared-prompt microbatch lays each prompt out once, followed by its responses:
 as it is (each prompt token once, not once per response); only attention needs to know who sees
 whom. A dense block mask over the row would make attention cost ``(P + Σ|r|)²`` scores where each
 response on its own costs ``|r| · (P + |r|)``: for an R1-Zero step (P ≈ 150, 8 responses of ≈ 500
-tokens) 17.2 M scores against 5.2 M, which would eat what the shared prompt saves. Here instead,
+tokens) 17.2 M scores against 2.6 M, which would eat what the shared prompt saves. Here instead,
 per layer:
 
 - the prompts: ``[S_p, h, P, d]`` queries over their own keys, causal (one SDPA call);
@@ -24,7 +24,10 @@ under ``grpo_fast_shared+<base>`` (``enable``): a call that carries a ``SharedLa
 keyword arguments (``shared_prompt_layout=``, which the decoder hands down to every layer's
 attention, also when a checkpointed layer recomputes in the backward) takes this path; every
 other call (generation, evaluation) goes to the base implementation (``sdpa`` or ``eager``)
-unchanged, with its mask built as the base builds it.
+unchanged, with its mask built as the base builds it. Only models that dispatch attention through
+transformers' interface are taken (``_supports_attention_backend``), and a forward in which not
+every layer took the layout stops (``check_used``): a layer that drops its keyword arguments
+would otherwise attend over the whole row.
 """
 
 from __future__ import annotations
@@ -33,6 +36,8 @@ from dataclasses import dataclass, fields
 
 import torch
 import torch.nn.functional as F
+
+from grpo_fast.errors import ConfigError
 
 PREFIX = "grpo_fast_shared+"
 # Attention implementations a shared-prompt forward wraps: calls without a layout (generation,
@@ -84,6 +89,7 @@ class SharedLayout:
     prompt_dst: torch.Tensor | None = None
     response_src: torch.Tensor | None = None
     response_dst: torch.Tensor | None = None
+    used: int = 0  # attention calls that took this layout in the forward (``check_used``)
 
     @classmethod
     def build(
@@ -118,7 +124,7 @@ class SharedLayout:
         if not bool(p_valid.all()):
             causal = slot[None, :, None] >= slot[None, None, :]  # [1, P, P]
             prompt_mask = causal & p_valid[:, None, :]
-            prompt_mask[:, :, 0] = True  # a padding slot's row: its prompt's first token
+            prompt_mask[:, :, 0] = True  # never an empty row (a padding slot sees the real tokens)
             prompt_mask = prompt_mask[:, None]
 
         seg = torch.tensor([g for g, _, _ in responses])
@@ -149,7 +155,7 @@ class SharedLayout:
 
     def to(self, device: torch.device, non_blocking: bool = True) -> SharedLayout:
         """The same layout on ``device`` (copied, never read: no sync)."""
-        move = lambda t: None if t is None else t.to(device, non_blocking=non_blocking)
+        move = lambda t: t.to(device, non_blocking=non_blocking) if isinstance(t, torch.Tensor) else t
         return SharedLayout(**{f.name: move(getattr(self, f.name)) for f in fields(self)})
 
 
@@ -192,7 +198,8 @@ def attention(
 
     ``query`` ``[b, h, L, d]``, ``key`` / ``value`` ``[b, h_kv, L, d]`` (h a multiple of h_kv, the
     grouped-query layout) → ``[b, L, h, d]`` (transformers' attention output layout). Tokens that
-    belong to no prompt or response (the row's padding) get zeros.
+    belong to no prompt or response (the row's padding; never read) get zeros from the gathers, and
+    attend to themselves under the dense mask.
     """
     b, h, length, d = query.shape
     rep = h // key.shape[1]
@@ -238,6 +245,7 @@ def _wrapped(base: str):
         if layout is None:  # eager is the model's own function, not in the registry
             fn = _eager_of(module) if base == "eager" else ALL_ATTENTION_FUNCTIONS[base]
             return fn(module, query, key, value, attention_mask, **kwargs)
+        layout.used += 1
         if kwargs.get("sliding_window") is not None:
             raise ValueError("train.share_prompts does not support sliding-window attention layers")
         out = attention(
@@ -259,17 +267,25 @@ def _eager_of(module):
 def enable(model: torch.nn.Module) -> None:
     """Let ``model``'s attention take shared-prompt layouts: its attention implementation becomes
     ``grpo_fast_shared+<base>`` (registered on first use, with the base's mask builder), which
-    behaves as the base for every call without a layout. Idempotent. ``ValueError`` for a base
-    not in ``BASES`` (flex attention, a custom kernel)."""
+    behaves as the base for every call without a layout. Idempotent. ``ConfigError`` for a model
+    that does not dispatch through transformers' attention interface (``_supports_attention_backend``
+    false: StableLM, Falcon in 5.24) and for a base not in ``BASES``."""
     from transformers import AttentionInterface
     from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
 
     config = model.config
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model  # under peft
+    if not getattr(base, "_supports_attention_backend", False):
+        raise ConfigError(
+            f"train.share_prompts=true: {type(base).__name__} does not dispatch its attention through "
+            "transformers' attention interface, which the shared forward plugs into: set "
+            "train.share_prompts=false"
+        )
     current = config._attn_implementation or "eager"
     if current.startswith(PREFIX):
         return
     if current not in BASES:
-        raise ValueError(
+        raise ConfigError(
             f"train.share_prompts=true: the model's attention {current!r} is not one it can wrap "
             f"({', '.join(BASES)}): set model.attn_implementation=sdpa or train.share_prompts=false"
         )
@@ -278,6 +294,22 @@ def enable(model: torch.nn.Module) -> None:
         AttentionInterface.register(name, _wrapped(current))
         AttentionMaskInterface.register(name, ALL_MASK_ATTENTION_FUNCTIONS[current])
     config._attn_implementation = name
+
+
+def check_used(model: torch.nn.Module, layout: SharedLayout) -> None:
+    """After a shared-prompt forward: every decoder layer's attention took the layout. A model
+    whose layers do not hand their keyword arguments to the attention (transformers 5.24:
+    Nemotron's decoder layer), or that picks its attention by another name, would have run its
+    base attention under the all-True placeholder mask, every token seeing the whole row: a
+    ``ConfigError`` then, not a silently wrong loss."""
+    config = getattr(model, "config", None)
+    layers = getattr(getattr(config, "get_text_config", lambda: config)(), "num_hidden_layers", None)
+    if layout.used == 0 or (layers is not None and layout.used != layers):
+        raise ConfigError(
+            f"train.share_prompts=true: {type(model).__name__}'s attention took the shared layout in "
+            f"{layout.used} of {layers if layers is not None else 'its'} layers (its layers do not pass "
+            "their keyword arguments to transformers' attention interface): set train.share_prompts=false"
+        )
 
 
 def placeholder_mask(input_ids: torch.Tensor) -> torch.Tensor:

@@ -116,7 +116,8 @@ def check_cuda(rep: Report) -> list[tuple[str, float]]:
                 )
         if _version("flash-attn") is None:
             rep.problem(
-                "flash-attn is not installed (SDPA is used instead; packing is slower)",
+                "flash-attn is not installed (the model then runs SDPA where it would use it: with "
+                "train.share_prompts=false, whose default auto runs SDPA anyway)",
                 "pip install flash-attn --no-build-isolation",
             )
     else:
