@@ -287,6 +287,20 @@ def test_an_unreadable_history_breaks_no_run(tmp_path):
     eta.record_run(cfg, CPU, dist.DistInfo(), _write_run(tmp_path / "run"), sft_steps=20)  # no raise
 
 
+def test_no_home_directory_breaks_no_run(tmp_path, monkeypatch):
+    """An arbitrary-UID container: no XDG_CACHE_HOME, no HOME, no passwd entry, so ``Path.home()``
+    raises RuntimeError; the plan line has no estimate and the run's end records nothing."""
+    monkeypatch.delenv("XDG_CACHE_HOME", raising=False)
+
+    def no_home():
+        raise RuntimeError("Could not determine home directory.")
+
+    monkeypatch.setattr(eta.Path, "home", staticmethod(no_home))
+    cfg = _cfg("rollout.batch_size=32")
+    assert eta.plan_estimate(cfg, CPU, 1) == eta.NO_ESTIMATE
+    eta.record_run(cfg, CPU, dist.DistInfo(), _write_run(tmp_path / "run"), sft_steps=20)  # no raise
+
+
 def test_the_history_is_written_atomically(tmp_path, monkeypatch):
     """Planted: ``write_history`` writing ``path`` itself (no temporary file) → the old history
     is left half-written."""
