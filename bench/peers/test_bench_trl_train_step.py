@@ -134,9 +134,16 @@ def run_duel(benchmark, request, case_name: str, device: torch.device) -> None:
 
 
 def _duel(benchmark, request, problem: Problem, device: torch.device, compute: ComputeThread) -> None:
-    case = problem.case
     ours = OnThread(compute.run(GrpoFastStepper, problem, device), compute)
     trl = compute.run(TRLStepper, problem, device, compute)
+    try:
+        _timed_duel(benchmark, request, problem, device, compute, ours, trl)
+    finally:
+        trl.close()  # lets TRL's held loop run to its end (before the compute thread closes)
+
+
+def _timed_duel(benchmark, request, problem: Problem, device, compute: ComputeThread, ours, trl) -> None:
+    case = problem.case
     sides = [ours, trl]
     for s in sides:
         _mark_rollout(s)
@@ -152,13 +159,11 @@ def _duel(benchmark, request, problem: Problem, device: torch.device, compute: C
         for s in order(next(counter)):
             s.step()
 
-    try:
-        benchmark.pedantic(one_round, rounds=case.rounds, iterations=1)
-        loads.append(os.getloadavg()[0])
-        peak = {s.name: peak_step_memory(s, device) for s in sides}
-        top_ops = {s.name: profiled_step(s, device) for s in sides}
-    finally:
-        trl.close()
+    benchmark.pedantic(one_round, rounds=case.rounds, iterations=1)
+    loads.append(os.getloadavg()[0])
+    peak = {s.name: peak_step_memory(s, device) for s in sides}
+    top_ops = {s.name: profiled_step(s, device) for s in sides}
+    trl.close()
     loads.append(os.getloadavg()[0])
     impls = []
     for s, pkg in ((ours, "grpo_fast"), (trl, "trl")):

@@ -438,6 +438,11 @@ def trl_args(case: Case, output_dir: str, device: torch.device):
     )
 
 
+class DuelClosed(RuntimeError):
+    """Raised inside TRL's held loop when the duel's ``ComputeThread`` closes: the loop ends there
+    rather than run another step and wait at its next gate for ever."""
+
+
 class ComputeThread:
     """The one OS thread that runs all of a duel's compute: the warm start, both tools' models,
     every step of each and the evaluations (``run``), TRL's own ``Trainer.train()`` loop among them.
@@ -481,6 +486,9 @@ class ComputeThread:
         runs until ``close``. TRL's step gate serves here while its loop is held."""
         while True:
             job = self._jobs.get()
+            if job is self._STOP and until is not None:  # closed while TRL's loop is held here:
+                self._jobs.put(self._STOP)  # the thread's own loop stops too,
+                raise DuelClosed("the duel's compute thread was closed")  # and train() ends now
             if job is self._STOP or (until is not None and job is until):
                 return
             fn, args, done = job
