@@ -6,8 +6,9 @@ and ``key=value`` overrides are layered on top, in that order.
       ← ``--config a.yaml --config b.yaml`` (later files win)
       ← ``key=value`` dot-list overrides (OmegaConf syntax: ``train.lr=3e-6``)
 
-Each field is declared as ``option(default, domain)`` (``grpo_fast.domains``): ``validate`` walks
-the table and names the first key out of its domain, then checks the relations between keys.
+Each field is declared as ``option(default, domain)`` (``grpo_fast.domains``): ``validate``
+(``grpo_fast.config_checks``) walks the table and names the first key out of its domain, then
+checks the relations between keys.
 ``loss.*`` is ``LossConfig``, which extends ``LossOptions`` (``grpo_fast.algo.loss_options``):
 the loss options' defaults and domains are written there, once. ``rollout.backend`` is one of
 the backends the registry finds (``grpo_fast.rollout.registry``), each with its own checks.
@@ -21,7 +22,6 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
-import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -34,10 +34,10 @@ from grpo_fast.algo.core import LENGTH_NORMS, SCALE_REWARDS
 from grpo_fast.algo.difficulty import CURRICULA
 from grpo_fast.algo.loss_options import LossOptions
 from grpo_fast.algo.sampler_correction import IS_LEVELS, IS_MODES
-from grpo_fast.domains import AUTO, AutoOrBool, DomainError, OneOf, Range, check_fields, option
+from grpo_fast.config_checks import validate
+from grpo_fast.domains import AUTO, AutoOrBool, OneOf, Range, option
 from grpo_fast.errors import ConfigError
 from grpo_fast.ops._backend import BACKENDS as KERNEL_BACKENDS
-from grpo_fast.rollout.registry import backend as rollout_backend
 from grpo_fast.rollout.registry import backends as rollout_backends
 
 __all__ = ["AUTO", "PRESETS", "Config", "config_sources", "load_config", "presets_and_keys_help", "validate"]
@@ -432,7 +432,6 @@ PRESETS: dict[str, dict[str, Any]] = {
         "train": {"lr": 1e-6, "optimizer": "adamw", "betas": [0.9, 0.95], "micro_batch_size": AUTO},
     },
 }
-GPU_PRESETS = ("rtx4090", "h100")
 
 # Every key, by what ``resume=true`` may do with it (grpo_fast.obs.run_folder.check_resume):
 # "run": it defines what the run's metrics mean (model, data, task, reward, sizes, seed, loss,
@@ -693,256 +692,6 @@ def _freeze(cfg: Config) -> Config:
     mp = "no" if cfg.train.mixed_precision == "False" else cfg.train.mixed_precision
     train = dataclasses.replace(cfg.train, betas=tuple(float(b) for b in cfg.train.betas), mixed_precision=mp)
     return dataclasses.replace(cfg, train=train)
-
-
-def validate(cfg: Config, preset: str | None = None, check_device: bool = True) -> None:
-    """Each key against its domain (the table: ``option(default, domain)`` beside every default),
-    then the relations between keys, then the rollout backend's own checks; each error names
-    its key. ``check_device=False`` skips what this machine must have (CUDA for a GPU preset,
-    the backend's library), so that a GPU preset can be planned on a CPU.
-    """
-    for key, value in _numeric_leaves(cfg):  # NaN/inf is meaningless for every numeric key
-        if isinstance(value, float) and not math.isfinite(value):  # (an int is finite, however long)
-            raise ConfigError(f"{key}={value} is not a finite number")
-    try:
-        _check_table(cfg)
-        cfg.loss.validate("loss.")  # the loss options' relations (dual_clip with its type)
-    except DomainError as exc:
-        raise ConfigError(str(exc)) from None
-    _check_model(cfg)
-    _check_rollout(cfg)
-    _check_reward(cfg.data)
-    _check_train_and_loss(cfg)
-    _check_parallelism(cfg)
-    from grpo_fast.obs.health import HealthThresholds
-
-    valid = {f.name for f in dataclasses.fields(HealthThresholds)}
-    for key in cfg.health.thresholds:
-        if key not in valid:
-            near = difflib.get_close_matches(key, sorted(valid), n=1)
-            hint = f" (did you mean 'health.thresholds.{near[0]}'?)" if near else ""
-            raise ConfigError(f"unknown config key 'health.thresholds.{key}'{hint}")
-    HealthThresholds(**cfg.health.thresholds)  # its own consistency checks raise ConfigError
-    if check_device:
-        _check_machine(cfg, preset)
-
-
-def _check_table(section: Any, prefix: str = "") -> None:
-    """Every field of ``section`` and of its sub-sections against its declared domain."""
-    check_fields(section, prefix)
-    for f in dataclasses.fields(section):
-        if _is_section(f):
-            _check_table(getattr(section, f.name), f"{prefix}{f.name}.")
-
-
-def _check_model(cfg: Config) -> None:
-    """LoRA and QLoRA: the target modules' form (whether they match the model is checked when it
-    loads), 4-bit only with an adapter, and a KL reference that is the policy GRPO starts from."""
-    m, lora = cfg.model, cfg.model.lora
-    targets = lora.target_modules
-    if not (
-        targets == "all-linear"
-        or (isinstance(targets, list) and targets and all(isinstance(t, str) and t for t in targets))
-    ):
-        raise ConfigError(
-            f"model.lora.target_modules must be 'all-linear' or a list of module names, got {targets!r}"
-        )
-    if m.load_in_4bit and lora.r == 0:
-        raise ConfigError(
-            "model.load_in_4bit=true needs an adapter to train (model.lora.r > 0): a 4-bit base cannot be "
-            "fine-tuned itself"
-        )
-    needs_ref = cfg.loss.beta > 0 or cfg.loss.target_kl is not None or cfg.loss.kl_in_reward
-    on_adapter = cfg.sft.resolved_target(m.name_or_path) == "adapter"
-    if lora.r and cfg.sft.steps > 0 and on_adapter and needs_ref:
-        raise ConfigError(
-            "model.lora with a warm start on the adapter (sft.steps > 0, sft.target=adapter) and a KL "
-            "reference (loss.beta > 0): π_ref is the base with the adapter off, which would not hold the "
-            "warm start; set sft.target=base, sft.steps=0 or loss.beta=0"
-        )
-    if cfg.train.share_prompts is True and m.attn_implementation == "flash_attention_2":
-        raise ConfigError(
-            "train.share_prompts=true runs its own attention around sdpa or eager: model.attn_implementation="
-            "sdpa, eager or auto (which picks sdpa then), not flash_attention_2; or train.share_prompts=false"
-        )
-    if cfg.rollout.lora_sync == "merged" and m.load_in_4bit:
-        raise ConfigError(
-            "rollout.lora_sync=merged merges the adapter into the base, which is lossy for a 4-bit base "
-            "(model.load_in_4bit=true): use rollout.lora_sync=adapter"
-        )
-
-
-def _check_rollout(cfg: Config) -> None:
-    """The relations between rollout keys, and the backend's own checks and capabilities."""
-    r = cfg.rollout
-    if r.batch_size % r.group_size:
-        raise ConfigError(
-            f"rollout.batch_size={r.batch_size} is not a multiple of rollout.group_size={r.group_size}"
-        )
-    if r.min_tokens > r.max_tokens:
-        raise ConfigError(f"rollout.min_tokens={r.min_tokens} exceeds rollout.max_tokens={r.max_tokens}")
-    spec = rollout_backend(r.backend)
-    if not spec.sampler_logprobs:
-        for key, on in (("is_correction", r.is_correction), ("old_logprobs", r.old_logprobs == "sampler")):
-            if on:
-                having = " or ".join(
-                    f"rollout.backend={n}" for n, b in rollout_backends().items() if b.sampler_logprobs
-                )
-                raise ConfigError(
-                    f"rollout.{key}={getattr(r, key)} needs the sampler's log-probs, which "
-                    f"rollout.backend={r.backend} does not return: use {having}"
-                )
-    for other in rollout_backends().values():  # each checks the keys it owns, chosen or not
-        other.check_config(cfg)
-    if r.old_logprobs == "sampler" and r.is_correction:
-        raise ConfigError(
-            "rollout.is_correction=true needs π_old from the trainer: with rollout.old_logprobs=sampler "
-            "the clipped ratio is already taken against the sampler"
-        )
-    if r.difficulty_filter is not None:
-        band = list(r.difficulty_filter)
-        if len(band) != 2 or not 0 <= band[0] <= band[1] <= 1:
-            raise ConfigError(
-                f"rollout.difficulty_filter must be [lo, hi] with 0 <= lo <= hi <= 1 (or null), got {band}"
-            )
-    if r.max_group_size < r.min_group_size:
-        raise ConfigError(
-            f"rollout.max_group_size={r.max_group_size} is below rollout.min_group_size={r.min_group_size}"
-        )
-    if r.adaptive_group_size and not r.min_group_size <= r.group_size <= r.max_group_size:
-        raise ConfigError(
-            f"rollout.adaptive_group_size=true needs rollout.min_group_size={r.min_group_size} <= "
-            f"rollout.group_size={r.group_size} <= rollout.max_group_size={r.max_group_size}"
-        )
-    if cfg.data.overlong_buffer >= r.max_tokens:
-        raise ConfigError(
-            f"data.overlong_buffer={cfg.data.overlong_buffer} must be below rollout.max_tokens={r.max_tokens}"
-        )
-
-
-def _check_train_and_loss(cfg: Config) -> None:
-    t, lo = cfg.train, cfg.loss
-    if len(t.betas) != 2 or not all(0 <= b < 1 for b in t.betas):
-        raise ConfigError(f"train.betas must be two numbers in [0, 1), got {list(t.betas)}")
-    if lo.target_kl is not None and lo.beta == 0:
-        raise ConfigError("loss.target_kl needs an initial loss.beta > 0 to adapt")
-    if lo.kl_in_reward and lo.beta <= 0:
-        raise ConfigError("loss.kl_in_reward=true needs loss.beta > 0 (the weight of the KL in the reward)")
-    if lo.truncated_logprobs is True and not (cfg.rollout.top_k > 0 or cfg.rollout.top_p < 1):
-        raise ConfigError(
-            "loss.truncated_logprobs=true needs a truncating sampler: rollout.top_p < 1 or rollout.top_k > 0"
-        )
-    if lo.entropy_target is not None and not 0 <= lo.entropy_coef <= lo.entropy_coef_max:
-        raise ConfigError(
-            f"loss.entropy_target: the adaptive coefficient starts at loss.entropy_coef={lo.entropy_coef:g}, "
-            f"which must be in [0, loss.entropy_coef_max={lo.entropy_coef_max:g}]"
-        )
-
-
-def _check_parallelism(cfg: Config) -> None:
-    """What ``train.parallelism=fsdp`` does not run with yet, and the offload that needs it."""
-    t = cfg.train
-    if t.fsdp_cpu_offload and t.parallelism != "fsdp":
-        raise ConfigError(
-            "train.fsdp_cpu_offload=true needs train.parallelism=fsdp (it offloads FSDP's shards)"
-        )
-    if t.parallelism != "fsdp":
-        return
-    if t.optimizer == "adamw8bit":
-        raise ConfigError(
-            "train.optimizer=adamw8bit with train.parallelism=fsdp is not supported: bitsandbytes' 8-bit "
-            "AdamW steps plain tensors and FSDP2's parameters are DTensor shards; use train.optimizer=adamw "
-            "(sharding divides its 8 bytes a parameter by the number of ranks)"
-        )
-    if cfg.model.lora.r:
-        raise ConfigError(
-            "model.lora.r > 0 with train.parallelism=fsdp is not supported yet (LoRA and QLoRA run with "
-            "train.parallelism=ddp: the frozen base is not sharded); use train.parallelism=ddp"
-        )
-
-
-def _check_machine(cfg: Config, preset: str | None) -> None:
-    """What this machine must have: CUDA for a GPU preset or device, the backend's library."""
-    if preset in GPU_PRESETS or cfg.device.startswith("cuda"):
-        import torch
-
-        if not torch.cuda.is_available():
-            what = f"preset {preset!r}" if preset in GPU_PRESETS else f"device={cfg.device!r}"
-            raise ConfigError(f"{what} needs a CUDA GPU and none is available; try --preset tiny on a CPU")
-    missing = rollout_backend(cfg.rollout.backend).missing()
-    if missing is not None:
-        raise ConfigError(missing)
-    if cfg.model.load_in_4bit:
-        why = nf4_unavailable(cfg.device)
-        if why is not None:
-            raise ConfigError(f"model.load_in_4bit=true: {why}")
-
-
-def nf4_unavailable(device: str) -> str | None:
-    """Why bitsandbytes cannot serve a 4-bit NF4 base on ``device`` (``cfg.device``), or None.
-
-    bitsandbytes ≥ 0.50 runs NF4 ``Linear4bit`` on CUDA and on the CPU (checked here: forward,
-    backward and a peft LoRA step of a tiny Qwen2 in NF4); other devices (mps, ...) it does not.
-    """
-    import importlib.metadata
-    import importlib.util
-
-    import torch
-
-    if importlib.util.find_spec("bitsandbytes") is None:
-        return "bitsandbytes is not installed (pip install 'bitsandbytes>=0.50')"
-    kind = ("cuda" if torch.cuda.is_available() else "cpu") if device == AUTO else device.split(":")[0]
-    if kind not in ("cuda", "cpu"):
-        return f"bitsandbytes has no 4-bit kernels for device={device!r} (CUDA or CPU)"
-    version = importlib.metadata.version("bitsandbytes")
-    major, minor = (int(x) for x in version.split(".")[:2])
-    if kind == "cpu" and (major, minor) < (0, 50):
-        return f"bitsandbytes {version} has no CPU 4-bit kernels; bitsandbytes >= 0.50 has"
-    return None
-
-
-def _check_reward(d: DataConfig) -> None:
-    """``data.reward``: a non-empty name or a list of distinct ones; ``data.reward_weights``: one
-    number per listed reward. Whether each name exists is checked by ``grpo_fast.task.loader.load_task``
-    (the registry fills as modules import)."""
-    names = d.reward if isinstance(d.reward, list) else [d.reward]
-    if not names or not all(isinstance(n, str) and n.strip() for n in names):
-        raise ConfigError(f"data.reward must be a reward name or a non-empty list of names, got {d.reward!r}")
-    repeated = sorted({n for n in names if names.count(n) > 1})
-    if repeated:
-        raise ConfigError(f"data.reward lists {repeated[0]!r} twice")
-    if d.reward_weights is not None:
-        if not isinstance(d.reward, list):
-            raise ConfigError("data.reward_weights needs data.reward to be a list (one weight per reward)")
-        if len(d.reward_weights) != len(names):
-            raise ConfigError(
-                f"data.reward_weights has {len(d.reward_weights)} weights for the {len(names)} rewards "
-                f"of data.reward"
-            )
-
-
-def _numeric_leaves(cfg: Any, prefix: str = "") -> list[tuple[str, float]]:
-    """Every number in ``cfg`` as ``(dotted key, value)``: numeric fields, each element of a tuple
-    (``train.betas[0]``) and each value of a dict (``health.thresholds.X``); bools are not numbers."""
-    found: list[tuple[str, float]] = []
-
-    def add(key: str, value: Any) -> None:
-        if isinstance(value, (int, float)) and not isinstance(value, bool):
-            found.append((key, value))
-
-    for f in dataclasses.fields(cfg):
-        key, value = f"{prefix}{f.name}", getattr(cfg, f.name)
-        if dataclasses.is_dataclass(value):
-            found.extend(_numeric_leaves(value, key + "."))
-        elif isinstance(value, (tuple, list)):
-            for i, v in enumerate(value):
-                add(f"{key}[{i}]", v)
-        elif isinstance(value, dict):
-            for k, v in value.items():
-                add(f"{key}.{k}", v)
-        else:
-            add(key, value)
-    return found
 
 
 def to_yaml(cfg: Config) -> str:

@@ -388,3 +388,11 @@ def test_issue13_options_accept_their_values():
         None,
         None,
     )
+
+
+def test_the_gpu_presets_the_machine_check_knows_are_presets():
+    from grpo_fast.config import PRESETS
+    from grpo_fast.config_checks import GPU_PRESETS
+
+    assert set(GPU_PRESETS) <= set(PRESETS)
+    assert all(PRESETS[name].get("device", "cuda") != "cpu" for name in GPU_PRESETS)

@@ -44,7 +44,7 @@ from bench.test_bench_train_step import (  # noqa: E402
     optimization_workload,
     version,
 )
-from grpo_fast.config import GPU_PRESETS  # noqa: E402
+from grpo_fast.config_checks import GPU_PRESETS  # noqa: E402
 from grpo_fast.errors import ConfigError, cli_errors  # noqa: E402
 from grpo_fast.obs.memory import peak_cuda_memory  # noqa: E402
 from tools.bench_report import fmt_bytes  # noqa: E402
