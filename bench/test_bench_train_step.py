@@ -360,7 +360,7 @@ def share_prompts_workload(workload: str, share: bool) -> tuple[OptimizationPhas
     flag = f"train.share_prompts={str(share).lower()}"
     if workload == "tiny":
         return optimization_workload("tiny", "torch_chunked", device, overrides=(flag,))
-    from transformers import Qwen2Config
+    from bench.peers.workloads import wide_config
 
     w = SHARE_PROMPTS_WORKLOADS[workload]
     overrides = (
@@ -371,18 +371,8 @@ def share_prompts_workload(workload: str, share: bool) -> tuple[OptimizationPhas
         f"train.micro_batch_size={w['micro_batch']}",
     )
     cfg = preset_config("tiny", "torch_chunked", *overrides)
-    config = Qwen2Config(
-        vocab_size=32768,
-        hidden_size=512,
-        intermediate_size=1536,
-        num_hidden_layers=4,
-        num_attention_heads=8,
-        num_key_value_heads=2,
-        tie_word_embeddings=True,
-        bos_token_id=1,
-        eos_token_id=1,
-        pad_token_id=0,
-    )
+    # the wide peer cases' model at 4 layers; positions for the longest sequence (128 + 384)
+    config = wide_config(layers=4, max_positions=1024)
     torch.manual_seed(0)
     model = load_policy(cfg, None, device, hf_config=config)
     cfg = plan.resolve_auto(cfg, model.config, device)

@@ -1,4 +1,4 @@
-"""The peer duel's one compute thread (bench/peers/workloads.py ``ComputeThread``): jobs run on it
+"""The peer duel's one compute thread (bench/peers/duel.py ``ComputeThread``): jobs run on it
 and hand back results and errors, a held loop (TRL's ``train()`` at its step gate) serves the
 other jobs meanwhile, and closing the thread while the loop is held ends that loop at once
 instead of leaving it to run one more step and wait for ever."""
@@ -9,7 +9,7 @@ import threading
 
 import pytest
 
-from bench.peers.workloads import ComputeThread, DuelClosed
+from bench.peers.duel import ComputeThread, DuelClosed
 
 
 def test_jobs_run_on_the_one_thread_and_errors_come_back():

@@ -27,16 +27,14 @@ import torch
 from torch._C._profiler import _ExperimentalConfig
 from torch.profiler import ProfilerActivity, profile, record_function
 
+from bench.peers.duel import ComputeThread, OnThread, TRLStepper
 from bench.peers.workloads import (
     PROMPT_HEAVY,
     TINY,
     VERSIONS,
     WIDE,
-    ComputeThread,
     GrpoFastStepper,
-    OnThread,
     Problem,
-    TRLStepper,
     dist_version,
     greedy_accuracy,
     make_problem,
@@ -123,7 +121,7 @@ def _mark_rollout(stepper) -> None:
 
 
 def run_duel(benchmark, request, case_name: str, device: torch.device) -> None:
-    """The duel on one ``ComputeThread`` (bench/peers/workloads.py: both tools' compute, the warm
+    """The duel on one ``ComputeThread`` (bench/peers/duel.py: both tools' compute, the warm
     start and the evaluations on one OS thread, as each tool's would be alone); this thread only
     orders the steps and times them."""
     compute = ComputeThread()
