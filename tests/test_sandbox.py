@@ -1,0 +1,408 @@
+"""The code sandbox (grpo_fast.sandbox.Sandbox, bubblewrap): hostile code is contained — each case
+ends with one status and leaves nothing behind (no process, no file on the host) — and ordinary
+code gives the model what a Python REPL would show.
+
+Timeouts here are generous where the call should end by itself (the interpreter starts in
+≈0.1 s idle, seconds on a loaded 2-core machine) and short where the timeout is the behaviour."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import textwrap
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+
+from grpo_fast.sandbox import Limits, Sandbox, SandboxUnavailable, bwrap_status
+from grpo_fast.sandbox import sandbox as sandbox_module
+
+ROOT = Path(__file__).resolve().parents[1]
+SLACK_S = 60.0  # an ordinary call on a loaded machine: far above the ≈0.1-0.3 s it takes idle
+
+_, BWRAP_PROBLEM = bwrap_status()
+needs_bwrap = pytest.mark.skipif(BWRAP_PROBLEM is not None, reason=f"no sandbox here: {BWRAP_PROBLEM}")
+
+
+@pytest.fixture(scope="module")
+def box():
+    if BWRAP_PROBLEM is not None:
+        pytest.skip(f"no sandbox here: {BWRAP_PROBLEM}")
+    return Sandbox(Limits(timeout_s=SLACK_S), workers=2)
+
+
+def _my_sandbox_uids() -> range:
+    """As root: the uids this process's calls run as (see sandbox.UID_BASE)."""
+    base = sandbox_module.UID_BASE + (os.getpid() % 2**22) * 256
+    return range(base, base + 256)
+
+
+def _host_processes() -> list[tuple[int, int, str]]:
+    out = []
+    for pid in (p for p in os.listdir("/proc") if p.isdigit()):
+        try:
+            uid = os.stat(f"/proc/{pid}").st_uid
+            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+        except OSError:
+            continue
+        out.append((int(pid), uid, cmdline))
+    return out
+
+
+def assert_nothing_left(marker: str | None = None, tmpdir: Path | None = None) -> None:
+    """No process of a call is alive (its uid, or ``marker`` in its command line), and no
+    working directory of the unsafe mode is left in ``tmpdir``."""
+    uids = _my_sandbox_uids()
+    left = [
+        (pid, cmd[:80])
+        for pid, uid, cmd in _host_processes()
+        if (uid in uids and os.geteuid() == 0) or (marker is not None and marker in cmd)
+    ]
+    assert left == []
+    if tmpdir is not None:
+        assert not list(tmpdir.glob("grpo-fast-sandbox-*"))
+
+
+# ----------------------------------------------------------------------------------------------
+# Hostile code: contained, one status, nothing left
+# ----------------------------------------------------------------------------------------------
+
+
+@needs_bwrap
+def test_an_infinite_loop_is_killed_at_the_wall_clock_limit():
+    box = Sandbox(Limits(timeout_s=2.0, cpu_s=600), workers=1)
+    r = box.run("while True:\n    pass")
+    assert r.status == "timeout" and r.exit_code is None
+    assert r.status_line() == "timeout: stopped at the 2 s wall-clock limit; every process of the call killed"
+    assert 2.0 <= r.seconds < 2.0 + SLACK_S
+    assert_nothing_left()
+
+
+@needs_bwrap
+def test_cpu_time_is_limited_per_process():
+    box = Sandbox(Limits(timeout_s=SLACK_S + 30, cpu_s=1), workers=1)
+    r = box.run("while True:\n    pass")
+    assert r.status == "cpu" and r.exit_code == 128 + signal.SIGXCPU
+    assert r.status_line().startswith("cpu: killed at the 1 s CPU-time limit after ")
+    assert_nothing_left()
+
+
+@needs_bwrap
+def test_a_memory_bomb_stops_at_the_memory_limit(box):
+    code = "chunks = []\ntry:\n    while True:\n        chunks.append(bytearray(50 << 20))\nfinally:\n    print(len(chunks))"
+    r = box.run(code)
+    assert r.status == "memory" and r.output.rstrip().endswith("MemoryError")
+    assert 10 <= int(r.output.split()[0]) <= 1024 // 50  # 50 MB blocks: stopped within 1024 MB
+    assert r.status_line().startswith("memory: MemoryError at the 1024 MB memory limit after ")
+    assert_nothing_left()
+
+
+@needs_bwrap
+def test_a_fork_bomb_stops_at_the_process_limit(box):
+    r = box.run("import os\nwhile True:\n    os.fork()")
+    assert r.status == "processes", r.output[-500:]
+    assert "BlockingIOError: [Errno 11] Resource temporarily unavailable" in r.output
+    assert r.status_line().startswith("processes: a new process failed at the 16-process limit after ")
+    assert_nothing_left()
+
+
+@needs_bwrap
+def test_no_connection_reaches_a_listener_on_the_hosts_loopback(box):
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(8)
+    listener.settimeout(0.5)
+    port = listener.getsockname()[1]
+    try:
+        r = box.run(
+            f"import socket\nsocket.create_connection(('127.0.0.1', {port}), timeout=5).sendall(b'hi')"
+        )
+        assert r.status == "error"
+        assert "ConnectionRefusedError" in r.status_line()  # its own loopback: nobody listens there
+        with pytest.raises(TimeoutError):
+            listener.accept()
+    finally:
+        listener.close()
+    assert_nothing_left()
+
+
+@needs_bwrap
+def test_host_files_can_be_neither_read_nor_written(box, tmp_path):
+    secret = tmp_path / "secret.txt"
+    secret.write_text("host secret")
+    tag = uuid.uuid4().hex
+    code = textwrap.dedent(
+        f"""
+        import os, site
+        for path in [{str(secret)!r}, "/etc/passwd", "/etc/hostname", "/root/.bashrc"]:
+            try:
+                print("read", path, open(path).read())
+            except OSError as exc:
+                print("refused", path, type(exc).__name__)
+        # the checkout's files (its directory itself shows when the venv lives inside it)
+        print("tree", any(os.path.exists(p) for p in {[str(ROOT / n) for n in ("README.md", "grpo_fast", ".git")]!r}),
+              os.listdir("/"))
+        for path in [{str(tmp_path / "pwned.txt")!r}, site.getsitepackages()[0] + "/pwned-{tag}.py",
+                     "/pwned-{tag}", "/tmp/pwned-{tag}"]:
+            try:
+                open(path, "w").write("x")
+                print("wrote", path)
+            except OSError as exc:
+                print("refused", path, type(exc).__name__)
+        """
+    )
+    r = box.run(code)
+    assert r.status == "ok", r.output
+    assert "host secret" not in r.output and "read " not in r.output
+    assert f"refused {secret} FileNotFoundError" in r.output
+    assert "tree False" in r.output and "'etc'" not in r.output and "'home'" not in r.output
+    assert "OSError" in r.output or "Read-only file system" not in r.output  # the reason is named
+    assert f"refused {tmp_path / 'pwned.txt'} FileNotFoundError" in r.output
+    assert f"pwned-{tag}.py PermissionError" in r.output or f"pwned-{tag}.py OSError" in r.output
+    assert f"wrote /tmp/pwned-{tag}" in r.output  # its own /tmp
+    assert not (tmp_path / "pwned.txt").exists() and not Path(f"/tmp/pwned-{tag}").exists()
+    assert not list(Path(sys.prefix).rglob(f"pwned-{tag}*"))
+    assert_nothing_left()
+
+
+@needs_bwrap
+def test_the_hosts_environment_is_not_visible(box, monkeypatch):
+    secret = uuid.uuid4().hex
+    monkeypatch.setenv("GRPO_FAST_TEST_SECRET", secret)
+    code = textwrap.dedent(
+        """
+        import os
+        print(dict(os.environ))
+        for pid in os.listdir("/proc"):
+            if pid.isdigit():
+                try:
+                    print(pid, open(f"/proc/{pid}/environ", "rb").read())
+                except OSError as exc:
+                    print(pid, type(exc).__name__)
+        """
+    )
+    r = box.run(code)
+    assert r.status == "ok", r.output
+    assert secret not in r.output and "GRPO_FAST_TEST_SECRET" not in r.output
+    assert "'HOME': '/tmp'" in r.output  # the sandbox's own environment
+    assert_nothing_left()
+
+
+# In a fresh, small process (the package's __init__, which imports torch, left out: the sandbox
+# needs only the standard library), so that its peak RSS growth is the call's alone.
+GIGABYTE_OF_OUTPUT = f"""
+import json, os, resource, sys, types
+package = types.ModuleType("grpo_fast")
+package.__path__ = [{str(ROOT / "grpo_fast")!r}]
+sys.modules["grpo_fast"] = package
+from grpo_fast.sandbox import Limits, Sandbox
+box = Sandbox(Limits(timeout_s={SLACK_S}), workers=1)
+before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss << 10
+r = box.run("import sys\\nchunk = 'x' * (1 << 20)\\nfor _ in range(1024):\\n    sys.stdout.write(chunk)")
+growth = (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss << 10) - before
+print(json.dumps(dict(status=r.status, exit_code=r.exit_code, size=len(r.output), xs=set(r.output) == {{"x"}},
+                      line=r.status_line(), growth=growth, pid=os.getpid())))
+"""
+
+
+@needs_bwrap
+def test_a_gigabyte_of_output_is_cut_at_the_limit_in_bounded_memory():
+    res = subprocess.run(
+        [sys.executable, "-c", GIGABYTE_OF_OUTPUT], capture_output=True, text=True, timeout=300
+    )
+    assert res.returncode == 0, res.stderr
+    out = json.loads(res.stdout)
+    assert (out["status"], out["exit_code"], out["size"], out["xs"]) == ("output", None, 1 << 20, True)
+    assert out["line"].startswith("output: stopped after 1,048,576 bytes of output (the output limit)")
+    assert out["growth"] < 16 << 20  # the 1 MiB kept (+ a 64 KiB read), not the gigabyte
+    base = sandbox_module.UID_BASE + (out["pid"] % 2**22) * 256
+    assert not [pid for pid, uid, _ in _host_processes() if base <= uid < base + 256]
+
+
+@needs_bwrap
+def test_a_child_that_outlives_its_parent_is_killed_at_the_end_of_the_call(box):
+    marker = f"grpo-fast-orphan-{uuid.uuid4().hex}"
+    code = textwrap.dedent(
+        f"""
+        import os, sys
+        if os.fork() == 0:
+            os.setsid()
+            if os.fork() == 0:  # a daemon: new session, parent gone, stdout still open
+                os.execv(sys.executable, [sys.executable, "-c", "import time; time.sleep(600)", {marker!r}])
+            os._exit(0)
+        os.wait()
+        print("parent done")
+        """
+    )
+    try:
+        r = box.run(code)
+        assert r.status == "ok" and r.output == "parent done\n"  # ended with its main process, not at 600 s
+        assert_nothing_left(marker)
+    finally:
+        _kill_marked(marker)
+
+
+@needs_bwrap
+def test_the_sandbox_dies_with_its_parent(tmp_path):
+    marker = f"grpo-fast-parent-{uuid.uuid4().hex}"
+    parent_src = textwrap.dedent(
+        f"""
+        from grpo_fast.sandbox import Limits, Sandbox
+        box = Sandbox(Limits(timeout_s=600), workers=1)
+        print("started", flush=True)
+        box.run("import os, sys; os.execv(sys.executable, [sys.executable, '-c', 'import time; time.sleep(600)', {marker[::-1]!r}[::-1]])")
+        """
+    )
+    parent = subprocess.Popen([sys.executable, "-c", parent_src], stdout=subprocess.PIPE, text=True)
+    try:
+        assert parent.stdout.readline() == "started\n"
+        assert marker not in Path(f"/proc/{parent.pid}/cmdline").read_text()  # only the sandbox's has it
+        deadline = time.monotonic() + SLACK_S
+        while not any(marker in cmd for _, _, cmd in _host_processes()) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert any(marker in cmd for _, _, cmd in _host_processes())
+        parent.send_signal(signal.SIGKILL)
+        parent.wait()
+        while any(marker in cmd for _, _, cmd in _host_processes()) and time.monotonic() < deadline + 30:
+            time.sleep(0.05)
+        assert not any(marker in cmd for _, _, cmd in _host_processes())
+    finally:
+        parent.kill()
+        parent.wait()
+        _kill_marked(marker)
+
+
+def _kill_marked(marker: str) -> None:
+    """Clean up after a failure: what a planted bug let live would sleep 600 s."""
+    for pid, _, cmd in _host_processes():
+        if marker in cmd:
+            os.kill(pid, signal.SIGKILL)
+
+
+# ----------------------------------------------------------------------------------------------
+# Ordinary code: what the model sees
+# ----------------------------------------------------------------------------------------------
+
+
+@needs_bwrap
+def test_stdout_and_stderr_in_the_order_written_and_the_last_expression_shown(box):
+    r = box.run("import sys\nprint('a')\nprint('b', file=sys.stderr)\nprint('c')\n6 * 7")
+    assert (r.output, r.status, r.exit_code) == ("a\nb\nc\n42\n", "ok", 0)
+    assert r.status_line().startswith("ok: ran to completion in ")
+    assert box.run("x = 1\nNone").output == ""  # a None value is not shown
+
+
+@needs_bwrap
+def test_numpy_and_sympy_import(box):
+    r = box.run("import numpy as np\nprint(int(np.arange(10).sum()), np.linalg.inv(np.eye(2)).tolist())")
+    assert r.output == "45 [[1.0, 0.0], [0.0, 1.0]]\n", r.output
+    r = box.run("import sympy\nx = sympy.Symbol('x')\nsympy.factor(x**2 - 1)")
+    assert r.output == "(x - 1)*(x + 1)\n", r.output
+
+
+@needs_bwrap
+def test_an_exception_shows_its_traceback_from_the_code_on(box):
+    r = box.run("def f(n):\n    return 1 / n\n\nf(0)")
+    assert (r.status, r.exit_code) == ("error", 1)
+    assert r.output.startswith('Traceback (most recent call last):\n  File "<cell 1>", line 4, in <module>')
+    assert '  File "<cell 1>", line 2, in f\n    return 1 / n' in r.output
+    assert r.output.rstrip().endswith("ZeroDivisionError: division by zero")
+    assert "_runner" not in r.output and "run_cell" not in r.output  # none of the runner's frames
+    assert r.status_line().startswith("error: exit code 1 (ZeroDivisionError: division by zero) after ")
+    r = box.run("x = (")
+    assert r.status == "error" and r.output.rstrip().endswith("SyntaxError: '(' was never closed")
+
+
+@pytest.mark.parametrize(
+    ("code", "status", "exit_code", "output"),
+    [
+        ("import sys; sys.exit(3)", "error", 3, ""),
+        ("import sys; sys.exit(0)", "ok", 0, ""),
+        ("import sys; sys.exit('bad input')", "error", 1, "bad input\n"),
+        ("import os; os._exit(0)", "ok", 0, ""),
+        ("import os, signal; os.kill(os.getpid(), signal.SIGSEGV)", "signal", 128 + signal.SIGSEGV, ""),
+    ],
+    ids=["exit-3", "exit-0", "exit-message", "os-exit", "segv"],
+)
+@needs_bwrap
+def test_exit_codes(box, code, status, exit_code, output):
+    r = box.run(code)
+    assert (r.status, r.exit_code, r.output) == (status, exit_code, output)
+
+
+@needs_bwrap
+def test_earlier_cells_are_replayed_silently_so_state_persists(box):
+    history = ["import random\nx = 41\nprint('first turn')", "1 / 0", "y = random.random()\nprint(y)"]
+    r = box.run("import random as r2\nprint(x + 1, y == r2.Random(0).random())", history=history)
+    assert (r.output, r.status) == ("42 True\n", "ok")  # no replayed output; the error skipped
+    files = box.run("print(open('/tmp/f').read())", history=["open('/tmp/f', 'w').write('kept')"])
+    assert files.output == "kept\n"
+
+
+@needs_bwrap
+def test_a_batch_runs_concurrently_in_order_each_call_in_its_own_namespace(box):
+    code = "import os, time\nstart = time.monotonic()\ntime.sleep(1.0)\nprint({k}, os.getpid(), start, time.monotonic())"
+    results = box.run_batch([code.format(k=k) for k in range(4)])
+    rows = [r.output.split() for r in results]
+    assert [int(row[0]) for row in rows] == [0, 1, 2, 3]
+    assert {row[1] for row in rows} == {"2"}  # pid 2 in its own pid namespace, each time
+    spans = [(float(row[2]), float(row[3])) for row in rows]
+    assert most_at_once(spans) == 2  # the pool's width: two ran at once, never three
+    assert_nothing_left()
+
+
+def most_at_once(spans: list[tuple[float, float]]) -> int:
+    """The most intervals ``(start, end)`` open at one time (an end before a start at a tie)."""
+    events = sorted([(start, 1) for start, _ in spans] + [(end, -1) for _, end in spans])
+    now = most = 0
+    for _, step in events:
+        now += step
+        most = max(most, now)
+    return most
+
+
+# ----------------------------------------------------------------------------------------------
+# Set-up: no bubblewrap, limits, the unsafe opt-in
+# ----------------------------------------------------------------------------------------------
+
+
+def test_without_bubblewrap_the_sandbox_refuses_in_one_line_naming_the_fix(monkeypatch):
+    monkeypatch.setattr(sandbox_module.shutil, "which", lambda name: None)
+    with pytest.raises(SandboxUnavailable) as info:
+        Sandbox()
+    assert str(info.value) == (
+        "the code sandbox cannot run here: bubblewrap (bwrap) is not installed; install it: "
+        "apt-get install -y bubblewrap"
+    )
+
+
+def test_bad_limits_are_named():
+    with pytest.raises(ValueError, match="sandbox limit memory_mb must be a positive number, got 0"):
+        Limits(memory_mb=0)
+    with pytest.raises(ValueError, match="sandbox limit processes must be >= 4, got 2"):
+        Limits(processes=2)
+    with pytest.raises(ValueError, match=r"cpu_s must be a whole number of seconds >= 1, got 0\.5"):
+        Limits(cpu_s=0.5)
+    with pytest.raises(ValueError, match="isolation must be one of bwrap, unsafe, got 'none'"):
+        Sandbox(isolation="none")
+
+
+def test_unsafe_isolation_runs_code_with_the_limits_and_cleans_up(tmp_path, monkeypatch):
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))  # where its working directories go
+    box = Sandbox(Limits(timeout_s=SLACK_S), isolation="unsafe", workers=1)
+    r = box.run(
+        "import os\nprint(sorted(os.environ)[:3], os.getcwd() == os.environ['HOME'])\nx = bytearray(2 << 30)"
+    )
+    assert r.status == "memory" and "['HOME', 'LANG', 'MKL_NUM_THREADS'] True" in r.output
+    assert box.run("print(x)", history=["x = 5"]).output == "5\n"
+    quick = Sandbox(Limits(timeout_s=1.0), isolation="unsafe", workers=1).run("while True:\n    pass")
+    assert quick.status == "timeout"
+    assert quick.status_line() == "timeout: stopped at the 1 s wall-clock limit; its process group killed"
+    assert_nothing_left(tmpdir=tmp_path)
