@@ -1,0 +1,461 @@
+"""Generation apart from training: the pipeline (``rollout.max_staleness``, ``rollout.placement``).
+
+Two sides with one boundary. The **producer** (a thread of the training process) owns generation
+and scoring: it takes jobs in step order, loads the policy version each job names into a backend
+with weights of its own (``grpo_fast.rollout.hf_process``: a copy in this process, or the decoder
+in a worker process), and runs ``produce`` (prompts → generate → rewards; no collective, nothing
+of the trainer). The **trainer** (the main thread) owns the optimizer: it takes step k's batch,
+finalizes it (``rollout_phase.finalize``: shaping, advantages), trains on it and publishes its new
+weights. Between them, under one lock: the jobs, the finished batches (the queue) and the staged
+weight versions — every trajectory that crosses carries the version that sampled it.
+
+**Versions.** Step j's batch is sampled by policy version ``need(j) = max(j − 1 − S, first)``:
+the weights after optimizer step j − 1 − S (S = ``rollout.max_staleness``; ``first``: the step
+this process started from). With S = 1 the producer generates step k + 1 from the weights of
+step k − 1 while the trainer trains step k, and ``rollout/policy_lag`` (the largest
+``step − 1 − policy_version`` of the batch) is 1; with S = 0 it generates step k + 1 once step k's
+weights are published (lockstep with the generation in its own process). The schedule does not
+depend on timing: a run is reproducible and a resume exact. A batch whose trajectories say they
+are older than that (``lag > S``: an engine that did not take its weights) is refused, logged and
+generated again from the trainer's current weights; a second refusal stops the run.
+
+**Publishing** step k's weights is a copy of the trainable parameters to the host
+(``time/weight_sync_s``); the producer loads them into its backend before the first job that
+needs them (``time/weight_load_s``, off the trainer's path). ``time/wait_trainer_s``: how long
+the trainer waited for its batch; ``time/wait_producer_s``: how long the producer waited for the
+weights of its next job; ``time/produce_s``: the batch's generation and scoring.
+
+**Waits and stops.** The trainer waits for a batch at most ``rollout.request_timeout`` seconds;
+the worker's start, rollouts and weight loads have their own limits (``rollout.start_timeout``,
+``request_timeout``, ``sync_timeout``). What the producer raises (a dead worker, a wait past its
+limit, a reward error) reaches the trainer where it waits for that batch. SIGTERM/SIGINT: the
+producer stops after its current chunk, the trainer where it waits (or at its step's end, as in
+lockstep). A stop or a failed engine writes the checkpoint of the last finished step first.
+
+**Checkpoints** (``checkpoint_state``) hold what a resume needs to replay the same batches: the
+jobs after the checkpoint's step (step, policy version, temperature), the trainable weights of
+the versions they sample with (older than the checkpoint's own: at most S copies), and the prompt
+sampler as it was before the first of them drew. A resume generates them again from there.
+
+Not with the pipeline (``config_checks._check_pipeline``): dynamic sampling (extra rounds inside a
+step), and with S > 0 the options that have the producer read the pass rates the trainer records;
+data parallel (torchrun) and FSDP runs.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import threading
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from grpo_fast.errors import ConfigError, EngineError, EngineTimeout, Preempted, TrainingStopped
+from grpo_fast.loop import preempt
+from grpo_fast.loop.checkpointing import resume_point
+from grpo_fast.loop.optimization import optimization_phase
+from grpo_fast.loop.producer import Production, produce
+from grpo_fast.loop.rollout_phase import finalize, record_pass_rates
+from grpo_fast.loop.state import RolloutSide, Run
+from grpo_fast.loop.stats import close_step
+from grpo_fast.loop.step_end import end_of_step
+from grpo_fast.obs.metrics import PhaseProgress, reset_peak_memory
+from grpo_fast.rollout import Rollout
+from grpo_fast.rollout.hf_process import (
+    HFCopyBackend,
+    HFProcessBackend,
+    Timeouts,
+    trainable_tensors,
+    worker_threads,
+)
+
+
+def train(run: Run, progress: PhaseProgress) -> None:
+    """The pipelined outline: per step, the batch from the producer → finalize → optimization
+    phase → publish the weights → totals, β, step counter → metrics → end of step."""
+    with Pipeline.start(run) as pipe:
+        for step in range(run.trainer.state.step + 1, run.cfg.steps + 1):
+            t0 = time.perf_counter()
+            reset_peak_memory(run.device)
+            with pipe.stops(step - 1, f"step {step}'s rollout"):  # step - 1's checkpoint, then stop
+                produced = pipe.next_batch(step, progress)
+            record_pass_rates(run, produced.rollout)  # the pass-rate table, when an option keeps one
+            batch = finalize(run, produced.rollout, {}, produced.temperature, produced.reward_fn, t0)
+            result = optimization_phase(run, step, batch, progress)
+            pipe.publish(step)  # trainer → producer: step's weights, staged
+            row = close_step(run, step, batch, result, t0)  # totals, β, step counter → metrics row
+            row.update(pipe.metrics(step, produced))
+            end_of_step(run, step, batch, result, row, progress)
+
+
+@dataclass
+class Job:
+    """One batch to produce: step ``step``'s, sampled by policy version ``version`` at
+    ``temperature``; ``prompts``: given (a batch generated again), else drawn."""
+
+    step: int
+    version: int
+    temperature: float
+    prompts: tuple[int, ...] | None = None
+
+    def state_dict(self) -> dict:
+        return {
+            "step": self.step,
+            "version": self.version,
+            "temperature": self.temperature,
+            "prompts": self.prompts,
+        }
+
+    @classmethod
+    def from_state_dict(cls, d: dict) -> Job:
+        prompts = None if d["prompts"] is None else tuple(int(i) for i in d["prompts"])
+        return cls(int(d["step"]), int(d["version"]), float(d["temperature"]), prompts)
+
+
+@dataclass
+class Produced:
+    """A batch the producer finished: its ``Rollout`` (scored), the job's temperature, its batch
+    reward function, and what the producer's side measured."""
+
+    job: Job
+    rollout: Rollout
+    reward_fn: object
+    seconds: float  # generation + scoring
+    wait_s: float  # the producer's wait for this job (its weights)
+    load_s: float  # loading the job's weights into the backend (0 when it held them)
+    wait_trainer_s: float = 0.0  # the trainer's wait for it
+
+    @property
+    def temperature(self) -> float:
+        return self.job.temperature
+
+
+class _Stopped(BaseException):
+    """The producer was asked to stop (raised at its next chunk's end)."""
+
+
+class _Quiet:
+    """The producer's progress: no bars (the trainer's thread shows its own); each chunk's end
+    is where a stop request or a signal ends the job."""
+
+    def __init__(self, stop: threading.Event):
+        self.stop = stop
+
+    def phase(self, name: str, total: int) -> None:
+        pass
+
+    def advance_phase(self, n: int = 1) -> None:
+        if self.stop.is_set():
+            raise _Stopped
+
+
+@dataclass
+class _Shared:
+    """What both sides touch, under ``Pipeline.cond``."""
+
+    jobs: list[Job] = field(default_factory=list)  # to produce, in order
+    posted: dict[int, Job] = field(default_factory=dict)  # every job not yet taken by the trainer
+    done: dict[int, Produced] = field(default_factory=dict)
+    versions: dict[int, dict[str, torch.Tensor]] = field(default_factory=dict)  # staged weights
+    before: dict[int, dict] = field(default_factory=dict)  # the sampler's state before job j drew
+    error: BaseException | None = None
+    doing: str = "starting"  # what the producer is at, for a timeout's message
+
+
+class Pipeline:
+    """The producer's thread and the state the two sides share (module docstring). ``start`` it
+    with the run as it is after setup (resumed or not); ``close`` stops the producer and its
+    backend."""
+
+    def __init__(self, run: Run, backend):
+        self.run, self.backend = run, backend
+        self.S = run.cfg.rollout.max_staleness
+        self.first = run.trainer.state.step
+        self.cond = threading.Condition()
+        self.shared = _Shared()
+        self.stop = threading.Event()
+        self.publish_s = 0.0
+        self._loaded = False  # whether the backend has had a version loaded (a resume re-syncs first)
+        self.refused: set[int] = set()  # steps whose batch was refused once
+        # the producer's side: the run's prompt sampler and pass rates, the pipeline's backend
+        self.side = RolloutSide(
+            backend, run.rollout.sampler, run.rollout.pass_rates, run.rollout.prompts_per_rank
+        )
+        self.thread = threading.Thread(target=self._loop, name="grpo_fast-producer", daemon=True)
+
+    # ------------------------------------------------------------------ the trainer's side
+
+    @classmethod
+    @contextlib.contextmanager
+    def start(cls, run: Run):
+        """The pipeline of ``run``, producing from the start, closed after the block."""
+        if run.world.enabled:
+            raise ConfigError(
+                f"rollout.max_staleness / rollout.placement=process run on one process: not under "
+                f"torchrun ({run.world.world_size} ranks); use rollout.max_staleness=0 and "
+                "rollout.placement=colocated"
+            )
+        threads, pipe = torch.get_num_threads(), None
+        try:
+            pipe = cls(run, producer_backend(run))
+            pipe._post_first_jobs()
+            run.pipeline = pipe
+            pipe.thread.start()
+            yield pipe
+        finally:
+            run.pipeline = None
+            if pipe is not None:
+                pipe.close()
+            torch.set_num_threads(threads)
+
+    def need(self, step: int) -> int:
+        """The policy version that samples ``step``'s batch."""
+        return max(step - 1 - self.S, self.first)
+
+    def _stage(self, version: int) -> None:
+        """The trainer's weights now, as policy version ``version``: a host copy of the trainable
+        parameters (the producer loads it when a job needs it)."""
+        tensors = {n: t.to("cpu", copy=True) for n, t in trainable_tensors(self.run.model).items()}
+        with self.cond:
+            self.shared.versions[version] = tensors
+
+    def _temperature(self, step: int) -> float:
+        """``step``'s sampling temperature, decided now (the health monitor's boost, rank 0's)."""
+        return self.run.cfg.rollout.temperature + self.run.health.shared_temperature_boost(step)
+
+    def _post(self, job: Job, front: bool = False) -> None:
+        with self.cond:
+            self.shared.posted[job.step] = job
+            self.shared.jobs.insert(0, job) if front else self.shared.jobs.append(job)
+            self.cond.notify_all()
+
+    def _post_first_jobs(self) -> None:
+        """The checkpoint's in-flight jobs with their versions' weights, then the jobs that
+        version ``first`` (the weights now) samples."""
+        self._stage(self.first)
+        restored = self.run.rollout.in_flight or {}
+        for version, tensors in restored.get("versions", {}).items():
+            self.shared.versions[int(version)] = tensors
+        jobs = [Job.from_state_dict(d) for d in restored.get("jobs", [])]
+        self.run.rollout.in_flight = None
+        if any(j.version not in self.shared.versions for j in jobs):
+            raise ConfigError(  # a checkpoint written by another max_staleness (run_folder refuses it first)
+                f"the checkpoint's in-flight batches need weights it does not hold (rollout.max_staleness={self.S})"
+            )
+        for job in jobs:
+            self._post(job)
+        nxt = jobs[-1].step + 1 if jobs else self.first + 1
+        for step in range(nxt, min(self.first + self.S + 1, self.run.cfg.steps) + 1):
+            self._post(Job(step, self.need(step), self._temperature(step)))
+
+    def next_batch(self, step: int, progress: PhaseProgress | None = None) -> Produced:
+        """Step ``step``'s batch, once the producer has it: waits at most ``rollout.request_timeout``
+        seconds; raises what the producer raised; a batch older than ``rollout.max_staleness`` is
+        refused and generated again (once). A signal ends the wait (``preempt.Interrupt``)."""
+        if progress is not None:
+            progress.phase("rollout (producer)", 1)
+        t0 = time.monotonic()
+        produced = self._wait_for(step)
+        lag, newest = self._lag(step, produced.rollout)
+        if lag > self.S or newest > step - 1:
+            produced = self._refuse(step, produced, lag)
+        produced.wait_trainer_s = time.monotonic() - t0
+        if progress is not None:
+            progress.advance_phase(1)
+        return produced
+
+    def _wait_for(self, step: int) -> Produced:
+        limit = self.run.cfg.rollout.request_timeout
+        t0 = time.monotonic()
+        with self.cond:
+            while step not in self.shared.done:
+                if self.shared.error is not None:
+                    raise self.shared.error
+                preempt.check_unit()  # a signal: stop waiting
+                waited = time.monotonic() - t0
+                if waited >= limit:
+                    raise EngineTimeout(
+                        f"the rollout producer did not deliver step {step}'s batch within "
+                        f"rollout.request_timeout={limit:g} s (it was {self.shared.doing})"
+                    )
+                self.cond.wait(min(0.1, limit - waited))
+            del self.shared.posted[step]
+            return self.shared.done.pop(step)
+
+    @staticmethod
+    def _lag(step: int, rollout: Rollout) -> tuple[int, int]:
+        """(the largest lag of the batch's trajectories, in optimizer steps; their newest version)."""
+        versions = [t.policy_version for t in rollout.trajectories]
+        return step - 1 - min(versions), max(versions)
+
+    def _refuse(self, step: int, produced: Produced, lag: int) -> Produced:
+        """A batch sampled by too old a policy (or by one the trainer has not made): logged,
+        generated again for the same prompts from the trainer's weights now; refused twice,
+        the run stops."""
+        versions = sorted({t.policy_version for t in produced.rollout.trajectories})
+        what = (
+            f"step {step}'s rollout batch was sampled by policy version(s) {versions}: {lag} optimizer "
+            f"step(s) behind the trainer's {step - 1} (rollout.max_staleness={self.S})"
+        )
+        if step in self.refused:
+            raise TrainingStopped(
+                f"{what}, again after it was generated from version {step - 1}: the rollout backend is not "
+                f"taking the weights it is given; {resume_point(self.run, step - 1)}"
+            )
+        self.refused.add(step)
+        self.run.logger.event(f"{what}: refused, generated again from version {step - 1}")
+        self._stage(step - 1)
+        prompts = tuple(g.example_index for g in produced.rollout.groups)
+        self._post(Job(step, step - 1, produced.temperature, prompts), front=True)
+        again = self._wait_for(step)
+        lag, newest = self._lag(step, again.rollout)
+        if lag > self.S or newest > step - 1:
+            return self._refuse(step, again, lag)
+        return again
+
+    def publish(self, step: int) -> None:
+        """Step ``step``'s weights to the producer (staged: a host copy of the trainable
+        parameters), and the job they sample (step + S + 1); versions no job needs are dropped."""
+        t0 = time.perf_counter()
+        self._stage(step)
+        with self.cond:
+            keep = self.need(step + 1)
+            for version in [v for v in self.shared.versions if v < keep]:
+                del self.shared.versions[version]
+            for j in [j for j in self.shared.before if j <= step]:
+                del self.shared.before[j]
+        nxt = step + self.S + 1
+        if nxt <= self.run.cfg.steps:
+            self._post(Job(nxt, self.need(nxt), self._temperature(nxt)))
+        self.publish_s = time.perf_counter() - t0
+
+    def metrics(self, step: int, produced: Produced) -> dict[str, float]:
+        """The step's pipeline metrics (module docstring)."""
+        lag, _ = self._lag(step, produced.rollout)
+        return {
+            "rollout/policy_lag": float(lag),
+            "time/wait_trainer_s": produced.wait_trainer_s,
+            "time/wait_producer_s": produced.wait_s,
+            "time/produce_s": produced.seconds,
+            "time/weight_sync_s": self.publish_s,
+            "time/weight_load_s": produced.load_s,
+        }
+
+    def checkpoint_state(self, step: int) -> dict:
+        """What a checkpoint of step ``step`` holds of the pipeline (module docstring): ``sampler``
+        (the prompt sampler before the first job after ``step`` drew) and ``pipeline`` (those
+        jobs, the weights of their versions older than ``step``)."""
+        with self.cond:
+            jobs = [self.shared.posted[j] for j in sorted(self.shared.posted) if j > step]
+            versions = {j.version: self.shared.versions[j.version] for j in jobs if j.version != step}
+            drawn = [j.step for j in jobs if j.step in self.shared.before]
+            sampler = self.shared.before[drawn[0]] if drawn else self.run.rollout.sampler.state_dict()
+        return {
+            "sampler": sampler,
+            "pipeline": {
+                "max_staleness": self.S,
+                "jobs": [j.state_dict() for j in jobs],
+                "versions": versions,
+            },
+        }
+
+    @contextlib.contextmanager
+    def stops(self, step: int, what: str):
+        """A wait of the trainer after step ``step`` (``what``: "step 8's rollout"): a signal, or an
+        engine that failed, writes the checkpoint of ``step`` (with the in-flight jobs) unless it
+        is there, then stops the run with one line."""
+        try:
+            yield
+        except preempt.Interrupt as stop:
+            self.close()
+            words = resume_point(self.run, step)
+            raise Preempted(
+                f"{preempt.signal_name(stop.signum)} during {what}: {words}", stop.signum
+            ) from None
+        except EngineError as exc:
+            self.close()
+            raise TrainingStopped(f"{exc} (during {what}): {resume_point(self.run, step)}") from None
+
+    def close(self) -> None:
+        """Stop the producer (at its current chunk's end) and its backend (a worker is ended)."""
+        self.stop.set()
+        with self.cond:
+            self.cond.notify_all()
+        self.backend.close()
+        if self.thread.is_alive() and self.thread is not threading.current_thread():
+            self.thread.join(5.0)
+
+    # ------------------------------------------------------------------ the producer's side
+
+    def _take(self) -> tuple[Job, float] | None:
+        """The next job and how long it waited for it; None once stopped."""
+        t0 = time.monotonic()
+        with self.cond:
+            self.shared.doing = "waiting for the trainer's weights"
+            while not self.shared.jobs or self.stop.is_set():
+                if self.stop.is_set():
+                    return None
+                self.cond.wait(0.5)
+            job = self.shared.jobs.pop(0)
+            if job.prompts is None:  # it draws: the sampler before it, for a checkpoint
+                self.shared.before[job.step] = self.side.sampler.state_dict()
+            self.shared.doing = f"producing step {job.step}'s batch"
+            return job, time.monotonic() - t0
+
+    def _loop(self) -> None:
+        """Jobs in order until stopped; whatever a job raises is kept for the trainer."""
+        try:
+            while not self.stop.is_set():
+                taken = self._take()
+                if taken is None:
+                    return
+                produced = self._produce(*taken)
+                with self.cond:
+                    self.shared.done[produced.job.step] = produced
+                    self.cond.notify_all()
+        except _Stopped:
+            return
+        except BaseException as exc:  # handed to the trainer, which raises it
+            with self.cond:
+                self.shared.error = exc
+                self.cond.notify_all()
+
+    def _produce(self, job: Job, wait_s: float) -> Produced:
+        """One job: its version's weights into the backend (unless it holds them), then
+        ``produce`` (generation and scoring)."""
+        load_s = 0.0
+        if self.backend.version != job.version or not self._loaded:
+            with self.cond:
+                tensors = self.shared.versions[job.version]
+            t0 = time.perf_counter()
+            self.backend.load_weights(tensors, job.version)
+            load_s, self._loaded = time.perf_counter() - t0, True
+        run = self.run
+        reward_fn = run.task.reward_fn.for_batch(job.step)
+        t0 = time.perf_counter()
+        production = Production(job.step, 0, job.temperature, reward_fn, prompts=job.prompts)
+        rollout = produce(self.side, run.cfg, run.task, run.world, run.device, production, _Quiet(self.stop))
+        return Produced(job, rollout, reward_fn, time.perf_counter() - t0, wait_s, load_s)
+
+
+def producer_backend(run: Run):
+    """The producer's backend, with weights of its own: the hf decoder in a worker process
+    (``rollout.placement=process``; the trainer's torch threads are cut to the CPUs the worker
+    leaves), or a copy of the policy in this process."""
+    r = run.cfg.rollout
+    if r.placement == "process":
+        threads = worker_threads(r.worker_threads)
+        cpus = len(os.sched_getaffinity(0))
+        torch.set_num_threads(max(1, min(torch.get_num_threads(), cpus - threads)))
+        timeouts = Timeouts(r.start_timeout, r.request_timeout, r.sync_timeout)
+        return HFProcessBackend(
+            run.model,
+            run.tokenizer,
+            r.generation_batch_size,
+            threads=threads,
+            timeouts=timeouts,
+            autocast_dtype=run.amp,
+        )
+    return HFCopyBackend(run.model, run.tokenizer, r.generation_batch_size, run.amp)

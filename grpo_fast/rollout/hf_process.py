@@ -1,0 +1,328 @@
+"""The hf decoder with weights of its own, for a producer apart from the trainer
+(``grpo_fast.loop.pipeline``): the trainer changes its weights while these sample from theirs.
+
+- ``HFCopyBackend``: a copy of the policy in the training process (``rollout.placement=colocated``
+  with ``rollout.max_staleness > 0``: the producer's thread samples from it);
+- ``HFProcessBackend``: the decoder in a worker process (``rollout.placement=process``), with its
+  own copy of the weights and its own torch threads (``rollout.worker_threads``), so that on a
+  CPU generation and the optimizer's step run on separate cores.
+
+Both take the weights of a policy version as ``load_weights(tensors, version)``: the trainable
+parameters by name (``trainable_tensors``: what an optimizer step changes; the frozen ones, the
+buffers and the tied head came with the copy), copied exactly (``Tensor.copy_``: the sampler's
+weights are the trainer's, bit for bit). The worker gets them through shared memory: one
+``[numel]`` buffer per tensor, allocated once, written by the parent, read by the worker on a
+``load`` message.
+
+Every wait on the worker has a limit and raises one line (``grpo_fast.errors.EngineTimeout``,
+``EngineDied``): its start (``rollout.start_timeout``), a rollout (``request_timeout``), a weight
+load (``sync_timeout``). The worker ignores SIGINT/SIGTERM (the run stops it; a Ctrl-C reaches
+the whole process group) and exits when its parent is gone.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import itertools
+import os
+import pickle
+import signal
+import threading
+import time
+import traceback
+from dataclasses import dataclass
+
+import torch
+
+from grpo_fast.errors import EngineDied, EngineTimeout
+from grpo_fast.rollout.base import Rollout, SamplingParams
+from grpo_fast.rollout.hf import HFBackend
+
+
+def trainable_tensors(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """``{name: tensor}`` of ``model``'s parameters that train (``requires_grad``), detached, in
+    ``named_parameters`` order: what a policy version adds to the copy a sampler started from."""
+    return {name: p.detach() for name, p in model.named_parameters() if p.requires_grad}
+
+
+def _generator(params: SamplingParams, device: torch.device) -> torch.Generator | None:
+    """A random stream of the call's own, seeded by ``params.seed`` (None: torch's global one): a
+    sampler apart from the trainer draws the same tokens whatever runs beside it."""
+    if params.seed is None:
+        return None
+    return torch.Generator(device=device).manual_seed(int(params.seed))
+
+
+class HFCopyBackend:
+    """hf sampling from a copy of the policy in this process: the trainer's model stays the
+    trainer's while a producer thread samples from the copy. ``version``: the policy version the
+    copy holds (``Trajectory.policy_version`` of what it samples).
+
+    The copy is a ``deepcopy`` made once, with no gradients; ``load_weights`` then refreshes its
+    trainable parameters, exactly."""
+
+    def __init__(self, model: torch.nn.Module, tokenizer, generation_batch_size: int, autocast_dtype=None):
+        self.model = copy.deepcopy(model).requires_grad_(False)
+        self._params = dict(self.model.named_parameters())
+        self._hf = HFBackend(self.model, tokenizer, generation_batch_size, autocast_dtype)
+        self.sync_seconds: float | None = None  # the last load's duration
+
+    @property
+    def version(self) -> int:
+        return self._hf.version
+
+    def load_weights(self, tensors: dict[str, torch.Tensor], version: int) -> None:
+        """The trainable parameters of policy version ``version`` (``trainable_tensors``)."""
+        t0 = time.perf_counter()
+        with torch.no_grad():
+            for name, value in tensors.items():
+                self._params[name].copy_(value)
+        self._hf.version = version
+        self.sync_seconds = time.perf_counter() - t0
+
+    def update_weights(self, model: torch.nn.Module, step: int = 0) -> None:
+        self.load_weights(trainable_tensors(model), step)
+
+    def generate(self, prompt_ids: list[list[int]], params: SamplingParams, progress=None) -> Rollout:
+        device = next(self.model.parameters()).device
+        self._hf.generator = _generator(params, device)
+        return self._hf.generate(prompt_ids, params, progress=progress)
+
+    def sleep(self) -> None:
+        """Nothing to free."""
+
+    def close(self) -> None:
+        """Nothing to stop."""
+
+
+@dataclass(frozen=True)
+class Timeouts:
+    """Seconds to wait for the worker: to start, for one rollout, for one weight load."""
+
+    start: float = 900.0
+    request: float = 3600.0
+    sync: float = 600.0
+
+
+def worker_threads(setting, cpus: int | None = None) -> int:
+    """The worker's torch threads for ``rollout.worker_threads`` (an int, or auto: half the CPUs
+    this process may use, at least 1)."""
+    if setting != "auto":
+        return int(setting)
+    cpus = cpus if cpus is not None else len(os.sched_getaffinity(0))
+    return max(1, cpus // 2)
+
+
+class HFProcessBackend:
+    """The hf decoder in a worker process (``spawn``) with its own copy of the weights.
+
+    The parent pickles the model and tokenizer to the worker once (its start); after that, a
+    policy version is its trainable tensors written into shared memory and a ``load`` message
+    (``load_weights``). ``generate`` sends the prompts and the sampling parameters (the worker
+    seeds its stream with ``params.seed``) and waits for the ``Rollout``; the worker reports each
+    finished chunk (``progress``). One caller at a time: the producer's thread, or the lockstep
+    loop's. ``version`` is the policy version the worker holds; ``sync_seconds`` the last load's
+    wall time (shared-memory write + the worker's copy).
+    """
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        tokenizer,
+        generation_batch_size: int,
+        *,
+        threads: int = 1,
+        timeouts: Timeouts = Timeouts(),
+        autocast_dtype=None,
+    ):
+        import torch.multiprocessing as mp  # shared-memory tensors travel to the child by handle
+
+        self.timeouts = timeouts
+        self.version = 0
+        self.sync_seconds: float | None = None
+        self._broken: str | None = None  # a wait that ran out: the worker's state is unknown
+        self._ids = itertools.count()
+        # [numel] per trainable tensor, shared with the worker: the parent writes, the worker copies
+        self._shm = {n: t.to("cpu", copy=True).share_memory_() for n, t in trainable_tensors(model).items()}
+        ctx = mp.get_context("spawn")  # never fork a process with threads (the producer's, torch's)
+        self._conn, child = ctx.Pipe()
+        self._proc = ctx.Process(
+            target=_serve,
+            args=(child, self._shm, threads, os.getpid()),
+            daemon=True,
+            name="grpo_fast-hf-worker",
+        )
+        self._proc.start()
+        child.close()
+        payload = pickle.dumps((model, tokenizer, generation_batch_size, autocast_dtype))
+        try:
+            self._call("start", payload, limit=timeouts.start, key="start_timeout", doing="starting")
+        except BaseException:  # no backend to close it later: the worker goes now
+            self.close()
+            raise
+
+    @property
+    def pid(self) -> int | None:
+        return self._proc.pid
+
+    def load_weights(self, tensors: dict[str, torch.Tensor], version: int) -> None:
+        """Policy version ``version``'s trainable parameters (``trainable_tensors``), into the
+        worker: written into shared memory, then copied by the worker into its model."""
+        t0 = time.perf_counter()
+        for name, value in tensors.items():
+            self._shm[name].copy_(value)
+        doing = f"loading the weights of policy version {version}"
+        self._call("load", version, limit=self.timeouts.sync, key="sync_timeout", doing=doing)
+        self.version = version
+        self.sync_seconds = time.perf_counter() - t0
+
+    def update_weights(self, model: torch.nn.Module, step: int = 0) -> None:
+        self.load_weights(trainable_tensors(model), step)
+
+    def generate(self, prompt_ids: list[list[int]], params: SamplingParams, progress=None) -> Rollout:
+        doing = f"generating {len(prompt_ids)} prompts × {params.n}"
+        return self._call(
+            "generate",
+            prompt_ids,
+            params,
+            limit=self.timeouts.request,
+            key="request_timeout",
+            doing=doing,
+            progress=progress,
+        )
+
+    def worker_weights(self) -> dict[str, torch.Tensor]:
+        """The worker's ``state_dict`` as it is now (a copy): what it samples from."""
+        return self._call(
+            "state", limit=self.timeouts.request, key="request_timeout", doing="sending its weights"
+        )
+
+    def sleep(self) -> None:
+        """Nothing to free: the worker's memory is its own."""
+
+    def close(self) -> None:
+        """Stop the worker (a ``close`` message, then SIGKILL if it has not exited within 2 s)."""
+        if self._proc.exitcode is None:
+            with contextlib.suppress(OSError):  # already gone
+                self._conn.send(("close", next(self._ids)))
+            self._proc.join(2.0)
+            if self._proc.exitcode is None:
+                self._proc.kill()
+                self._proc.join(5.0)
+        self._conn.close()
+
+    def _died(self, doing: str) -> EngineDied:
+        self._proc.join(1.0)
+        code = self._proc.exitcode
+        how = (
+            f"killed by {signal.Signals(-code).name}"
+            if code is not None and code < 0
+            else f"exit code {code}"
+            if code is not None
+            else "its pipe closed"
+        )
+        self._broken = f"the hf rollout worker (pid {self.pid}) exited ({how})"
+        return EngineDied(f"{self._broken} while {doing}")
+
+    def _call(self, kind: str, *args, limit: float, key: str, doing: str, progress=None):
+        """Send one request and wait for its answer: at most ``limit`` seconds (``rollout.<key>``),
+        ``EngineDied`` as soon as the worker is gone. ``progress(n)`` gets the worker's chunk
+        reports; if it raises, the request is abandoned (its late answer is skipped)."""
+        if self._broken is not None:
+            raise EngineDied(f"{self._broken}; cannot go on {doing}")
+        rid = next(self._ids)
+        try:
+            self._conn.send((kind, rid, *args))
+        except OSError:
+            raise self._died(doing) from None
+        t0 = time.monotonic()
+        while True:
+            left = limit - (time.monotonic() - t0)
+            if left <= 0:
+                self._broken = f"the hf rollout worker (pid {self.pid}) did not answer in time"
+                raise EngineTimeout(
+                    f"the hf rollout worker (pid {self.pid}) did not finish {doing} within "
+                    f"rollout.{key}={limit:g} s"
+                )
+            if not self._conn.poll(min(left, 0.1)):
+                if self._proc.exitcode is not None:
+                    raise self._died(doing)
+                continue
+            try:
+                what, mid, body = self._conn.recv()
+            except (EOFError, OSError):
+                raise self._died(doing) from None
+            if mid != rid:  # an abandoned request's late answer
+                continue
+            if what == "progress":
+                if progress is not None:
+                    progress(body)
+                continue
+            if what == "error":  # a bug in the worker keeps its traceback
+                raise RuntimeError(f"the hf rollout worker (pid {self.pid}) raised while {doing}:\n{body}")
+            return body
+
+
+# ------------------------------------------------------------------------------------ the worker
+
+
+def _plain_attention(model: torch.nn.Module) -> None:
+    """An attention implementation the trainer's process registered as a wrapper around a base
+    (``grpo_fast_shared+sdpa``: ``train.share_prompts``) is not registered here: the worker runs
+    its base, which is what the wrapper runs for every call without a shared-prompt layout
+    (generation makes none)."""
+    config = getattr(model, "config", None)
+    impl = getattr(config, "_attn_implementation", None)
+    if impl and "+" in impl:
+        config._attn_implementation = impl.split("+", 1)[1]
+
+
+def _watch_parent(parent_pid: int) -> None:
+    """End the worker once its parent is gone (a SIGKILL leaves no one to close it)."""
+    while os.getppid() == parent_pid:
+        time.sleep(0.5)
+    os._exit(0)
+
+
+def _serve(conn, shm: dict[str, torch.Tensor], threads: int, parent_pid: int) -> None:
+    """The worker's loop: one request at a time, each answered ``("done", id, result)`` or
+    ``("error", id, traceback)``; a ``generate`` also sends ``("progress", id, n)`` per chunk."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent decides when the worker stops
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    torch.set_num_threads(threads)
+    threading.Thread(target=_watch_parent, args=(parent_pid,), daemon=True).start()
+    backend, params = None, {}
+    while True:
+        try:
+            kind, rid, *args = conn.recv()
+        except (EOFError, OSError):
+            return
+        try:
+            if kind == "close":
+                conn.send(("done", rid, None))
+                return
+            if kind == "start":
+                model, tokenizer, batch, amp = pickle.loads(args[0])
+                _plain_attention(model)
+                model.requires_grad_(False)
+                backend, params = HFBackend(model, tokenizer, batch, amp), dict(model.named_parameters())
+                result = os.getpid()
+            elif kind == "load":
+                with torch.no_grad():
+                    for name, value in shm.items():
+                        params[name].copy_(value)
+                backend.version = int(args[0])
+                result = None
+            elif kind == "generate":
+                prompt_ids, sp = args
+                backend.generator = _generator(sp, torch.device("cpu"))
+                report = lambda n, rid=rid: conn.send(("progress", rid, n))
+                result = backend.generate(prompt_ids, sp, progress=report)
+            elif kind == "state":
+                result = {k: v.detach().clone() for k, v in backend.model.state_dict().items()}
+            else:
+                raise ValueError(f"unknown request {kind!r}")
+            conn.send(("done", rid, result))
+        except Exception:
+            conn.send(("error", rid, traceback.format_exc()))

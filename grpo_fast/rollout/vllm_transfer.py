@@ -1,0 +1,377 @@
+"""The trainer side of a weight sync into a vLLM engine apart from the trainer, through vLLM's
+native weight-transfer API, and the deadlines every wait runs under.
+
+A sync is vLLM's handshake, driven through a *control* (``ProcessEngine``: ``AsyncLLM`` calls;
+``ServerEngine``: the HTTP routes of a server run with ``VLLM_SERVER_DEV_MODE=1``)::
+
+    pause(mode="keep")  →  start_weight_update  →  update_weights(chunk) × k
+        →  finish_weight_update(weight_version=str(step))  →  resume
+
+``pause(keep)`` freezes the requests in flight (vLLM preempts them and recomputes their KV
+cache with the new weights on resume), so a push does not wait for the generation in progress.
+
+Transports (``rollout.weight_transfer``):
+
+- ``shm`` (``ShmTransport``): each chunk a safetensors file in a private folder of
+  ``/dev/shm``, loaded by ``grpo_fast.rollout._vllm_worker.ShmWeightTransferEngine`` inside the
+  engine's workers (so the engine must run on this machine). Works on CPU and GPU.
+- ``nccl`` (``NCCLTransport``): vLLM's own NCCL engines (``WeightTransferTrainerFactory``), a
+  broadcast from this process's GPU to the engine's GPUs. Written against vLLM 0.32's API; it
+  cannot run on a CPU, so no test here runs it (``tools/gpu_check.sh`` does, on a GPU machine).
+
+Each wait has a deadline: a wait that outlives it raises ``EngineTimeout`` naming what it
+waited for and for how long.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import socket
+import tempfile
+import threading
+import time
+import weakref
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Protocol
+
+import torch
+
+from grpo_fast.rollout.vllm_parts import EngineTimeout
+
+SHM_BACKEND = "grpo_fast_shm"  # grpo_fast.rollout._vllm_worker registers its engine under this name
+WORKER_EXTENSION = "grpo_fast.rollout._vllm_worker.WorkerExtension"
+CHUNK_BYTES = 256 * 2**20  # one safetensors file per 256 MiB: /dev/shm holds one chunk at a time
+
+
+@dataclass(frozen=True)
+class Timeouts:
+    """Seconds: an engine's start (``rollout.start_timeout``), one ``generate`` call
+    (``rollout.request_timeout``), one weight sync (``rollout.sync_timeout``)."""
+
+    start: float
+    request: float
+    sync: float
+
+
+class Deadline:
+    """``seconds`` from now, for ``what`` (a phrase: "the weight sync of step 3").
+
+    ``left(doing)`` is the time that remains, or raises ``EngineTimeout`` naming ``what`` and
+    ``doing`` once none does."""
+
+    def __init__(self, seconds: float, what: str, key: str):
+        self.seconds = float(seconds)
+        self.what = what
+        self.key = key  # the config key that sets the timeout
+        self.end = time.monotonic() + self.seconds
+
+    def left(self, doing: str = "") -> float:
+        remaining = self.end - time.monotonic()
+        if remaining <= 0:
+            raise self.expired(doing)
+        return remaining
+
+    def expired(self, doing: str = "") -> EngineTimeout:
+        at = f" (waiting for {doing})" if doing else ""
+        return EngineTimeout(
+            f"{self.what} did not finish within {self.seconds:g} s{at}; {self.key} sets this limit"
+        )
+
+
+def bounded(fn: Callable[[], Any], deadline: Deadline, doing: str) -> Any:
+    """``fn()`` in a daemon thread, waited for until ``deadline``: its result, its exception, or
+    ``EngineTimeout``. For a call with no timeout of its own (an NCCL broadcast or rendezvous);
+    on a timeout the thread is left behind (the run stops)."""
+    box: dict[str, Any] = {}
+
+    def target() -> None:
+        try:
+            box["result"] = fn()
+        except BaseException as e:  # handed to the caller's thread
+            box["error"] = e
+
+    thread = threading.Thread(target=target, name=f"grpo_fast: {doing}", daemon=True)
+    thread.start()
+    thread.join(deadline.left(doing))
+    if thread.is_alive():
+        raise deadline.expired(doing)
+    if "error" in box:
+        raise box["error"]
+    return box.get("result")
+
+
+class Control(Protocol):
+    """vLLM's weight-sync control plane (its ``VLLMWeightSyncClient`` methods, plus pause and
+    resume), each call bounded by ``deadline``."""
+
+    def init_weight_transfer_engine(self, init_info: dict, deadline: Deadline) -> None: ...
+
+    def pause(self, deadline: Deadline) -> None: ...
+
+    def resume(self, deadline: Deadline) -> None: ...
+
+    def start_weight_update(self, deadline: Deadline) -> None: ...
+
+    def update_weights(self, update_info: dict, deadline: Deadline) -> None: ...
+
+    def finish_weight_update(self, weight_version: str | None, deadline: Deadline) -> None: ...
+
+    def update_weight_version(self, weight_version: str, deadline: Deadline) -> None: ...
+
+
+def unique_tensors(named: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
+    """``named`` without the names whose tensor is one already seen (a tied ``lm_head.weight``):
+    what a safetensors file can hold. vLLM loads the first name into the shared weight."""
+    seen = set()
+    for name, t in named:
+        key = (t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), tuple(t.stride()), t.dtype)
+        if t.numel() and key in seen:
+            continue
+        seen.add(key)
+        yield name, t
+
+
+class ShmTransport:
+    """Weights as safetensors files in a private folder of ``/dev/shm`` (a temporary folder
+    where there is none), at most ``chunk_bytes`` each, in the engine's ``dtype``; each file is
+    deleted once the engine has loaded it (``update_weights`` returns after the load)."""
+
+    backend = SHM_BACKEND
+
+    def __init__(self, dtype: torch.dtype, chunk_bytes: int = CHUNK_BYTES):
+        shm = Path("/dev/shm")
+        self.dir = Path(tempfile.mkdtemp(prefix="grpo_fast_weights_", dir=shm if shm.is_dir() else None))
+        weakref.finalize(self, shutil.rmtree, str(self.dir), True)
+        self.dtype = dtype
+        self.chunk_bytes = int(chunk_bytes)
+        self.bytes_sent = 0  # of the latest sync
+
+    def init_info(self) -> dict:
+        return {}
+
+    def chunks(self, named: Iterable[tuple[str, torch.Tensor]]) -> Iterator[dict[str, torch.Tensor]]:
+        chunk: dict[str, torch.Tensor] = {}
+        size = 0
+        for name, t in unique_tensors(named):
+            t = t.detach().to("cpu", self.dtype).contiguous()
+            chunk[name] = t
+            size += t.numel() * t.element_size()
+            if size >= self.chunk_bytes:
+                yield chunk
+                chunk, size = {}, 0
+        if chunk:
+            yield chunk
+
+    def send(
+        self, control: Control, named: Iterable[tuple[str, torch.Tensor]], version: str, deadline: Deadline
+    ) -> None:
+        from safetensors.torch import save_file
+
+        control.start_weight_update(deadline)
+        self.bytes_sent = 0
+        for i, chunk in enumerate(self.chunks(named)):
+            path = self.dir / f"v{version}_{i:04d}.safetensors"
+            save_file(chunk, str(path))
+            self.bytes_sent += path.stat().st_size
+            try:
+                control.update_weights({"path": str(path)}, deadline)
+            finally:
+                path.unlink(missing_ok=True)
+        control.finish_weight_update(version, deadline)
+
+    def close(self) -> None:
+        shutil.rmtree(self.dir, ignore_errors=True)
+
+
+class NCCLTransport:
+    """vLLM's dense NCCL weight transfer (``nccl_engine.NCCLTrainerWeightTransferEngine``): this
+    process's GPU is rank 0 of a group with the engine's ``engine_ranks`` workers, rendezvous over
+    TCP at ``address`` on a free port; each sync broadcasts the tensors. GPU only (vLLM 0.32 API,
+    not run in CI: ``tools/gpu_check.sh``). The rendezvous and each broadcast run under the
+    deadline (an NCCL call has no timeout of its own: ``bounded``)."""
+
+    backend = "nccl"
+
+    def __init__(self, control: Control, engine_ranks: int, address: str, deadline: Deadline):
+        from vllm.distributed.weight_transfer import WeightTransferTrainerFactory
+        from vllm.distributed.weight_transfer.nccl_engine import NCCLTrainerInitInfo
+
+        self.control = control
+        self._source = _ListSource()
+        info = NCCLTrainerInitInfo(
+            master_address=address, master_port=free_port(address), world_size=1 + engine_ranks, rank=0
+        )
+        client = _BoundClient(control, deadline)
+        self.engine = bounded(
+            lambda: WeightTransferTrainerFactory.trainer_init(info, client=client, source=self._source),
+            deadline,
+            "the NCCL rendezvous with the engine",
+        )
+        self.bytes_sent = 0
+
+    def init_info(self) -> None:
+        return None  # the rendezvous above sent it
+
+    def send(
+        self, control: Control, named: Iterable[tuple[str, torch.Tensor]], version: str, deadline: Deadline
+    ) -> None:
+        self._source.items = [(n, t.detach()) for n, t in named]
+        self.engine.client = _BoundClient(control, deadline)
+        try:
+            bounded(self.engine.send_weights, deadline, "the NCCL broadcast of the weights")
+        finally:
+            self.bytes_sent = sum(t.numel() * t.element_size() for _, t in self._source.items)
+            self._source.items = []
+        control.update_weight_version(version, deadline)  # send_weights finished the update unlabelled
+
+    def close(self) -> None:
+        self.engine.shutdown()
+
+
+class _BoundClient:
+    """vLLM's ``VLLMWeightSyncClient`` over a ``Control`` and one deadline."""
+
+    def __init__(self, control: Control, deadline: Deadline):
+        self.control, self.deadline = control, deadline
+
+    def init_weight_transfer_engine(self, init_info: dict) -> None:
+        self.control.init_weight_transfer_engine(init_info, self.deadline)
+
+    def start_weight_update(self) -> None:
+        self.control.start_weight_update(self.deadline)
+
+    def update_weights(self, update_info: dict) -> None:
+        self.control.update_weights(update_info, self.deadline)
+
+    def finish_weight_update(self, weight_version: str | None = None) -> None:
+        self.control.finish_weight_update(weight_version, self.deadline)
+
+
+class _ListSource:
+    """A vLLM ``WeightSource`` over the (name, tensor) pairs of the sync in progress."""
+
+    def __init__(self):
+        self.items: list[tuple[str, torch.Tensor]] = []
+
+    def metadata(self):
+        from vllm.distributed.weight_transfer.base import ParamMeta
+
+        return [ParamMeta(n, t.dtype, tuple(t.shape)) for n, t in self.items]
+
+    def __iter__(self):
+        return iter(list(self.items))
+
+
+def visible_devices(devices: list[int]) -> str:
+    """``CUDA_VISIBLE_DEVICES`` for a child that should see ``devices`` (indices as this process
+    numbers its GPUs, which may itself be a subset of the machine's)."""
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    ids = visible.split(",") if visible else [str(i) for i in range(max(devices) + 1)]
+    return ",".join(ids[i] for i in devices)
+
+
+def nccl_address(url: str) -> str:
+    """This machine's address as seen from the server at ``url``: 127.0.0.1 for a local one,
+    else the address of the interface that routes to it (no packet is sent)."""
+    host = url.split("://", 1)[-1].rsplit(":", 1)[0].strip("[]")
+    if host in ("127.0.0.1", "localhost", "::1"):
+        return "127.0.0.1"
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        s.connect((socket.gethostbyname(host), 9))
+        return s.getsockname()[0]
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port nothing listens on at ``host`` now (the OS's pick)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def sync(
+    control: Control, transport, named: Iterable[tuple[str, torch.Tensor]], version: int, deadline: Deadline
+) -> None:
+    """One weight sync (the module docstring's sequence). A failed one still tries to resume the
+    engine (for at most 10 s), then raises its own error."""
+    control.pause(deadline)
+    try:
+        transport.send(control, named, str(version), deadline)
+    except BaseException:
+        with contextlib.suppress(Exception):
+            control.resume(Deadline(10.0, "resuming the vLLM engine after a failed sync", deadline.key))
+        raise
+    control.resume(deadline)
+
+
+def make_transport(
+    name: str, control: Control, dtype: str, engine_ranks: int, deadline: Deadline, address: str
+):
+    """The trainer's side of ``rollout.weight_transfer`` (``shm`` | ``nccl``) for an engine that
+    serves in ``dtype`` with ``engine_ranks`` workers, initialized with the engine (vLLM's
+    ``init_weight_transfer_engine``: a check, for ``shm``, that the engine has the transport).
+    ``address``: where the engine reaches this process (the NCCL rendezvous)."""
+    if name == "nccl":
+        return NCCLTransport(control, engine_ranks, address, deadline)
+    transport = ShmTransport(getattr(torch, dtype))
+    control.init_weight_transfer_engine(transport.init_info(), deadline)
+    return transport
+
+
+def sampled_versions(spans, fallback: int | None) -> list[int | None]:
+    """The policy versions, oldest first, that sampled one response, from vLLM's weight-version
+    spans (``CompletionOutput.weight_versions``: objects, or dicts over HTTP); ``[fallback]`` when
+    there are none or one is not a step number (a label another client set)."""
+    try:
+        versions = {int(s["version"] if isinstance(s, dict) else s.version) for s in spans or []}
+    except (TypeError, ValueError, KeyError, AttributeError):
+        return [fallback]
+    return sorted(versions) if versions else [fallback]
+
+
+def versions_fields(versions: list[int | None]) -> dict[str, Any]:
+    """A completion's ``version`` (the oldest) and ``versions`` (all, oldest first)."""
+    return {"version": versions[0], "versions": versions}
+
+
+class AdapterSlots:
+    """The LoRA adapters an engine holds: ``current`` serves new requests; an older one stays
+    until the last request in flight that uses it finishes (the caller unloads what ``switch``
+    and ``release`` return). Thread-safe."""
+
+    def __init__(self):
+        self.current: Any = None
+        self.version: int | None = None
+        self.next_id = 1
+        self._in_flight: dict[int, int] = {}  # id(adapter) → requests in flight
+        self._lock = threading.Lock()
+
+    def acquire(self, version: int | None) -> tuple[Any, int | None]:
+        """The adapter for a new request (None: the base) and the version it serves."""
+        with self._lock:
+            if self.current is None:
+                return None, version
+            self._in_flight[id(self.current)] = self._in_flight.get(id(self.current), 0) + 1
+            return self.current, self.version
+
+    def release(self, adapter: Any) -> list[Any]:
+        with self._lock:
+            if adapter is None:
+                return []
+            self._in_flight[id(adapter)] -= 1
+            if adapter is not self.current and not self._in_flight[id(adapter)]:
+                del self._in_flight[id(adapter)]
+                return [adapter]
+            return []
+
+    def switch(self, adapter: Any, version: int) -> list[Any]:
+        with self._lock:
+            old, self.current, self.version = self.current, adapter, version
+            self.next_id += 1
+            if old is not None and not self._in_flight.get(id(old)):
+                self._in_flight.pop(id(old), None)
+                return [old]
+            return []

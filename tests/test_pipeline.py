@@ -1,0 +1,573 @@
+"""Generation apart from training (grpo_fast.loop.pipeline): the staleness bound, the off-policy
+correction it requires, the hf decoder in a worker process with exact weights, every wait with
+a limit, stops and exact resumes.
+
+The runs are the tiny preset from random weights with a length reward (a learning signal in
+every group), a few steps each, in this process (``main``) unless the test is about a real
+process (signals, SIGKILL)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from grpo_fast.config import load_config
+from grpo_fast.errors import ConfigError, EngineDied, EngineTimeout
+from grpo_fast.loop import pipeline
+from grpo_fast.rollout import hf_process
+from grpo_fast.rollout.base import SamplingParams
+from grpo_fast.rollout.hf_process import HFCopyBackend, HFProcessBackend, Timeouts, trainable_tensors
+from grpo_fast.task import tiny
+from grpo_fast.train import main
+
+QUICK = [
+    "--preset",
+    "tiny",
+    "sft.steps=0",
+    "eval_every=0",
+    "checkpoint_every=0",
+    "rollout.group_size=4",
+    "rollout.batch_size=16",
+    "train.micro_batch_size=16",
+    "data.eval_subset_size=16",
+    "logging.progress=false",
+    "logging.sample_every=0",
+    "data.reward=test_pipeline:length_reward",  # random weights: a signal in every group
+]
+S1 = ["rollout.max_staleness=1", "rollout.old_logprobs=sampler"]
+MACHINE = ("time/", "throughput/", "memory/", "gpu/")
+
+
+def length_reward(response: str, ground_truth: str) -> dict[str, float]:
+    return {"reward": float(len(response))}
+
+
+HANG = threading.Event()  # hanging_reward hangs while this is clear and _ARMED holds a step
+_ARMED: dict = {"calls": 0, "at": None}
+
+
+def hanging_reward(response: str, ground_truth: str) -> dict[str, float]:
+    """``length_reward``, except that its call number ``_ARMED["at"]`` hangs until ``HANG`` is set."""
+    _ARMED["calls"] += 1
+    if _ARMED["calls"] == _ARMED["at"]:
+        HANG.wait(120)
+    return length_reward(response, ground_truth)
+
+
+def _rows(out: Path) -> list[dict]:
+    rows = [json.loads(ln) for ln in (out / "metrics.jsonl").read_text().splitlines() if ln.strip()]
+    return [{k: v for k, v in r.items() if not k.startswith(MACHINE)} for r in rows]
+
+
+def _weights(folder: Path) -> dict:
+    from safetensors.torch import load_file
+
+    return load_file(folder / "model.safetensors")
+
+
+def _same_run(a: Path, b: Path) -> None:
+    assert _rows(a) == _rows(b)
+    wa, wb = _weights(a / "final"), _weights(b / "final")
+    assert all(torch.equal(wa[k], wb[k]) for k in wa)
+
+
+def _err_lines(capsys) -> list[str]:
+    return [ln for ln in capsys.readouterr().err.splitlines() if ln.strip()]
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    with open(f"/proc/{pid}/stat") as fh:  # a zombie is gone too
+        return fh.read().split(")")[-1].split()[0] != "Z"
+
+
+# ---------------------------------------------------------------------------- the config
+
+
+@pytest.mark.parametrize(
+    ("overrides", "says"),
+    [
+        (
+            ["rollout.max_staleness=1"],
+            "rollout.max_staleness=1 trains on batches sampled by an older policy and needs an off-policy "
+            "correction against the sampler's log-probs: rollout.is_correction=true (TIS/MIS weights, "
+            "rollout.is_mode) or rollout.old_logprobs=sampler (the clipped ratio)",
+        ),
+        (
+            [*S1, "rollout.dynamic_sampling=true"],
+            "rollout.dynamic_sampling=true runs extra generation rounds inside a step",
+        ),
+        (
+            ["rollout.placement=process", "rollout.dynamic_sampling=true"],
+            "rollout.dynamic_sampling=true runs extra generation rounds inside a step",
+        ),
+        (
+            [*S1, "rollout.adaptive_group_size=true"],
+            "rollout.adaptive_group_size=true has the producer read the pass rates the trainer records",
+        ),
+        (["rollout.placement=server"], "rollout.placement=server is a vLLM server (rollout.backend=vllm)"),
+        (
+            ["rollout.placement=process", "device=cuda"],
+            "rollout.placement=process runs the hf decoder on CPU",
+        ),
+        (["rollout.worker_threads=1"], "rollout.worker_threads is for rollout.placement=process"),
+        (
+            ["rollout.backend=vllm", "rollout.placement=process", "rollout.worker_threads=1"],
+            "rollout.worker_threads is for rollout.placement=process with rollout.backend=hf",
+        ),
+        (
+            [*S1, "rollout.backend=vllm"],
+            "rollout.max_staleness=1 with rollout.backend=vllm is not available in this build",
+        ),
+    ],
+)
+def test_what_the_pipeline_refuses_is_one_line_naming_the_keys(overrides, says):
+    with pytest.raises(ConfigError) as err:
+        load_config("tiny", overrides=overrides, check_device=False)
+    assert str(err.value).startswith(says) and "\n" not in str(err.value)
+
+
+def test_staleness_is_accepted_with_either_correction():
+    for correction in ("rollout.is_correction=true", "rollout.old_logprobs=sampler"):
+        cfg = load_config("tiny", overrides=["rollout.max_staleness=2", correction])
+        assert cfg.rollout.max_staleness == 2
+
+
+def test_staleness_without_a_correction_exits_2_with_one_line(tmp_path, capsys):
+    assert main([*QUICK, "steps=2", "rollout.max_staleness=1", f"output_dir={tmp_path}"]) == 2
+    (line,) = _err_lines(capsys)
+    assert line.startswith("error: rollout.max_staleness=1 trains on batches sampled by an older policy")
+    assert not (tmp_path / "metrics.jsonl").exists()
+
+
+def test_with_staleness_the_sampler_s_log_probs_are_pi_old_from_the_first_epoch():
+    """``rollout.old_logprobs=sampler``: π_old is the sampler's log-probs at one epoch too once
+    the sampler is behind (``max_staleness > 0``); lockstep keeps π_old = π (none computed).
+    Planted: ``sampler_old`` without the staleness term → the staleness case gets None."""
+    from grpo_fast.loop.optimization import prepare_old_and_ref
+    from grpo_fast.policy.batch import Sequence, make_microbatches
+
+    seq = Sequence([1, 2, 3, 4], 2, advantage=1.0, weight=0.5, sampler_logprobs=[-0.5, -1.5])
+    (mb,) = make_microbatches([seq], 1, 0, packing=False)
+    for staleness, expected in ((0, None), (1, mb.sampler_logprobs)):
+        cfg = load_config(
+            "tiny", overrides=[f"rollout.max_staleness={staleness}", "rollout.old_logprobs=sampler"]
+        )
+        (out,), _ = prepare_old_and_ref(cfg, [mb], None, None, 1.0, cfg.loss.loss_options())
+        assert (out.old_logprobs is None) if expected is None else torch.equal(out.old_logprobs, expected)
+
+
+# ---------------------------------------------------------------------------- staleness
+
+
+def test_one_step_of_staleness_trains_each_batch_one_policy_version_behind(tmp_path):
+    """Step 1 from the initial weights (lag 0), then every batch sampled by the weights of two
+    steps before the one it trains (lag 1): the trainer-vs-sampler gap is then non-zero and the
+    clipped ratio against the sampler sees it (train/kl is KL(π_old ‖ π), π_old the sampler).
+    Planted: ``Pipeline.need`` without ``- S`` (every batch from the latest weights) → lags 0."""
+    assert main([*QUICK, *S1, "steps=5", f"output_dir={tmp_path}"]) == 0
+    rows = _rows(tmp_path)
+    assert [r["rollout/policy_lag"] for r in rows] == [0.0, 1.0, 1.0, 1.0, 1.0]
+    assert rows[0]["rollout/logprob_abs_diff"] < 1e-6  # the sampler's weights are the trainer's
+    assert all(r["rollout/logprob_abs_diff"] > 1e-3 and r["train/kl"] > 0 for r in rows[2:])
+
+
+def test_lockstep_logs_no_pipeline_metrics(tmp_path):
+    assert main([*QUICK, "steps=2", f"output_dir={tmp_path}"]) == 0
+    assert not any(k.startswith("rollout/policy_lag") for r in _rows(tmp_path) for k in r)
+
+
+def _plant_versions(monkeypatch, version_for):
+    """``pipeline.produce`` whose result claims the policy version ``version_for(step, call)``
+    (None: the true one); returns the calls as (step, the prompts' indices)."""
+    real, calls = pipeline.produce, []
+
+    def planted(side, cfg, task, world, device, job, progress):
+        rollout = real(side, cfg, task, world, device, job, progress)
+        calls.append((job.step, [g.example_index for g in rollout.groups]))
+        version = version_for(job.step, sum(1 for s, _ in calls if s == job.step))
+        if version is not None:
+            for t in rollout.trajectories:
+                t.policy_version = version
+        return rollout
+
+    monkeypatch.setattr(pipeline, "produce", planted)
+    return calls
+
+
+def test_a_stale_batch_is_refused_and_generated_again_for_the_same_prompts(tmp_path, monkeypatch, capsys):
+    """Step 3's first batch claims version 0 (lag 2 > 1): refused, generated again for the same
+    prompts from the trainer's version 2, so step 3 trains at lag 0; the bound holds every step.
+    Planted: no lag check in ``next_batch`` → step 3 trains the stale batch (lag 2)."""
+    calls = _plant_versions(monkeypatch, lambda step, n: 0 if (step, n) == (3, 1) else None)
+    assert main([*QUICK, *S1, "steps=5", f"output_dir={tmp_path}"]) == 0
+    lags = {r["step"]: r["rollout/policy_lag"] for r in _rows(tmp_path) if "rollout/policy_lag" in r}
+    assert lags == {1: 0.0, 2: 1.0, 3: 0.0, 4: 1.0, 5: 1.0}
+    step3 = [idx for step, idx in calls if step == 3]
+    assert len(step3) == 2 and step3[0] == step3[1]
+    err = " ".join(capsys.readouterr().err.split())
+    assert (
+        "step 3's rollout batch was sampled by policy version(s) [0]: 2 optimizer step(s) behind the "
+        "trainer's 2 (rollout.max_staleness=1): refused, generated again from version 2"
+    ) in err
+
+
+def test_a_backend_that_never_takes_its_weights_stops_the_run_in_one_line(tmp_path, monkeypatch, capsys):
+    """Every batch from step 3 on claims version 0, the regenerated one too: the run stops, step
+    2's checkpoint written. Planted: a second refusal accepted → the run trains on."""
+    _plant_versions(monkeypatch, lambda step, n: 0 if step >= 3 else None)
+    assert main([*QUICK, *S1, "steps=5", f"output_dir={tmp_path}"]) == 2
+    where = tmp_path / "checkpoints" / "step_000002"
+    assert _err_lines(capsys)[-1] == (
+        "error: step 3's rollout batch was sampled by policy version(s) [0]: 2 optimizer step(s) behind "
+        "the trainer's 2 (rollout.max_staleness=1), again after it was generated from version 2: the "
+        f"rollout backend is not taking the weights it is given; checkpoint {where} of step 2 written; "
+        "resume=true continues from there"
+    )
+    assert [r["step"] for r in _rows(tmp_path)] == [1, 2]
+
+
+# ---------------------------------------------------------------------------- the worker process
+
+
+@pytest.fixture
+def one_thread():
+    """Sampler and trainer on one torch thread each: the same kernels, the same bits."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+def _tiny_model():
+    tok = tiny.build_tokenizer()
+    return tiny.build_model(tok, seed=0), tok
+
+
+PARAMS = SamplingParams(n=4, temperature=1.0, top_p=1.0, max_tokens=4, min_tokens=0, seed=123)
+
+
+def test_the_worker_samples_from_the_trainer_s_weights_bit_for_bit(one_thread):
+    """After a step's weights are loaded the worker's ``state_dict`` equals the trainer's exactly,
+    it reports their version, and it samples what a copy in this process samples with the same
+    seed (the same tokens and log-probs). Planted: ``load_weights`` skipping the last tensor →
+    the final norm differs."""
+    model, tok = _tiny_model()
+    worker = HFProcessBackend(model, tok, 64, threads=1)
+    try:
+        copy = HFCopyBackend(model, tok, 64)
+        with torch.no_grad():  # "an optimizer step" of the trainer's model
+            for p in model.parameters():
+                p.add_(torch.randn_like(p) * 0.05)
+        for backend in (worker, copy):
+            backend.load_weights(trainable_tensors(model), 5)
+        ours = model.state_dict()
+        theirs = worker.worker_weights()
+        assert set(theirs) == set(ours) and all(torch.equal(theirs[k], ours[k]) for k in ours)
+        prompts = [tok("12+34=")["input_ids"], tok("5+6=")["input_ids"]]
+        a, b = worker.generate(prompts, PARAMS), copy.generate(prompts, PARAMS)
+        assert [t.policy_version for t in a.trajectories] == [5] * 8
+        assert a.response_ids == b.response_ids and a.sampler_logprobs == b.sampler_logprobs
+        assert worker.generate(prompts, PARAMS).response_ids == a.response_ids  # seeded: the same
+    finally:
+        worker.close()
+    assert not _alive(worker.pid)
+
+
+def test_a_seeded_copy_leaves_torch_s_global_stream_alone():
+    model, tok = _tiny_model()
+    copy = HFCopyBackend(model, tok, 64)
+    torch.manual_seed(0)
+    before = torch.random.get_rng_state()
+    first = copy.generate([tok("1+2=")["input_ids"]], PARAMS).response_ids
+    assert torch.equal(torch.random.get_rng_state(), before)
+    torch.rand(100)  # the trainer's thread draws: the sampler's stream is its own
+    assert copy.generate([tok("1+2=")["input_ids"]], PARAMS).response_ids == first
+
+
+def test_process_placement_trains_the_same_run_as_the_copy_in_this_process(tmp_path, one_thread):
+    """The worker (its own process and weights, loaded through shared memory) and the copy in
+    this process sample with the same seeds from the same versions: the runs are the same,
+    metric for metric, and end on the same weights."""
+    assert main([*QUICK, *S1, "steps=4", f"output_dir={tmp_path / 'copy'}"]) == 0
+    assert (
+        main([*QUICK, *S1, "steps=4", "rollout.placement=process", f"output_dir={tmp_path / 'worker'}"]) == 0
+    )
+    _same_run(tmp_path / "copy", tmp_path / "worker")
+
+
+def test_a_worker_that_does_not_start_in_time_raises_naming_the_key_and_is_ended(monkeypatch):
+    model, tok = _tiny_model()
+    started = []
+    real = HFProcessBackend.close
+    monkeypatch.setattr(HFProcessBackend, "close", lambda self: (started.append(self.pid), real(self)))
+    with pytest.raises(EngineTimeout) as err:
+        HFProcessBackend(model, tok, 64, timeouts=Timeouts(start=0.05))
+    assert str(err.value) == (
+        f"the hf rollout worker (pid {started[0]}) did not finish starting within rollout.start_timeout=0.05 s"
+    )
+    assert not _alive(started[0])
+
+
+def test_a_dead_worker_is_one_line_naming_it_at_once(one_thread):
+    """The worker SIGKILLed between two requests: the next one raises at once, naming the worker
+    and how it ended; every later one too (the backend is broken, never a wait)."""
+    model, tok = _tiny_model()
+    worker = HFProcessBackend(model, tok, 64, timeouts=Timeouts(request=600))
+    try:
+        os.kill(worker.pid, signal.SIGKILL)
+        t0 = time.monotonic()
+        for _ in range(2):
+            with pytest.raises(EngineDied) as err:
+                worker.generate([tok("1+2=")["input_ids"]], PARAMS)
+        assert time.monotonic() - t0 < 30  # measured 1.0 s (the exit code's join), not the 600 s limit
+        assert str(err.value).startswith(
+            f"the hf rollout worker (pid {worker.pid}) exited (killed by SIGKILL)"
+        )
+    finally:
+        worker.close()
+
+
+def _kill_worker_at(monkeypatch, method: str, call: int, signum: int) -> list[int]:
+    """``HFProcessBackend.<method>`` that sends the worker ``signum`` on its ``call``-th call,
+    before doing its work; returns the worker's pid once it has."""
+    real, calls, pids = getattr(HFProcessBackend, method), [], []
+
+    def planted(self, *a, **k):
+        calls.append(1)
+        if len(calls) == call:
+            pids.append(self.pid)
+            os.kill(self.pid, signum)
+        return real(self, *a, **k)
+
+    monkeypatch.setattr(HFProcessBackend, method, planted)
+    return pids
+
+
+@pytest.mark.slow
+def test_a_dead_worker_stops_the_run_with_one_line_and_a_checkpoint_that_resumes_exactly(
+    tmp_path, monkeypatch, capsys
+):
+    """The worker SIGKILLed as step 3's generation begins: the run stops with one line naming
+    it, step 2's checkpoint (with step 3's in-flight job and the weights it samples with)
+    written; resumed, the run is the one that never stopped. Planted: ``EngineError`` not
+    caught by ``Pipeline.stops`` → a traceback-free line but no checkpoint → the resume starts over."""
+    pids = _kill_worker_at(monkeypatch, "generate", 3, signal.SIGKILL)
+    out = tmp_path / "run"
+    args = [*QUICK, *S1, "steps=5", "rollout.placement=process"]
+    assert main([*args, f"output_dir={out}"]) == 2
+    where = out / "checkpoints" / "step_000002"
+    assert _err_lines(capsys)[-1] == (
+        f"error: the hf rollout worker (pid {pids[0]}) exited (killed by SIGKILL) while generating 4 "
+        f"prompts × 4 (during step 3's rollout): checkpoint {where} of step 2 written; resume=true "
+        "continues from there"
+    )
+    monkeypatch.undo()
+    assert main([*args, f"output_dir={out}", "resume=true"]) == 0
+    assert main([*args, f"output_dir={tmp_path / 'straight'}"]) == 0
+    _same_run(out, tmp_path / "straight")
+
+
+def test_a_weight_sync_that_never_completes_stops_the_run_after_sync_timeout(tmp_path, monkeypatch, capsys):
+    """The worker frozen (SIGSTOP) as the weights of version 1 are loaded into it (for step 3):
+    the load waits rollout.sync_timeout=2 s, the run stops with one line and step 2's checkpoint,
+    and the frozen worker is ended. Planted: no deadline in ``HFProcessBackend._call`` → the run
+    waits for ever (the test's own timeout fails it)."""
+    pids = _kill_worker_at(monkeypatch, "load_weights", 2, signal.SIGSTOP)
+    out = tmp_path / "run"
+    t0 = time.monotonic()
+    assert (
+        main(
+            [
+                *QUICK,
+                *S1,
+                "steps=5",
+                "rollout.placement=process",
+                "rollout.sync_timeout=2",
+                f"output_dir={out}",
+            ]
+        )
+        == 2
+    )
+    # measured: 3.1 s from the SIGSTOP to main's return at load 8 on 2 cores
+    assert time.monotonic() - t0 < 60
+    assert _err_lines(capsys)[-1] == (
+        f"error: the hf rollout worker (pid {pids[0]}) did not finish loading the weights of policy "
+        "version 1 within rollout.sync_timeout=2 s (during step 3's rollout): checkpoint "
+        f"{out / 'checkpoints' / 'step_000002'} of step 2 written; resume=true continues from there"
+    )
+    assert not _alive(pids[0])
+
+
+def test_a_producer_that_hangs_stops_the_trainer_after_request_timeout(tmp_path, monkeypatch, capsys):
+    """A reward call of step 3's batch hangs in the producer's thread: the trainer waits
+    rollout.request_timeout=3 s for the batch, then stops with one line saying what the producer
+    was at, and step 2's checkpoint."""
+    HANG.clear()
+    monkeypatch.setitem(_ARMED, "calls", 0)
+    monkeypatch.setitem(_ARMED, "at", 2 * 16 + 5)  # the 5th response of step 3
+    args = [*QUICK, *S1, "steps=5", "data.reward=test_pipeline:hanging_reward", "rollout.request_timeout=3"]
+    t0 = time.monotonic()
+    try:
+        assert main([*args, f"output_dir={tmp_path}"]) == 2
+        took = time.monotonic() - t0
+    finally:
+        HANG.set()
+    assert took < 60
+    assert _err_lines(capsys)[-1] == (
+        "error: the rollout producer did not deliver step 3's batch within rollout.request_timeout=3 s (it "
+        "was producing step 3's batch) (during step 3's rollout): checkpoint "
+        f"{tmp_path / 'checkpoints' / 'step_000002'} of step 2 written; resume=true continues from there"
+    )
+
+
+# ---------------------------------------------------------------------------- stops and resumes
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("placement", ["colocated", "process"])
+def test_a_signal_stops_a_pipelined_run_and_its_resume_is_exact(tmp_path, monkeypatch, capsys, placement):
+    """SIGTERM as step 4's batch is produced (the trainer then trains step 3): the producer stops
+    after its chunk, the trainer at its step's end; step 3's checkpoint holds step 4's job (and
+    the weights of version 2 it samples with). Resumed, the run is the one that never stopped."""
+    real, calls = pipeline.produce, []
+
+    def signalled(side, cfg, task, world, device, job, progress):
+        calls.append(job.step)
+        if job.step == 4 and calls.count(4) == 1:
+            os.kill(os.getpid(), signal.SIGTERM)
+        return real(side, cfg, task, world, device, job, progress)
+
+    monkeypatch.setattr(pipeline, "produce", signalled)
+    args = [*QUICK, *S1, "steps=6", f"rollout.placement={placement}"]
+    out = tmp_path / "run"
+    assert main([*args, f"output_dir={out}"]) == 128 + signal.SIGTERM
+    line = _err_lines(capsys)[-1]
+    assert line.startswith("error: SIGTERM during step ") and "resume=true continues from there" in line
+    monkeypatch.undo()
+    assert main([*args, f"output_dir={out}", "resume=true"]) == 0
+    assert main([*args, f"output_dir={tmp_path / 'straight'}"]) == 0
+    _same_run(out, tmp_path / "straight")
+
+
+def _children(pid: int) -> list[int]:
+    kids = []
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        kids += [int(c) for c in (task / "children").read_text().split()]
+    return kids
+
+
+def _popen(out: Path, *extra: str) -> subprocess.Popen:
+    # tests/ (data.reward=test_pipeline:...), then the checkout (tests/conftest.py puts it on PYTHONPATH)
+    path = os.pathsep.join(p for p in (str(Path(__file__).parent), os.environ.get("PYTHONPATH")) if p)
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": path}
+    cmd = [sys.executable, "-m", "grpo_fast.train", *QUICK, f"output_dir={out}", *extra]
+    return subprocess.Popen(cmd, env=env, stderr=subprocess.PIPE, text=True, start_new_session=True)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("signame", ["SIGTERM", "SIGINT"])
+def test_a_signal_to_the_process_group_stops_trainer_and_worker_within_seconds(tmp_path, signame):
+    """A scheduler's SIGTERM or a Ctrl-C reaches every process of the group, the worker too: the
+    worker ignores it, the trainer stops with one line, and the worker is gone when it has."""
+    out = tmp_path / "run"
+    proc = _popen(out, *S1, "rollout.placement=process", "steps=100000")
+    try:
+        deadline = time.monotonic() + 600
+        while proc.poll() is None and time.monotonic() < deadline:
+            if (out / "metrics.jsonl").is_file() and len(
+                (out / "metrics.jsonl").read_text().splitlines()
+            ) >= 3:
+                break
+            time.sleep(0.05)
+        assert proc.poll() is None, proc.communicate()[1][-2000:]
+        workers = _children(proc.pid)
+        assert workers
+        os.killpg(proc.pid, getattr(signal, signame))
+        sent = time.monotonic()
+        _, err = proc.communicate(timeout=60)
+        took = time.monotonic() - sent
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    # measured: 0.4-1.2 s at load 8 on 2 cores
+    assert took < 10.0 and proc.returncode == 128 + getattr(signal, signame), err[-2000:]
+    assert "Traceback" not in err
+    last = err.strip().splitlines()[-1]
+    assert last.startswith(f"error: {signame} during step ") and last.endswith(
+        "resume=true continues from there"
+    )
+    time.sleep(1.0)  # the worker's watchdog polls its parent every 0.5 s
+    assert not any(_alive(pid) for pid in workers)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("placement", ["colocated", "process"])
+def test_sigkill_then_resume_with_staleness_one_gives_the_same_metrics(tmp_path, placement):
+    """The done-criterion of issue 32: killed after step 6's checkpoint (the producer one batch
+    ahead), resumed, the run's metrics and final weights are the uninterrupted run's; no worker
+    outlives the killed trainer."""
+    from test_train import _train_cmd
+
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    cmd = lambda out, *extra: _train_cmd(out, *S1, f"rollout.placement={placement}", *extra)
+    subprocess.run(cmd(tmp_path / "straight"), check=True, env=env, capture_output=True, timeout=900)
+    killed = tmp_path / "killed"
+    proc = subprocess.Popen(cmd(killed), env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    target = killed / "checkpoints" / "step_000006" / "trainer_state.pt"
+    deadline = time.time() + 900
+    while not target.exists() and proc.poll() is None and time.time() < deadline:
+        time.sleep(0.05)
+    workers = _children(proc.pid)
+    os.kill(proc.pid, signal.SIGKILL)  # mid-run, after the step-6 checkpoint, before the end
+    proc.wait()
+    assert target.exists() and not (killed / "final").exists()
+    res = subprocess.run(cmd(killed, "resume=true"), env=env, capture_output=True, text=True, timeout=900)
+    assert res.returncode == 0, res.stderr
+    assert [r["step"] for r in _rows(killed)] == list(range(11))
+    _same_run(killed, tmp_path / "straight")
+    assert not any(_alive(pid) for pid in workers)
+
+
+@pytest.mark.slow
+def test_staleness_one_learns_as_well_as_lockstep(tmp_path):
+    """The tiny preset (seed 0) with max_staleness=1 gains at least 0.3 eval accuracy and no less
+    than lockstep's gain minus 0.05 (issue 32's bar, "learns as well as lockstep"). One-sided: a
+    stale run that learns more is not a defect, and two runs whose trajectories differ land apart
+    by about that much either way (lockstep seed 0 vs seed 1 on this preset: docs/rollout.md)."""
+    gains = {}
+    for name, extra in (("lockstep", []), ("stale1", S1)):
+        out = tmp_path / name
+        cmd = [
+            sys.executable,
+            "-m",
+            "grpo_fast.train",
+            "--preset",
+            "tiny",
+            f"output_dir={out}",
+            "logging.progress=false",
+            *extra,
+        ]
+        res = subprocess.run(cmd, capture_output=True, text=True, timeout=3600, env={**os.environ})
+        assert res.returncode == 0, res.stderr[-2000:]
+        evals = [r["eval/accuracy"] for r in _rows(out) if "eval/accuracy" in r]
+        gains[name] = evals[-1] - evals[0]
+    assert gains["stale1"] >= 0.30 and gains["stale1"] >= gains["lockstep"] - 0.05, gains
+
+
+def test_worker_threads_auto_is_half_the_cpus():
+    assert [hf_process.worker_threads("auto", n) for n in (1, 2, 3, 16)] == [1, 1, 1, 8]
+    assert hf_process.worker_threads(3, 2) == 3
