@@ -142,7 +142,7 @@ def test_gpu(run_bench, impl, n, d, v):
 # The chunk_size axis (issue 11, item 9): rows of logits per lm_head chunk. On CUDA the default is
 # 2,048 rows at V = 151,936 bf16 (the GEMM-efficiency floor: the fp32 weight-gradient GEMM at
 # ≈ C·D / (C + 4·D) = 384 FLOP/byte, D = 1,536), against 384 from the 128 MiB budget alone (90).
-# On CPU the default is the budget's 1,024 rows at V = 32,768 fp32.
+# On CPU the default is the 64 MiB budget's 512 rows at V = 32,768 fp32 (1,024 before 2026-12-03).
 CPU_CHUNKS = [256, 512, 1024]
 GPU_CHUNKS = [384, 1024, 2048, 4096]
 

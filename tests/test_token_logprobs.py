@@ -256,6 +256,89 @@ def test_inplace_grad_refuses_reuse(backend):
         token_logprobs_and_entropy(base.clone().requires_grad_(), labels, backend=backend, inplace_grad=True)
 
 
+# ------------------------------------------- the fused head's in-place kernels (torch_chunked, CPU)
+
+
+def _fused_head_logits(truncated: bool, temperature: float):
+    """N = 37 rows (not a multiple of a forward tile's 127), V = 4,099: −inf inside rows, a row of
+    2,000 leading −inf, and with ``truncated`` top-p 0.8 thresholds (``sampler_thresholds``)."""
+    from grpo_fast.ops.token_logprobs import sampler_thresholds
+
+    logits = _random_logits(37, 4099, seed=11)
+    logits[::4, 100:3000:7] = -math.inf
+    logits[1, :2000] = -math.inf
+    labels = _finite_labels(logits, seed=11)
+    thr = sampler_thresholds(logits, 1 / temperature, 0, 0.8) if truncated else None
+    return logits, labels, thr
+
+
+@pytest.mark.parametrize("truncated", [False, True], ids=["full", "top_p0.8"])
+@pytest.mark.parametrize("temperature", [1.0, 0.7], ids=["T1", "T0.7"])
+def test_fwd_exps_same_outputs_and_leaves_exps(temperature, truncated):
+    """``token_logprobs_fwd_exps``: bitwise ``token_logprobs_fwd``'s four outputs, and over the
+    logits ``exp(s − m)``: bitwise what ``exps_of_logits`` recomputes from the logits and ``m`` (the
+    two-pass mode's gradient pass), within 1 ulp of float64 ``exp`` of the fp32 ``s − m``, and exactly
+    0 at −inf entries and left-out tokens."""
+    from grpo_fast.ops import _torch_chunked as kernels
+
+    logits, labels, thr = _fused_head_logits(truncated, temperature)
+    inv_t = 1 / temperature
+    plain = kernels.token_logprobs_fwd(logits, labels, inv_t, thr)
+    exps = logits.clone()
+    outs = kernels.token_logprobs_fwd_exps(exps, labels, inv_t, thr)
+    for name, a, b in zip(("logp", "entropy", "row_max", "log_norm"), outs, plain):
+        assert torch.equal(a, b), name
+    again = kernels.exps_of_logits(logits.clone(), labels, outs[2], inv_t, thr)
+    assert torch.equal(again, exps)
+    s = logits * inv_t if temperature != 1.0 else logits  # fp32, as the kernel rounds it
+    if thr is not None:
+        keep = (s >= thr[:, None]) | (torch.arange(4099) == labels[:, None])
+        s = s.masked_fill(~keep, -math.inf)
+    d = s - outs[2][:, None]  # fp32 s − m
+    expected = d.double().exp()
+    assert torch.equal(exps[expected == 0], torch.zeros(int((expected == 0).sum())))
+    ulp = torch.finfo(torch.float32).eps * expected
+    assert ((exps.double() - expected).abs() <= ulp).all()
+
+
+@pytest.mark.parametrize("truncated", [False, True], ids=["full", "top_p0.8"])
+@pytest.mark.parametrize("temperature", [1.0, 0.7], ids=["T1", "T0.7"])
+@pytest.mark.parametrize("entropy_grad", [True, False], ids=["entropy", "no-entropy"])
+def test_dlogits_from_exps_matches_float64_reference(entropy_grad, temperature, truncated):
+    """``dlogits_from_exps`` over the forward's exps (the fused head's backward with an entropy
+    term), random upstream gradients on log-probs and entropies (or none on the entropies): within
+    2x eager's error of float64, as ``test_neg_inf_entries`` asks of ``token_logprobs_bwd``;
+    exactly 0 at −inf entries and left-out tokens."""
+    from grpo_fast.ops import _torch_chunked as kernels
+
+    logits, labels, thr = _fused_head_logits(truncated, temperature)
+    trunc = dict(top_p=0.8) if truncated else {}
+    g = torch.Generator().manual_seed(12)
+    g_lp, g_h = torch.randn(37, generator=g), torch.randn(37, generator=g)
+    if not entropy_grad:
+        g_h = torch.zeros(37)
+    exps = logits.clone()
+    _, h, _, log_norm = kernels.token_logprobs_fwd_exps(exps, labels, 1 / temperature, thr)
+    dz = kernels.dlogits_from_exps(exps, labels, g_lp, g_h, log_norm, h, 1 / temperature)
+
+    def eager(z: torch.Tensor) -> torch.Tensor:
+        z = z.clone().requires_grad_()
+        e_lp, e_h = eager_token_logprobs_and_entropy(z, labels, temperature, **trunc)
+        (e_lp * g_lp.to(z.dtype) + e_h * g_h.to(z.dtype)).sum().backward()
+        return z.grad
+
+    ref, base = eager(logits.double()), eager(logits)
+    s64 = logits.double() / temperature
+    if thr is not None:
+        from grpo_fast.algo.core import truncated_logits, truncation_threshold
+
+        s64 = truncated_logits(s64, labels, truncation_threshold(s64, 0, 0.8))
+    scale = logit_grad_scale(s64 * temperature, labels, temperature, g_lp, g_h)
+    assert_close_to_reference(dz, ref, base, name="grad_logits", scale=scale)
+    zero = ~s64.isfinite()
+    assert zero.any() and torch.equal(dz[zero], torch.zeros(int(zero.sum())))
+
+
 def test_assert_helper_reports_mismatch():
     ref = torch.tensor([1.0, 2.0, math.nan, -math.inf], dtype=torch.float64)
     eager = torch.tensor([1.0, 2.001, math.nan, -math.inf])  # eager is off by 1e-3 on entry 1 only

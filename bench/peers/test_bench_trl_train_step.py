@@ -29,6 +29,7 @@ from torch.profiler import ProfilerActivity, profile, record_function
 
 from bench.peers.duel import ComputeThread, OnThread, TRLStepper
 from bench.peers.workloads import (
+    LONG_RESPONSES,
     PROMPT_HEAVY,
     TINY,
     VERSIONS,
@@ -219,7 +220,7 @@ def _grpo_fast_version() -> str:
 
 
 @pytest.mark.benchmark(group="peers-train_step-cpu")
-@pytest.mark.parametrize("case_name", [TINY.name, WIDE.name, PROMPT_HEAVY.name])
+@pytest.mark.parametrize("case_name", [TINY.name, WIDE.name, PROMPT_HEAVY.name, LONG_RESPONSES.name])
 def test_train_step_vs_trl_cpu(benchmark, request, case_name):
     pytest.importorskip("trl", reason=PEERS_MISSING)
     run_duel(benchmark, request, case_name, torch.device("cpu"))

@@ -35,10 +35,10 @@ from grpo_fast.algo.course import compute_group_normalized_rewards
 from grpo_fast.algo.prompt_sampler import PromptSampler
 from grpo_fast.config import Config, load_config, shares_prompts
 from grpo_fast.loop.optim import build_optimizer
-from grpo_fast.policy.batch import build_sequences, make_microbatches
+from grpo_fast.policy.batch import loss_trajectories, make_microbatches
 from grpo_fast.policy.loss import build_policy_loss
 from grpo_fast.policy.model import autocast_dtype
-from grpo_fast.rollout import SamplingParams
+from grpo_fast.rollout import Rollout, SamplingParams
 from grpo_fast.rollout.hf import HFBackend
 from grpo_fast.tools import plan
 
@@ -135,7 +135,26 @@ PROMPT_HEAVY = Case(
     prompt_tokens=128,
     layers=4,
 )
-CASES = {c.name: c for c in (TINY, WIDE, PROMPT_HEAVY)}
+# Long responses, where users' runs spend their time (R1-Zero-style reasoning runs sample
+# hundreds of tokens a response): the prompt-heavy case's random Qwen2 (4 layers, D 512, V 32,768,
+# tied), 4 prompts of 16 tokens × 8 responses of 256 to 512 tokens (random weights rarely sample
+# the EOS id: most responses run to 512).
+LONG_RESPONSES = Case(
+    name="qwen2-4L-d512-v32768-long512",
+    n_prompts=4,
+    group_size=8,
+    max_tokens=512,
+    min_tokens=256,
+    lr=1e-5,
+    warmup_steps=1,
+    rounds=3,
+    describe=(
+        "random Qwen2 (4 layers, D 512, V 32,768, tied): 4 prompts of 16 tokens × 8 responses of "
+        "256 to 512 tokens, lr 1e-5, reward = share of even token ids"
+    ),
+    layers=4,
+)
+CASES = {c.name: c for c in (TINY, WIDE, PROMPT_HEAVY, LONG_RESPONSES)}
 WIDE_VOCAB = 32768
 
 
@@ -204,10 +223,10 @@ def wide_config(layers: int = 6, max_positions: int = 256, pad_id: int = 0, eos_
     )
 
 
-def wide_model(tokenizer, seed: int = 0, layers: int = 6):
+def wide_model(tokenizer, seed: int = 0, layers: int = 6, max_positions: int = 256):
     from transformers import Qwen2ForCausalLM
 
-    config = wide_config(layers, pad_id=tokenizer.pad_token_id, eos_id=tokenizer.eos_token_id)
+    config = wide_config(layers, max_positions, pad_id=tokenizer.pad_token_id, eos_id=tokenizer.eos_token_id)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         return Qwen2ForCausalLM(config)
@@ -278,12 +297,13 @@ def make_problem(case_name: str) -> Problem:
     prompts = [
         " ".join(f"t{rng.randrange(3, WIDE_VOCAB)}" for _ in range(case.prompt_tokens)) for _ in range(n)
     ]
-    state = wide_model(tokenizer, layers=case.layers).state_dict()
+    positions = max(256, case.prompt_tokens + case.max_tokens)  # RoPE: no weights depend on it
+    state = wide_model(tokenizer, layers=case.layers, max_positions=positions).state_dict()
     return Problem(
         case=case,
         state_dict=state,
         tokenizer=tokenizer,
-        build_model=lambda: wide_model(tokenizer, layers=case.layers),
+        build_model=lambda: wide_model(tokenizer, layers=case.layers, max_positions=positions),
         prompts=prompts,
         answers=[""] * n,
         reward_fn=even_token_reward,
@@ -305,7 +325,7 @@ class StepRecord:
 
 class GrpoFastStepper:
     """One step of ``grpo_fast.train``'s loop body, without its logging, evaluation and
-    checkpoints: generate (``HFBackend``) → rewards → group advantages → ``build_sequences`` →
+    checkpoints: generate (``HFBackend``) → rewards → group advantages → ``loss_trajectories`` →
     drop zero-advantage responses (as the loop does) → microbatches → ``optimize_on_rollout``
     (fused lm_head + loss, backward, clip, AdamW step)."""
 
@@ -352,10 +372,9 @@ class GrpoFastStepper:
         )
         t1 = time.perf_counter()
         lengths = [len(x) for x in rollout.response_ids]
-        seqs = build_sequences(
-            rollout.prompt_ids,
-            rollout.response_ids,
-            advantages,
+        seqs = loss_trajectories(
+            Rollout(rollout.prompt_ids, rollout.response_ids),
+            advantages=advantages,
             length_norm=cfg.loss.length_norm,
             max_length=r.max_tokens,
             num_sequences=len(lengths),

@@ -24,8 +24,8 @@ from types import ModuleType
 
 import torch
 
-from grpo_fast.algo.core import check_sequence_ids_given
 from grpo_fast.algo.loss_options import LossOptions
+from grpo_fast.algo.token_loss import check_sequence_ids_given
 
 __all__ = [
     "BACKENDS",
@@ -37,6 +37,7 @@ __all__ = [
     "check_temperature",
     "check_truncation",
     "kernels_for",
+    "triton_unavailable",
 ]
 
 BACKENDS = ("auto", "triton", "torch_chunked", "eager")
@@ -49,12 +50,19 @@ def check_backend(backend: str, device: torch.device) -> str:
         raise ValueError(f"unknown backend {backend!r}; expected one of {', '.join(BACKENDS)}")
     if backend == "auto":
         return "triton" if device.type == "cuda" else "torch_chunked"
-    if backend == "triton" and device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
-        raise ValueError(
-            "backend='triton' needs CUDA tensors, or TRITON_INTERPRET=1 set before triton is imported "
-            f"to run under the interpreter; got tensors on {device}"
-        )
+    if backend == "triton" and (why_not := triton_unavailable(device.type)) is not None:
+        raise ValueError(f"backend='triton' {why_not}; got tensors on {device}")
     return backend
+
+
+def triton_unavailable(device_type: str) -> str | None:
+    """Why the Triton kernels cannot run on ``device_type`` (``"cuda"``, ``"cpu"``, ...), or None:
+    they need CUDA, or the interpreter (``TRITON_INTERPRET=1`` set before triton is imported)."""
+    if device_type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1":
+        return None
+    return (
+        "needs CUDA tensors, or TRITON_INTERPRET=1 set before triton is imported to run under the interpreter"
+    )
 
 
 def kernels_for(backend: str) -> ModuleType:

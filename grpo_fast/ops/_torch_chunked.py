@@ -1,36 +1,62 @@
 """The ``torch_chunked`` backend: the token log-prob kernels in plain PyTorch, on any device.
 
-The same algorithm as ``csrc_triton/token_logprobs.py`` (see its docstring for the math). Rows go
-in fixed tiles of ``ROW_TILE`` (the last one zero-padded) and the vocabulary in blocks of
-``VOCAB_BLOCK`` with an online max, so the extra memory is a few ``[ROW_TILE, VOCAB_BLOCK]`` fp32
-tiles (4 MiB each), never ``[N, V]``. Neither size depends on N: every row goes through the same op
-sequence on a tile of the same shape whatever shares the call, so its results are bitwise batch
-invariant.
+The same algorithm as ``csrc_triton/token_logprobs.py`` (see its docstring for the math), in tiles
+whose size depends only on ``V``, never on ``N``: every row goes through the same op sequence on a
+tile of the same width whatever shares the call, so its results are bitwise batch invariant.
 
-Each op reads and writes whole blocks from memory, so the cost is the number of passes over a block.
-Per block of fp32 logits at T = 1 with no ``−inf`` and no truncation, the forward makes 6 passes
-(max, ``d = s − m``, ``e = exp(d)``, ``Σ e`` in fp64, ``e·d``, ``Σ e·d`` from fp32 partials) and
-the backward 3 (``d``, ``exp``, ``·c1`` into ``out``) when the loss has no entropy term (``g_H = 0``),
-6 with one; before 2026-12-02 they made about 12 and 14, with two fp64 copies of the block in the
-forward. One fused fwd+bwd (N 4,096, D 256, V 32,768 fp32, CPU, one thread, 2 cores shared at load
-≈ 4.2, medians of 3 alternating runs): 4.24 s -> 2.83 s, 2.22x -> 1.48x its three GEMMs (1.91 s;
-``bench/test_bench_fused_linear_grpo_loss.py``, ``gemm_floor``).
+Forward: tiles of ``tile_rows(V)`` whole rows (``FWD_TILE_BYTES`` of fp32 per tile, one scratch
+tile beside it: both stay in a core's cache while the ops pass over them). Per tile of fp32
+logits at T = 1 with no ``−inf`` and no truncation, 5 passes: ``m = max s``, ``d = s − m``,
+``e = exp(d)``, ``Σ e``, ``Σ e·d`` (the last two as fp32 partial sums of 16, then fp64 over the
+partials: ``_row_sum64``). ``token_logprobs_fwd`` writes ``e`` to a second scratch tile;
+``token_logprobs_fwd_exps`` writes it over the logits, which the fused head then reads as its
+gradient's matrix (``fused_linear_grpo_loss``: with no entropy term its backward makes no pass
+over the logits at all). Both compute the same values, bitwise.
+
+Backward (``token_logprobs_bwd``, the logits-level ops): fixed tiles of ``ROW_TILE`` rows (the
+last one zero-padded) by ``VOCAB_BLOCK`` columns, 3 passes per block after ``s − m`` with no
+entropy term (``g_H = 0``), 6 with one.
 """
 
 from __future__ import annotations
 
 import torch
 
-__all__ = ["ROW_TILE", "VOCAB_BLOCK", "token_logprobs_bwd", "token_logprobs_fwd"]
+__all__ = [
+    "FWD_TILE_BYTES",
+    "ROW_TILE",
+    "VOCAB_BLOCK",
+    "dlogits_from_exps",
+    "exps_of_logits",
+    "tile_rows",
+    "token_logprobs_bwd",
+    "token_logprobs_fwd",
+    "token_logprobs_fwd_exps",
+]
 
-# 64 x 16384 fp32 = 4 MiB per tile. Bigger tiles mean fewer ops, which matters on a busy CPU: with
-# 2 OpenMP threads on a loaded 2-core machine each op can wait a scheduler slice (~10 ms), and
-# N = 512, V = 32,768 fwd + bwd took 17.5 s with 32 x 8192 tiles against 4.4 s with these
-# (0.27 s vs 0.28 s on one uncontended thread).
+# The backward's tiles: 64 x 16384 fp32 = 4 MiB. Bigger tiles mean fewer ops, which matters on a
+# busy CPU: with 2 OpenMP threads on a loaded 2-core machine each op can wait a scheduler slice
+# (~10 ms), and N = 512, V = 32,768 fwd + bwd took 17.5 s with 32 x 8192 tiles against 4.4 s with
+# these (0.27 s vs 0.28 s on one uncontended thread).
 ROW_TILE = 64
 VOCAB_BLOCK = 16384
+# The forward's tiles: whole rows, this many fp32 bytes (at least one row), with one scratch tile
+# of the same size beside it. On a CPU, a few MiB stay in cache across the tile's passes while the
+# ops are few: N 4,096, D 256, V 32,768 fp32, chunks of 512 rows, one thread (CPU time, median of
+# 5 alternating in one process, 2 shared cores at load ≈ 9): 3.22 s with 512 KiB tiles (4 rows),
+# 3.04 s with 2 MiB (16), 3.05 s with 8 MiB (64), against 2.83 s for the three GEMMs alone. On CUDA
+# (torch_chunked as a fallback) each op is a kernel launch: at N 8,192, V 151,936 about 2,700
+# tiles of 3 rows, ≈ 12 launches each, against 1,280 tiles of 64 x 16,384 with ≈ 15 before.
+FWD_TILE_BYTES = 2**21
 # Entries per fp32 partial sum of a row (_row_sum64).
 _SUM_GROUP = 16
+_NEG_INF = float("-inf")
+
+
+def tile_rows(vocab_size: int) -> int:
+    """Rows per forward tile at ``vocab_size``: ``FWD_TILE_BYTES`` of fp32, at least 1. Never
+    depends on the number of rows."""
+    return max(1, FWD_TILE_BYTES // (4 * vocab_size))
 
 
 def _row_tile(x: torch.Tensor, r0: int) -> torch.Tensor:
@@ -49,10 +75,10 @@ def _row_sum64(x: torch.Tensor) -> torch.Tensor:
     without the fp64 copy of ``x`` that ``x.sum(1, dtype=torch.float64)`` makes. Each partial rounds at
     most 15 times and their errors are independent: a few units of 2⁻²⁴ relative, not exact.
 
-    Used for ``A = Σ e·(s − m) ≤ 0``: H = log S − A/S adds two non-negative terms, so an error of
-    ``δ`` relative in ``A`` moves ``H`` by at most ``δ·H`` (on the N = 70, V = 4,099 batch-invariance
-    logits, max |H − H₆₄| 2.5e-7 against 2.4e-7 with an exact fp64 sum; the tests' atol is 4 units
-    of 2⁻²⁴ at |H|). ``S`` is summed exactly: ``logp`` and the gradient read ``log S`` directly.
+    Used for ``S = Σ e`` and ``A = Σ e·(s − m) ≤ 0``. H = log S − A/S adds two non-negative terms,
+    so an error of ``δ`` relative in ``A`` moves ``H`` by at most ``δ·H`` (on the N = 70, V = 4,099
+    batch-invariance logits, max |H − H₆₄| 2.5e-7 against 2.4e-7 with an exact fp64 sum; the tests'
+    atol is 4 units of 2⁻²⁴ at |H|).
     """
     w = x.shape[1]
     main = w - w % _SUM_GROUP
@@ -96,70 +122,143 @@ def _has_neg_inf(block: torch.Tensor) -> bool:
     return bool((block.amin(dim=1) == float("-inf")).any())
 
 
+def _shift(x, inv_t, labels_tile, thr, ref, out) -> torch.Tensor:
+    """``out = s − ref`` for a tile ``x`` ``[R, V]`` of logits (any float dtype) into fp32 ``out``,
+    the tokens truncated sampling leaves out at ``−inf``; ``ref`` ``[R, 1]`` fp32, or None for the
+    row max of ``s`` (0 for a row of only ``−inf``). Returns ``ref``."""
+    if thr is None:
+        if ref is None:
+            m = x.amax(dim=1, keepdim=True).float()  # [R, V] -> [R, 1]; = max of s: rounding is monotone
+            m = m * inv_t if inv_t != 1.0 else m
+            ref = torch.where(m == _NEG_INF, 0.0, m)
+        _shifted(x, inv_t, ref, out)
+        return ref
+    _truncated(_scaled(x, inv_t, out), 0, labels_tile, thr)
+    if ref is None:
+        m = out.amax(dim=1, keepdim=True)  # [R, V] -> [R, 1]
+        ref = torch.where(m == _NEG_INF, 0.0, m)
+    out.sub_(ref)
+    return ref
+
+
+def _fwd(logits, labels, inv_temperature, threshold, into_logits: bool):
+    """The forward of ``token_logprobs_fwd`` (``into_logits``: ``token_logprobs_fwd_exps``)."""
+    n, v = logits.shape
+    device = logits.device
+    r = tile_rows(v)
+    shifted = torch.empty(min(r, n), v, device=device)  # d = s − m, then e·d
+    exps = None if into_logits else torch.empty_like(shifted)  # e = exp(d)
+    labels = labels.long()
+    # read before the exps overwrite the logits
+    s_label = logits.gather(1, labels[:, None]).squeeze(1).float() * inv_temperature  # [N]
+    row_max = torch.empty(n, device=device)
+    # S and A in fp64 from fp32 partials of 16 (_row_sum64); the tile's exps stay fp32
+    sum_exp = torch.empty(n, dtype=torch.float64, device=device)  # S = Σ exp(s − m)
+    sum_exp_shift = torch.empty(n, dtype=torch.float64, device=device)  # A = Σ exp(s − m)·(s − m)
+    for r0 in range(0, n, r):
+        rows = slice(r0, r0 + r)
+        x = logits[rows]  # [R, V]
+        d = shifted[: x.shape[0]]
+        e = x if into_logits else exps[: x.shape[0]]
+        thr = None if threshold is None else threshold[rows, None]
+        ref = _shift(x, inv_temperature, labels[rows], thr, None, d)  # d = s − m
+        torch.exp(d, out=e)
+        sum_exp[rows] = _row_sum64(e)
+        ed = d.mul_(e)
+        # a −inf logit gives exp(−inf)·(−inf) = NaN: those terms are 0 (a NaN row gives NaN either
+        # way). On CPU only when a NaN shows; on CUDA that check is a host-device sync per tile, so
+        # there the masked pass always runs
+        if thr is not None or e.is_cuda:
+            ed.masked_fill_(e == 0.0, 0.0)
+        a = _row_sum64(ed)
+        if thr is None and not e.is_cuda and bool(a.isnan().any()):
+            a = _row_sum64(ed.masked_fill_(e == 0.0, 0.0))
+        sum_exp_shift[rows] = a
+        row_max[rows] = ref.squeeze(1)
+    log_norm = torch.log(sum_exp)  # fp64
+    # one fp32 rounding per output: (s_y − m) − log S and log S − A/S are combined in fp64
+    logp = ((s_label.double() - row_max.double()) - log_norm).float()
+    entropy = (log_norm - sum_exp_shift / sum_exp).float()
+    return logp, entropy, row_max, log_norm.float()
+
+
 def token_logprobs_fwd(
     logits: torch.Tensor, labels: torch.Tensor, inv_temperature: float, threshold: torch.Tensor | None = None
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """``[N, V], [N] -> (logp, entropy, row_max, log_norm)``, each ``[N]`` fp32; see csrc_triton.
     ``threshold`` ``[N]`` fp32: the truncated distribution's (``grpo_fast.algo.core.truncation_threshold``)."""
+    return _fwd(logits, labels, inv_temperature, threshold, into_logits=False)
+
+
+def token_logprobs_fwd_exps(
+    logits: torch.Tensor, labels: torch.Tensor, inv_temperature: float, threshold: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``token_logprobs_fwd`` (bitwise the same outputs) that leaves ``exp(s − row_max)`` in
+    ``logits`` (``[N, V]`` fp32, unit stride along V): 0 where truncated sampling leaves a token out."""
+    return _fwd(logits, labels, inv_temperature, threshold, into_logits=True)
+
+
+def exps_of_logits(
+    logits: torch.Tensor,
+    labels: torch.Tensor,
+    row_max: torch.Tensor,
+    inv_temperature: float,
+    threshold: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Overwrite ``logits`` ``[N, V]`` fp32 with ``exp(s − row_max)``, the forward's ``row_max`` (and
+    ``threshold``): bitwise what ``token_logprobs_fwd_exps`` leaves there (the same ops on the same
+    tiles). Returns ``logits``."""
     n, v = logits.shape
-    device = logits.device
-    outs = tuple(torch.empty(n, dtype=torch.float32, device=device) for _ in range(4))
-    neg_inf = float("-inf")
-    shifted = torch.empty(ROW_TILE, min(VOCAB_BLOCK, v), device=device)  # d = s − m, then e·d
-    exps = torch.empty_like(shifted)  # e = exp(d)
-    for r0 in range(0, n, ROW_TILE):
-        rows = _row_tile(logits, r0)  # [R, V]
-        labels_tile = _row_tile(labels, r0).long()
-        thr = None if threshold is None else _row_tile(threshold, r0)[:, None]
-        m = torch.full((ROW_TILE,), neg_inf, device=device)  # running max of s
-        # S and A accumulate in fp64 (the tile's exps stay fp32). An fp32 row sum of V exps is off by a
-        # few ulps (N = 37, V = 1000, T = 0.7, row 13: S 2.4e-7 relative, which moved a logp ≈ −19.9 one
-        # ulp, 1.9e-6, and the ratio exp(logp − old) with it: grad error 3.15e-7 against eager's 1.15e-7;
-        # with fp64 sums logp is off 3.6e-7, 0.2 ulp, as eager is). S is summed exactly in fp64; A only
-        # enters H = log S − A/S, where fp32 partial sums of 16 terms (_row_sum64) keep H within an ulp.
-        sum_exp = torch.zeros(ROW_TILE, dtype=torch.float64, device=device)  # S = Σ exp(s − m)
-        sum_exp_shift = torch.zeros(ROW_TILE, dtype=torch.float64, device=device)  # A = Σ exp(s − m)·(s − m)
-        for v0 in range(0, v, VOCAB_BLOCK):
-            block = rows[:, v0 : v0 + VOCAB_BLOCK]  # [R, Vb] logits
-            d, e = shifted[:, : block.shape[1]], exps[:, : block.shape[1]]
-            if thr is None:
-                # = max of s: rounding is monotone (aminmax, for the −inf check too, is 4x slower than amax)
-                block_max = block.amax(dim=1).float() * inv_temperature  # [R, Vb] -> [R]
-            else:
-                block_max = _truncated(_scaled(block, inv_temperature, d), v0, labels_tile, thr).amax(dim=1)
-            m_new = torch.maximum(m, block_max)
-            ref = torch.where(m_new == neg_inf, 0.0, m_new)  # finite while the row is all −inf
-            alpha = torch.exp(m - ref).double()
-            shift = torch.where(m == neg_inf, 0.0, m - ref).double()
-            if thr is None:
-                _shifted(block, inv_temperature, ref[:, None], d)  # d = s − ref
-            else:
-                d.sub_(ref[:, None])
-            torch.exp(d, out=e)
-            block_sum = e.sum(dim=1, dtype=torch.float64)  # an fp64 copy of e: S must be exact
-            if thr is None and not block.is_cuda:
-                block_shift = _row_sum64(d.mul_(e))  # Σ e·d
-                # a −inf logit gives exp(−inf)·(−inf) = NaN: then again with those terms at 0 (a NaN
-                # row gives NaN either way). CPU only: on CUDA the check is a host-device sync per
-                # block (~1,300 a forward at N 8k, V 152k), so there the masked pass always runs
-                if bool(block_shift.isnan().any()):
-                    d = _shifted(block, inv_temperature, ref[:, None], d)
-                    block_shift = _row_sum64(d.mul_(e).masked_fill_(e == 0.0, 0.0))
-            else:
-                block_shift = _row_sum64(d.mul_(e).masked_fill_(e == 0.0, 0.0))
-            sum_exp_shift = alpha * (sum_exp_shift + shift * sum_exp) + block_shift
-            sum_exp = alpha * sum_exp + block_sum
-            m = m_new
-        ref = torch.where(m == neg_inf, 0.0, m)
-        log_norm = torch.log(sum_exp)  # fp64
-        s_label = rows.gather(1, labels_tile[:, None]).squeeze(1).float() * inv_temperature
-        k = min(ROW_TILE, n - r0)
-        # one fp32 rounding per output: (s_y − m) − log S and log S − A/S are combined in fp64
-        outs[0][r0 : r0 + k] = ((s_label.double() - ref.double()) - log_norm)[:k]
-        outs[1][r0 : r0 + k] = (log_norm - sum_exp_shift / sum_exp)[:k]
-        outs[2][r0 : r0 + k] = ref[:k]
-        outs[3][r0 : r0 + k] = log_norm[:k]
-    return outs
+    r = tile_rows(v)
+    shifted = torch.empty(min(r, n), v, device=logits.device)
+    labels = labels.long()
+    for r0 in range(0, n, r):
+        rows = slice(r0, r0 + r)
+        x = logits[rows]
+        d = shifted[: x.shape[0]]
+        thr = None if threshold is None else threshold[rows, None]
+        _shift(x, inv_temperature, labels[rows], thr, row_max[rows, None], d)
+        torch.exp(d, out=x)
+    return logits
+
+
+def dlogits_from_exps(
+    exps: torch.Tensor,
+    labels: torch.Tensor,
+    grad_logp: torch.Tensor,
+    grad_entropy: torch.Tensor,
+    log_norm: torch.Tensor,
+    entropy: torch.Tensor,
+    inv_temperature: float,
+) -> torch.Tensor:
+    """Overwrite ``exps`` ``[N, V]`` fp32 (``exp(s − m)``, as ``token_logprobs_fwd_exps`` leaves it)
+    with ``∂loss/∂logits``; returns it. The formula of ``token_logprobs_bwd`` with ``s − m = log e``:
+
+        dz = e·(c1 + c2·(log e + H − log S)) + δ_y·g_lp / T,   c1 = −g_lp / (T·S),  c2 = −g_H / (T·S)
+
+    ``log e`` for ``e ≥ 2⁻¹²⁶`` is ``s − m`` to one rounding of ``e`` (≤ 1.2e-7 absolute, below
+    the ulp of ``log S`` that eager's ``log p`` carries); below that (``s − m < −87.3``: the
+    truncated tokens, ``e = 0``) it is clamped, and ``e·(…)`` is then 0 or under 1e-36·|c|.
+    """
+    n, v = exps.shape
+    r = tile_rows(v)
+    scratch = torch.empty(min(r, n), v, device=exps.device)
+    inv_t = inv_temperature
+    # the row coefficients, each rounded once from fp64 (as token_logprobs_bwd)
+    inv_s = torch.exp(-log_norm.double())  # 1 / S
+    c1 = (grad_logp.double() * inv_s).mul_(-inv_t).float()[:, None]  # [N, 1]
+    c2 = (grad_entropy.double() * inv_s).mul_(-inv_t).float()[:, None]
+    h_minus_log_s = (entropy.double() - log_norm.double()).float()[:, None]
+    tiny = torch.finfo(torch.float32).tiny
+    for r0 in range(0, n, r):
+        rows = slice(r0, r0 + r)
+        e = exps[rows]
+        t = scratch[: e.shape[0]]
+        torch.clamp(e, min=tiny, out=t).log_().add_(h_minus_log_s[rows])  # log p + H
+        torch.addcmul(c1[rows], t, c2[rows], out=t)
+        e.mul_(t)
+    # + g_lp / T at each row's label column
+    return exps.scatter_add_(1, labels.long()[:, None], (grad_logp * inv_t)[:, None])
 
 
 def token_logprobs_bwd(

@@ -15,6 +15,18 @@ gradient of ``loss``. Peak extra memory: one chunk of logits, ``grad_hidden`` ``
 ``grad_weight`` ``[V, D]`` and, when the compute dtype differs from the weight's, ``W`` (during the
 forward only, unless the caller keeps it as ``weight_cast``). Nothing of it grows with N but ``grad_hidden``.
 
+With fp32 logits on ``torch_chunked`` (a CPU's backend), the forward kernel leaves ``e = exp(s − m)`` in the
+chunk's buffer instead of the logits (``token_logprobs_fwd_exps``: 5 passes over each tile of a few
+rows while it sits in cache), and with no entropy term the backward makes no pass over the chunk:
+``dlogits = c1·(e − S·δ_y)`` with ``c1 = −g_lp/(T·S)`` per row, so the two gradient GEMMs read
+``e`` (``S`` taken off each label entry) and the row scaling moves to their ``[C, D]`` operands
+(``_Gradients._add_exps_chunk``). With
+an entropy term ``dlogits`` is written over ``e`` (``dlogits_from_exps``: ``s − m = log e``). N 4,096,
+D 256, V 32,768 fp32 forward + backward, 1,024-row chunks, one thread, CPU time (medians of 4
+alternating in one process, 2 shared cores at load 8-10, 2026-12-03): 3.10 s, 1.11x its three
+GEMMs, where the logits kernels' 6 + 3 passes over 64 x 16,384 tiles took 4.36 s, 1.33x
+(``bench/peers/test_bench_liger_loss.py`` has the comparison with Liger-Kernel).
+
 Two-pass mode (``two_pass``), for row math that needs statistics over rows before any gradient
 (GSPO's sequence ratio needs every token of the sequence, and its sequences cross chunks; the
 top-entropy threshold needs every row's entropy):
@@ -43,7 +55,8 @@ accumulator and the embedding's gradient, which the tie makes autograd add. ``Po
 passes the bf16 copy as ``weight_cast``, cast once per optimizer step: 3 -> 2 buffers allocated
 per microbatch after the first of a step, for one bf16 ``[V, D]`` kept until the step.
 
-Default chunk (``default_chunk_size``): from the memory budget and, on CUDA, GEMM efficiency.
+Default chunk (``default_chunk_size``): from a memory budget (``CHUNK_LOGITS_BYTES`` on CUDA,
+``CPU_CHUNK_LOGITS_BYTES`` on a CPU) and, on CUDA, GEMM efficiency.
 The weight-gradient GEMM of a chunk of ``C`` rows, ``grad_weight [V, D] fp32 += dlogitsᵀ [V, C] @
 hidden_c [C, D]``, does ``2·V·C·D`` FLOP and moves ``2·V·C + 2·C·D`` bytes of bf16 operands plus
 ``8·V·D`` of the fp32 accumulator (read and written once per chunk): with ``V ≫ C, D`` its
@@ -65,16 +78,35 @@ CUDA the chunk is at least ``GEMM_MIN_ROWS`` (2,048) rows, as long as they take 
 128 rows fit, and never more than ``N``:
 
     V = 151,936 bf16, CUDA: 441 rows fit in 128 MiB, the floor makes it 2,048 rows (594 MiB)
-    V = 151,936 bf16, CPU:  384 rows (111 MiB)
-    V = 32,768 fp32, CUDA:  2,048 rows (256 MiB);  CPU: 1,024 rows (128 MiB)
+    V = 151,936 bf16, CPU:  220 rows fit in 64 MiB: 128 rows (37 MiB)
+    V = 32,768 fp32, CUDA:  2,048 rows (256 MiB);  CPU: 512 rows (64 MiB)
 
-On a CPU the floor does not apply: its ridge point is far lower (a few cores' FLOP/s over their
-memory bandwidth) and its runs are test-sized, so memory alone decides. These are formulas, not
-yet GPU measurements: ``bench/test_bench_fused_linear_grpo_loss.py`` has ``chunk_size`` as an
-axis for the first GPU run to settle it.
+These are formulas, not yet GPU measurements: ``bench/test_bench_fused_linear_grpo_loss.py`` has
+``chunk_size`` as an axis for the first GPU run to settle it.
+
+On a CPU the GEMM floor does not apply: its ridge point is far lower (a few cores' FLOP/s over
+their memory bandwidth), and one thread's GEMMs run as fast on 256 rows as on 1,024, so memory
+decides, with a budget of half CUDA's (``CPU_CHUNK_LOGITS_BYTES``, 64 MiB). N 4,096, D 256,
+V 32,768 fp32 forward + backward, one thread, CPU time (median of 4 alternating in one process,
+2 shared cores at load ≈ 8; peak RSS growth each in a fresh process):
+
+    chunk      op      its 3 GEMMs   peak
+      256    3.18 s      2.70 s      74 MB
+      512    3.20 s      2.81 s     107 MB   (the default)
+    1,024    3.10 s      2.80 s     174 MB   (the 128 MiB budget before 2026-12-03)
+
+against Liger-Kernel 0.8.5's fused-linear GRPO loss on the same problem, 131 MB (its chunk: one
+sequence of 256 rows).
 
 An eager ``[N, V]`` path at N = 8,192, V = 151,936 holds 2.5 GB of bf16 logits plus ≥ 3 fp32
 copies (≥ 15 GB) for its backward.
+
+Sequence parallelism (``across``, ``grpo_fast.policy.sequence_parallel``): each rank of an sp group
+calls the op on the rows it holds, a share of every sequence (no rank computes another's logits).
+The statistics of whole rows reduce over the group inside the row math (GSPO's per-sequence mean
+log-ratio, with its gradient; the top-entropy quantile); ``loss`` and the per-row outputs are the
+rank's, and the ranks' losses sum to the whole batch's. Token-mean normalization needs nothing
+here: it is in ``loss_weights``, counted before the split.
 """
 
 from __future__ import annotations
@@ -86,14 +118,10 @@ from typing import NamedTuple
 import torch
 from torch.autograd.function import once_differentiable
 
-from grpo_fast.algo.core import (
-    GRPOLossOutput,
-    LossParts,
-    eager_grpo_loss_from_logits,
-    truncates,
-    weighted_grpo_loss,
-)
 from grpo_fast.algo.loss_options import LossOptions
+from grpo_fast.algo.reference import eager_grpo_loss_from_logits
+from grpo_fast.algo.token_loss import GRPOLossOutput, LossParts, weighted_grpo_loss
+from grpo_fast.algo.truncation import truncates
 from grpo_fast.ops._backend import (
     check_backend,
     check_dtype,
@@ -109,12 +137,14 @@ from grpo_fast.ops.token_logprobs import sampler_thresholds
 __all__ = [
     "CHUNK_LOGITS_BYTES",
     "CHUNK_LOGITS_MAX_BYTES",
+    "CPU_CHUNK_LOGITS_BYTES",
     "GEMM_MIN_ROWS",
     "default_chunk_size",
     "fused_linear_grpo_loss",
 ]
 
-CHUNK_LOGITS_BYTES = 128 * 2**20  # the memory budget of one chunk of logits
+CHUNK_LOGITS_BYTES = 128 * 2**20  # the memory budget of one chunk of logits on CUDA
+CPU_CHUNK_LOGITS_BYTES = 64 * 2**20  # and on a CPU (module docstring: peak against Liger's)
 CHUNK_LOGITS_MAX_BYTES = 2**30  # the most the GEMM floor may take
 GEMM_MIN_ROWS = 2048  # on CUDA: the weight-gradient GEMM above the ridge point (module docstring)
 _GEMM_ROWS = 128
@@ -126,17 +156,20 @@ _GRADS_USED = (
 
 
 def default_chunk_size(num_rows: int, vocab_size: int, dtype: torch.dtype, device_type: str = "cuda") -> int:
-    """Rows per chunk: what ``CHUNK_LOGITS_BYTES`` of ``[C, V]`` logits hold, raised on CUDA to
-    ``GEMM_MIN_ROWS`` while those take at most ``CHUNK_LOGITS_MAX_BYTES``; a multiple of 128
-    when at least 128 rows fit, at most ``num_rows`` (see the module docstring for the numbers).
+    """Rows per chunk: what ``CHUNK_LOGITS_BYTES`` (CUDA) or ``CPU_CHUNK_LOGITS_BYTES`` (any
+    other device) of ``[C, V]`` logits hold, raised on CUDA to ``GEMM_MIN_ROWS`` while those take
+    at most ``CHUNK_LOGITS_MAX_BYTES``; a multiple of 128 when at least 128 rows fit, at most
+    ``num_rows`` (see the module docstring for the numbers).
 
-    Example: ``default_chunk_size(8192, 151936, torch.bfloat16) == 2048`` (CUDA), and ``384``
+    Example: ``default_chunk_size(8192, 151936, torch.bfloat16) == 2048`` (CUDA), and ``128``
     with ``device_type="cpu"``.
     """
     row_bytes = vocab_size * dtype.itemsize
-    rows = CHUNK_LOGITS_BYTES // row_bytes
     if device_type == "cuda":
+        rows = CHUNK_LOGITS_BYTES // row_bytes
         rows = max(rows, min(GEMM_MIN_ROWS, CHUNK_LOGITS_MAX_BYTES // row_bytes))
+    else:
+        rows = CPU_CHUNK_LOGITS_BYTES // row_bytes
     if rows >= _GEMM_ROWS:
         rows -= rows % _GEMM_ROWS
     return max(1, min(rows, num_rows))
@@ -167,10 +200,19 @@ class ChunkPlan:
     two_pass: bool
     top_k: int = 0  # the sampler's truncation (grpo_fast.ops.token_logprobs.sampler_thresholds)
     top_p: float = 1.0
+    # the forward leaves exp(s − m) in the chunk's fp32 logits buffer, the backward reads it
+    # (torch_chunked with fp32 logits: token_logprobs_fwd_exps, _Gradients._add_exps_chunk)
+    exps: bool = False
 
     def chunks(self, n: int):
         for r0 in range(0, n, self.chunk_size):
             yield slice(r0, min(r0 + self.chunk_size, n))
+
+    def forward_stats(self, logits, labels, threshold):
+        """The kernel forward of a chunk's ``logits [C, V]``: ``(logp, H, m, log S)``, ``[C]`` fp32
+        each; with ``exps``, ``logits`` holds ``exp(s − m)`` afterwards."""
+        fwd = self.kernels.token_logprobs_fwd_exps if self.exps else self.kernels.token_logprobs_fwd
+        return fwd(logits, labels, 1.0 / self.temperature, threshold)
 
 
 def _accumulate_fp32(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
@@ -200,10 +242,19 @@ class _Gradients:
         """One chunk's gradients from its per-row ``g_lp, g_H [C]``: ``dlogits`` over ``logits
         [C, V]`` (in place), ``grad_hidden[rows] = dlogits @ W``, ``grad_weight += dlogitsᵀ @ h``.
         ``stats``: the kernel's forward statistics of these rows, ``(row_max, log_norm, entropy)``;
-        ``threshold``: their truncated-sampling thresholds (None: the full distribution)."""
+        ``threshold``: their truncated-sampling thresholds (None: the full distribution).
+        With ``plan.exps``, ``logits`` holds the forward's ``exp(s − m)`` instead (``_add_exps_chunk``)."""
         plan = self.plan
         inv_t = 1.0 / plan.temperature
-        plan.kernels.token_logprobs_bwd(logits, labels, g_lp, g_h, *stats, inv_t, logits, threshold)
+        if plan.exps:
+            # with no entropy term: no pass over the chunk (on CUDA a host-device sync per chunk,
+            # as token_logprobs_bwd's with_entropy)
+            if not bool(g_h.ne(0).any()):
+                self._add_exps_chunk(logits, h, rows, labels, g_lp, stats[1])
+                return
+            plan.kernels.dlogits_from_exps(logits, labels, g_lp, g_h, *stats[1:], inv_t)
+        else:
+            plan.kernels.token_logprobs_bwd(logits, labels, g_lp, g_h, *stats, inv_t, logits, threshold)
         if self.grad_hidden is not None and self.grad_hidden.dtype == plan.compute_dtype:
             torch.mm(logits, self.w, out=self.grad_hidden[rows])
         elif self.grad_hidden is not None:
@@ -211,10 +262,34 @@ class _Gradients:
         if self.grad_weight is not None:
             _accumulate_fp32(self.grad_weight, logits.t(), h)
 
+    def _add_exps_chunk(self, exps, h, rows: slice, labels, g_lp, log_norm) -> None:
+        """A chunk's gradients with no entropy term from ``exps = exp(s − m)`` ``[C, V]`` fp32:
+        ``dlogits = c1·(exps − S·δ_y)`` with ``c1 = −g_lp / (T·S)`` per row (``c1·S = −g_lp/T``, the
+        label's term), so after ``S`` is taken off each row's label entry (``C`` writes)
 
-def _row_math(lp, ent, rows: RowInputs, options: LossOptions, track: bool):
+            grad_hidden[rows] = c1 ⊙ (exps @ W)              [C, D]
+            grad_weight      += expsᵀ @ (c1 ⊙ h)             [V, D]
+
+        the same two GEMMs as ``dlogits`` would take, the row scaling on ``[C, D]`` operands."""
+        inv_t = 1.0 / self.plan.temperature
+        # S and c1 = −g_lp / (T·S) from the kernel's fp32 log S, each rounded once from fp64 (as
+        # the kernels' backward): c1·S = −g_lp/T to an fp32 rounding
+        sum_exp = torch.exp(log_norm.double())  # [C]
+        c1 = (g_lp.double() / sum_exp).mul_(-inv_t).float()[:, None]  # [C, 1]
+        exps.scatter_add_(1, labels.long()[:, None], sum_exp.float().neg_()[:, None])
+        if self.grad_hidden is not None:
+            direct = self.grad_hidden.dtype == torch.float32
+            gh = torch.mm(exps, self.w, out=self.grad_hidden[rows] if direct else None).mul_(c1)  # [C, D]
+            if not direct:
+                self.grad_hidden[rows] = gh  # hidden in bf16/fp16 with compute_dtype=fp32: one rounding
+        if self.grad_weight is not None:
+            self.grad_weight.addmm_(exps.t(), h * c1)
+
+
+def _row_math(lp, ent, rows: RowInputs, options: LossOptions, track: bool, across=None):
     """``weighted_grpo_loss`` of rows whose ``lp, ent`` came from the kernel; with ``track``, also
-    the per-row upstream gradients ``(g_lp, g_H)`` of the loss."""
+    the per-row upstream gradients ``(g_lp, g_H)`` of the loss (``across``: sequence parallelism,
+    the whole-row statistics reduced over the group, their gradients too)."""
     with torch.set_grad_enabled(track):
         lp = lp.detach().requires_grad_(track)
         ent = ent.detach().requires_grad_(track)
@@ -227,6 +302,7 @@ def _row_math(lp, ent, rows: RowInputs, options: LossOptions, track: bool):
             old_logprobs=rows.old_logprobs,
             ref_logprobs=rows.ref_logprobs,
             sequence_ids=rows.sequence_ids,
+            across=across,
         )
     grads = None
     if track:
@@ -235,14 +311,14 @@ def _row_math(lp, ent, rows: RowInputs, options: LossOptions, track: bool):
 
 
 class FusedLinearGRPOLoss(torch.autograd.Function):
-    """``(hidden [N, D], weight [V, D], rows, options, plan, weight_cast) -> (loss, logprobs,
+    """``(hidden [N, D], weight [V, D], rows, options, plan, weight_cast, across) -> (loss, logprobs,
     entropy, kl, clipped, log_ratio, parts [3], threshold)``.
 
     Only ``loss`` is differentiable (in ``hidden`` and ``weight``); the other outputs are detached.
     ``kl`` is an empty tensor when there is no ``ref_logprobs``; ``parts`` is ``(pg, kl, entropy)``;
     ``threshold`` is the top-entropy threshold (empty when there is none). ``plan.two_pass``: the
     row math runs once over all ``N`` rows between a statistics pass and a gradient pass (module
-    docstring).
+    docstring). ``across``: sequence parallelism (``fused_linear_grpo_loss``).
     """
 
     @staticmethod
@@ -254,6 +330,7 @@ class FusedLinearGRPOLoss(torch.autograd.Function):
         options: LossOptions,
         plan: ChunkPlan,
         weight_cast: torch.Tensor | None,
+        across=None,
     ):
         n, device = hidden.shape[0], hidden.device
         need_hidden, need_weight = ctx.needs_input_grad[:2]
@@ -282,9 +359,9 @@ class FusedLinearGRPOLoss(torch.autograd.Function):
             parts.add_(torch.stack(list(out.parts)))
 
         inv_temperature = 1.0 / plan.temperature
-        # One [C, V] buffer holds every chunk's logits, then their gradient: never two chunks alive at
-        # once (N=4096, D=256, V=32768 fp32 on CPU: peak 291 -> 177 MiB), and on CPU no fresh 128 MiB
-        # mmap, zero-filled page by page on first touch, per chunk.
+        # One [C, V] buffer holds every chunk's logits, then their gradient (or exps): never two chunks
+        # alive at once (N=4096, D=256, V=32768 fp32 on CPU, 1,024-row chunks: peak 291 -> 177 MiB),
+        # and on CPU no fresh mmap, zero-filled page by page on first touch, per chunk.
         logits_buffer = torch.empty(
             min(plan.chunk_size, n), weight.shape[0], dtype=plan.compute_dtype, device=device
         )
@@ -300,12 +377,12 @@ class FusedLinearGRPOLoss(torch.autograd.Function):
             for c in plan.chunks(n):
                 logits = chunk_logits(hidden[c].to(plan.compute_dtype))
                 thr = sampler_thresholds(logits, inv_temperature, plan.top_k, plan.top_p)  # [C] | None
-                stats = plan.kernels.token_logprobs_fwd(logits, rows.labels[c], inv_temperature, thr)
+                stats = plan.forward_stats(logits, rows.labels[c], thr)
                 for out, chunk in zip((logprobs, entropy, row_max, log_norm, thresholds), (*stats, thr)):
                     if out is not None:
                         out[c] = chunk
             # the row math once over all N rows (sequence ratios, entropy quantiles): g_lp, g_H [N]
-            full_loss, out, g = _row_math(logprobs, entropy, rows, options, track)
+            full_loss, out, g = _row_math(logprobs, entropy, rows, options, track, across)
             loss += full_loss
             keep(slice(None), out)
             if out.entropy_threshold is not None:
@@ -317,15 +394,15 @@ class FusedLinearGRPOLoss(torch.autograd.Function):
                     logits = chunk_logits(h)  # the same product as in pass 1
                     stats = (row_max[c], log_norm[c], entropy[c])
                     thr = None if thresholds is None else thresholds[c]
+                    if plan.exps:  # the same ops on the same tiles as pass 1: bitwise its exps
+                        plan.kernels.exps_of_logits(logits, rows.labels[c], row_max[c], inv_temperature, thr)
                     grads.add_chunk(logits, h, c, rows.labels[c], g[0][c], g[1][c], stats, thr)
         else:  # one pass: each chunk's row math, then its gradients, while its logits exist
             for c in plan.chunks(n):
                 h = hidden[c].to(plan.compute_dtype)
                 logits = chunk_logits(h)
                 thr = sampler_thresholds(logits, inv_temperature, plan.top_k, plan.top_p)  # [C] | None
-                lp, ent, row_max, log_norm = plan.kernels.token_logprobs_fwd(
-                    logits, rows.labels[c], inv_temperature, thr
-                )
+                lp, ent, row_max, log_norm = plan.forward_stats(logits, rows.labels[c], thr)
                 chunk_loss, out, g = _row_math(lp, ent, rows.select(c), options, track)
                 if track:
                     grads.add_chunk(logits, h, c, rows.labels[c], *g, (row_max, log_norm, ent), thr)
@@ -350,7 +427,7 @@ class FusedLinearGRPOLoss(torch.autograd.Function):
             grad_hidden = grad_hidden.mul_(grad_loss)
         if grad_weight is not None:
             grad_weight = grad_weight.mul_(grad_loss).to(ctx.weight_dtype)  # a no-op for fp32
-        return grad_hidden, grad_weight, None, None, None, None
+        return grad_hidden, grad_weight, None, None, None, None, None
 
 
 def _check_inputs(
@@ -406,6 +483,24 @@ def _check_inputs(
     return resolved
 
 
+def _eager(hidden, weight, rows: RowInputs, temperature, options, top_k, top_p, across) -> GRPOLossOutput:
+    """``backend="eager"``: the ``[N, V]`` logits in the compute dtype, then the eager reference."""
+    return eager_grpo_loss_from_logits(
+        hidden @ weight.t(), rows.labels, rows.advantages, rows.loss_weights, temperature=temperature,
+        options=options, top_k=top_k, top_p=top_p, across=across, old_logprobs=rows.old_logprobs,
+        ref_logprobs=rows.ref_logprobs, sequence_ids=rows.sequence_ids,
+    )  # fmt: skip
+
+
+def _plan(hidden, vocab_size, backend, compute, temperature, chunk_size, two_pass, top_k, top_p) -> ChunkPlan:
+    """The op's ``ChunkPlan``: the default chunk when ``chunk_size`` is None, and ``exps`` for
+    ``torch_chunked`` with fp32 logits."""
+    if chunk_size is None:
+        chunk_size = default_chunk_size(hidden.shape[0], vocab_size, compute, hidden.device.type)
+    exps = backend == "torch_chunked" and compute == torch.float32
+    return ChunkPlan(temperature, chunk_size, compute, kernels_for(backend), two_pass, top_k, top_p, exps)
+
+
 def fused_linear_grpo_loss(
     hidden: torch.Tensor,
     weight: torch.Tensor,
@@ -426,6 +521,7 @@ def fused_linear_grpo_loss(
     label_bounds: tuple[int, int] | None = None,
     top_k: int = 0,
     top_p: float = 1.0,
+    across=None,
     **loss_options,
 ) -> GRPOLossOutput:
     """``grpo_loss_from_logits(hidden @ weightᵀ, ...)`` computed chunk by chunk, without ``[N, V]``.
@@ -443,7 +539,7 @@ def fused_linear_grpo_loss(
             ``hidden`` per chunk; each gradient comes back in its input's dtype. Default:
             ``hidden.dtype``.
         chunk_size: rows per chunk; default ``default_chunk_size(N, V, compute_dtype, device)``
-            (128 MiB of logits; on CUDA at least 2,048 rows within 1 GiB: module docstring).
+            (CUDA: 128 MiB of logits, at least 2,048 rows within 1 GiB; CPU: 64 MiB).
         two_pass: the row math once over all ``N`` rows between a statistics pass and a gradient
             pass (one more lm_head GEMM, the same memory). ``None``: exactly when the options
             need it (``LossOptions.needs_all_rows``: GSPO, the top-entropy quantile); ``True``
@@ -458,6 +554,8 @@ def fused_linear_grpo_loss(
             sync on CUDA). They must be the labels' (not checked).
         top_k, top_p: the sampler's truncation (``token_logprobs_and_entropy``): each chunk's
             per-row thresholds (``sampler_thresholds``), then the kernels' masked log-sum-exp.
+        across: sequence parallelism: these rows are one rank's share of their sequences (module
+            docstring, "Sequence parallelism").
 
     Returns:
         ``GRPOLossOutput``. ``loss`` is differentiable in ``hidden`` and ``weight``, its gradients
@@ -482,24 +580,21 @@ def fused_linear_grpo_loss(
         label_bounds,
     )  # fmt: skip
     if resolved == "eager":  # the baseline: [N, V] logits, then the reference
-        logits = hidden.to(compute) @ weight.to(compute).t()
-        per_row = dict(old_logprobs=old_logprobs, ref_logprobs=ref_logprobs, sequence_ids=sequence_ids)
-        return eager_grpo_loss_from_logits(
-            logits, labels, advantages, loss_weights, temperature=temperature, options=options,
-            top_k=top_k, top_p=top_p, **per_row,
-        )  # fmt: skip
-    if chunk_size is None:
-        chunk_size = default_chunk_size(hidden.shape[0], weight.shape[0], compute, hidden.device.type)
+        return _eager(
+            hidden.to(compute), weight.to(compute), rows, temperature, options, top_k, top_p, across
+        )
     if not torch.is_grad_enabled():
         # Under no_grad a Function still sees needs_input_grad=True for inputs that require grad:
         # detach them so a no-grad pass (π_old, π_ref, probes) skips the two gradient GEMMs.
         hidden, weight = hidden.detach(), weight.detach()
     rows = rows._replace(labels=labels.contiguous())
     two_pass = options.needs_all_rows if two_pass is None else two_pass
-    plan = ChunkPlan(float(temperature), chunk_size, compute, kernels_for(resolved), two_pass, top_k, top_p)
+    plan = _plan(
+        hidden, weight.shape[0], resolved, compute, float(temperature), chunk_size, two_pass, top_k, top_p
+    )
     cast = None if weight_cast is None else weight_cast.detach()
     loss, logprobs, entropy, kl, clipped, log_ratio, parts, threshold = FusedLinearGRPOLoss.apply(
-        hidden, weight, rows, options, plan, cast
+        hidden, weight, rows, options, plan, cast, across
     )
     kl = kl if ref_logprobs is not None else None
     threshold = threshold[0] if threshold.numel() else None

@@ -13,8 +13,9 @@ from __future__ import annotations
 
 import torch
 
-from grpo_fast.algo.core import GRPOLossOutput, eager_grpo_loss_from_logits, weighted_grpo_loss
 from grpo_fast.algo.loss_options import LossOptions
+from grpo_fast.algo.reference import eager_grpo_loss_from_logits
+from grpo_fast.algo.token_loss import GRPOLossOutput, weighted_grpo_loss
 from grpo_fast.ops._backend import check_sequence_ids, check_temperature, check_truncation
 from grpo_fast.ops.token_logprobs import apply_token_logprobs, prepare_logits
 

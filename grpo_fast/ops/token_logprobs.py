@@ -16,7 +16,8 @@ from types import ModuleType
 import torch
 from torch.autograd.function import once_differentiable
 
-from grpo_fast.algo.core import eager_token_logprobs_and_entropy, truncates, truncation_threshold
+from grpo_fast.algo.reference import eager_token_logprobs_and_entropy
+from grpo_fast.algo.truncation import truncates, truncation_threshold
 from grpo_fast.ops._backend import (
     check_backend,
     check_label_range,
@@ -30,7 +31,7 @@ __all__ = ["TokenLogprobs", "sampler_thresholds", "token_logprobs_and_entropy"]
 
 # Rows of s per sort in sampler_thresholds: the sorted values, their int64 indices and three fp64
 # [R, V] buffers of the prefix sums, ≈ 36 bytes per logit: 16 × 151,936 × 36 B ≈ 88 MB at Qwen2.5's
-# vocabulary, below one chunk of logits (128 MiB), whatever the chunk.
+# vocabulary, below one CUDA chunk of logits (128 MiB), whatever the chunk.
 THRESHOLD_ROWS = 16
 
 
