@@ -6,11 +6,13 @@
     grpo-fast report   RUN_DIR
     grpo-fast sweep    --preset NAME --sweep lr|baseline|length_norm [...]
     grpo-fast doctor
+    grpo-fast sandbox  FILE.py [--timeout S] [--memory-mb M]
 
 Each subcommand is its ``python -m grpo_fast.X`` form (same arguments, same exit codes: 0 done,
-2 a bad input named in one line). ``train --dry-run`` (``grpo_fast.tools.dry_run``) resolves
-everything a run would — the config with each value's source, the memory plan, the data and a
-prompt as the model sees it — and exits without loading the model.
+2 a bad input named in one line; ``sandbox``: 1 when the code failed or hit a limit).
+``train --dry-run`` (``grpo_fast.tools.dry_run``) resolves everything a run would — the config
+with each value's source, the memory plan, the data and a prompt as the model sees it — and exits
+without loading the model.
 
 This is the top floor: nothing in the package imports it.
 """
@@ -22,7 +24,7 @@ import sys
 from collections.abc import Sequence
 
 from grpo_fast.config import presets_and_keys_help
-from grpo_fast.errors import exit_process
+from grpo_fast.errors import cwd_on_path, exit_process
 
 COMMANDS = {
     "train": ("grpo_fast.train", "GRPO training (--dry-run: resolve and print, load no model)"),
@@ -31,6 +33,7 @@ COMMANDS = {
     "report": ("grpo_fast.obs.report", "plots and a summary of a run directory"),
     "sweep": ("grpo_fast.obs.sweep", "ablation runs plotted together"),
     "doctor": ("grpo_fast.tools.doctor", "this machine: versions, CUDA, presets that fit, Triton"),
+    "sandbox": ("grpo_fast.tools.sandbox", "run a Python file as a rollout's tool call; what the model sees"),
 }
 
 WITH_PRESETS = ("evaluate", "plan", "sweep")  # the other commands that take --preset and key=value
@@ -67,7 +70,10 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def entry() -> None:
-    """The console script (``pyproject.toml``): ``main``'s exit code, at once after a signal."""
+    """The console script (``pyproject.toml``): ``main``'s exit code, at once after a signal.
+    The working directory goes on the import path first, as ``python -m grpo_fast.cli`` has it,
+    so that a user's module there (``data.reward=my_rewards:exact``) imports the same way."""
+    cwd_on_path()
     exit_process(main())
 
 

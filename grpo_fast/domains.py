@@ -19,16 +19,19 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 __all__ = [
     "AUTO",
+    "RESUME_CLASSES",
     "AutoOrBool",
     "Domain",
     "DomainError",
     "OneOf",
+    "Pattern",
     "Range",
     "check_fields",
     "domain_of",
@@ -63,7 +66,9 @@ class Range(Domain):
     """A number in ``[lo, hi]`` (either bound open with ``lo_open``/``hi_open``, or absent).
 
     ``integer``: whole numbers only; ``none_ok``: ``None`` (YAML ``null``) is allowed;
-    ``auto_ok``: the string ``"auto"`` is allowed; ``why``: appended to the message.
+    ``auto_ok``: the string ``"auto"`` is allowed; ``inf_ok``: ±inf is a number like any other
+    (within the bounds; NaN never is); ``why``: appended to the message; ``hi_why``: why ``hi`` is where it
+    is, appended instead of ``why`` above it (and the message then names the one bound crossed).
     """
 
     lo: float | None = None
@@ -73,7 +78,9 @@ class Range(Domain):
     integer: bool = False
     none_ok: bool = False
     auto_ok: bool = False
+    inf_ok: bool = False
     why: str = ""
+    hi_why: str = ""
 
     def describe(self) -> str:
         if self.lo is not None and self.hi is not None:
@@ -97,16 +104,22 @@ class Range(Domain):
         if not numeric or (self.integer and not (isinstance(value, int) or float(value).is_integer())):
             prefix = "'auto' or " if self.auto_ok else ""
             return f"{label} must be {prefix}{kind}, got {value!r}"
-        if isinstance(value, float) and not math.isfinite(value):  # (an int is finite, however long)
+        if isinstance(value, float) and math.isnan(value):
+            return f"{label}={value} is not a number"
+        if isinstance(value, float) and math.isinf(value) and not self.inf_ok:  # (an int is finite)
             return f"{label}={value} is not a finite number"
         below = self.lo is not None and (value <= self.lo if self.lo_open else value < self.lo)
         above = self.hi is not None and (value >= self.hi if self.hi_open else value > self.hi)
         if not (below or above):
             return None
+        why = (self.hi_why or self.why) if above else self.why
         if self.auto_ok:  # "auto" or a number: the range is the number's
             hi = _num(self.hi) if self.hi is not None else "∞"
-            return f"{label}={value} is out of range [{_num(self.lo)}, {hi}]{self.why}"
-        return f"{label} must be {self.describe()}, got {value}{self.why}"
+            return f"{label}={value} is out of range [{_num(self.lo)}, {hi}]{why}"
+        if self.hi_why:  # a bound of its own reason: the message names the side crossed
+            side = dataclasses.replace(self, hi=None) if below else dataclasses.replace(self, lo=None)
+            return f"{label} must be {side.describe()}, got {value}{why}"
+        return f"{label} must be {self.describe()}, got {value}{why}"
 
 
 @dataclass(frozen=True)
@@ -122,6 +135,22 @@ class OneOf(Domain):
 
 
 @dataclass(frozen=True)
+class Pattern(Domain):
+    """A string that ``regex`` matches whole; ``words`` says what those are in the message, and
+    ``hint`` (called for the message only) may add what this machine has, e.g. its devices."""
+
+    regex: str
+    words: str
+    hint: Callable[[], str] | None = None
+
+    def problem(self, label: str, value: Any) -> str | None:
+        if isinstance(value, str) and re.fullmatch(self.regex, value):
+            return None
+        hint = f" ({self.hint()})" if self.hint is not None else ""
+        return f"{label}={value!r} is not one of: {self.words}{hint}"
+
+
+@dataclass(frozen=True)
 class AutoOrBool(Domain):
     """``"auto"`` (decided at run time from other keys) or a boolean."""
 
@@ -131,11 +160,25 @@ class AutoOrBool(Domain):
         return f"{label}={value!r} is not one of: auto, true, false"
 
 
+RESUME_CLASSES = ("run", "safe")
+
+
 def option(
-    default: Any = dataclasses.MISSING, domain: Domain | None = None, *, factory: Callable | None = None
+    default: Any = dataclasses.MISSING,
+    domain: Domain | None = None,
+    *,
+    factory: Callable | None = None,
+    resume: str | None = None,
 ):
-    """A dataclass field with its default (or ``factory``) and its domain."""
+    """A dataclass field with its default (or ``factory``), its domain, and (config keys) what
+    ``resume=true`` may do with it: ``"run"`` (it defines what the run's metrics mean: a resume
+    must keep it) or ``"safe"`` (a resume may change it); None: the section's class
+    (``grpo_fast.config.resume_class``)."""
+    if resume is not None and resume not in RESUME_CLASSES:
+        raise ValueError(f"resume must be one of {RESUME_CLASSES}, not {resume!r}")
     meta = {"domain": domain} if domain is not None else {}
+    if resume is not None:
+        meta["resume"] = resume
     if factory is not None:
         return dataclasses.field(default_factory=factory, metadata=meta)
     return dataclasses.field(default=default, metadata=meta)

@@ -41,6 +41,22 @@ class RewardError(UserError):
     """A reward function raised or returned a non-number (names the function and the response)."""
 
 
+class EngineError(UserError):
+    """A rollout engine apart from the trainer (a worker process, a server) cannot go on: it died,
+    or a wait for it (its start, a rollout, a weight sync) ran past its timeout. The message is
+    one line naming what failed and what was waited for; the loop writes a resumable checkpoint
+    of the last finished step before it stops (``grpo_fast.loop.pipeline``)."""
+
+
+class EngineDied(EngineError):
+    """The engine's process is gone (exited, killed)."""
+
+
+class EngineTimeout(EngineError):
+    """A wait had no answer within its timeout (``rollout.start_timeout``, ``request_timeout``,
+    ``sync_timeout``): the message names what was waited for and for how long."""
+
+
 class Preempted(UserError):
     """SIGTERM/SIGINT: a checkpoint of the last finished step was written (the message says
     where); exit code 128 + the signal number, as a shell reports a process killed by it."""
@@ -68,6 +84,21 @@ def cli_errors(main: Callable[..., int | None]) -> Callable[..., int]:
             return 128 + 2
 
     return wrapper
+
+
+def cwd_on_path() -> None:
+    """Put the working directory first on ``sys.path``, as ``python -m`` does, for a console
+    script (``grpo-fast``), whose ``sys.path[0]`` is the script's own folder: a user's module in
+    the working directory (``data.reward=my_rewards:exact``) then imports under either command.
+    Not under ``python -P`` / ``PYTHONSAFEPATH``, which ask for no such entry."""
+    if sys.flags.safe_path:
+        return
+    try:
+        cwd = os.getcwd()
+    except OSError:  # the working directory was deleted: nothing there to import
+        return
+    if cwd not in sys.path:
+        sys.path.insert(0, cwd)
 
 
 def exit_process(code: int | None):

@@ -9,18 +9,34 @@ thread each (``OMP_NUM_THREADS=1``), instead of two per worker fighting over two
 OpenMP barriers. The ``slow`` tests (a minute or more each) are handed out first, so that
 the workers do not end on one long tail. Nothing here changes a plain ``pytest`` run, except
 that ``XDG_CACHE_HOME`` points at a temporary folder (each test its own): the runs the tests
-start write their timing history (``grpo_fast.obs.eta``) there, never into ``~/.cache``.
+start write their timing history (``grpo_fast.obs.eta``) there, never into ``~/.cache``, and
+the machine's load reads as idle to the runs a test makes in its own process.
+
+The user's run folders are data: a test never reads or changes them. Every test runs with its
+working directory in a temporary folder of its own (the module fixtures in one for the session),
+so a run with a default ``output_dir`` (``runs/tiny``, ``runs/grpo``) writes there, and a process
+a test starts inherits that folder; ``PYTHONPATH`` leads with this checkout, so such a process
+imports the package under test from anywhere. Tests name the repository's files by absolute path
+(``REPO / "configs" / ...``). As a second line, the session compares the repository's ``runs/``
+(names, sizes, modification times) before and after, and fails if anything there changed.
 """
 
 import os
+import sys
+from pathlib import Path
 
 import pytest
 import torch
+from run_folders import stat_tree  # tests/run_folders.py (pytest puts tests/ on sys.path)
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from grpo_fast.testing import skip_unrunnable_items  # after TRITON_INTERPRET is set
+
+REPO = Path(__file__).resolve().parents[1]
+USER_RUNS = REPO / "runs"  # where `make run` and every preset's output_dir write, relative to the checkout
+_RUNS_BEFORE = pytest.StashKey[dict]()  # stat_tree(USER_RUNS) when the session started
 
 XDIST_WORKER = os.environ.get("PYTEST_XDIST_WORKER")  # "gw0", "gw1", ... (unset without -n)
 if XDIST_WORKER:
@@ -56,3 +72,49 @@ def _session_cache_home(tmp_path_factory):
 def _cache_home(tmp_path_factory, monkeypatch):
     """Each test a timing history of its own: no plan line quotes another test's run."""
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path_factory.mktemp("xdg_cache")))
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _session_outside_the_checkout(tmp_path_factory):
+    """For the session (the module fixtures' runs): the working directory in a temporary folder,
+    and this checkout first on ``PYTHONPATH`` for the processes the tests start."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("PYTHONPATH", os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p))
+        mp.chdir(tmp_path_factory.mktemp("cwd"))
+        yield
+
+
+@pytest.fixture(autouse=True)
+def _cwd_of_its_own(tmp_path_factory, monkeypatch):
+    """Each test a working directory of its own: a default ``output_dir`` is a fresh folder."""
+    monkeypatch.chdir(tmp_path_factory.mktemp("cwd"))
+
+
+def pytest_sessionstart(session):
+    if not XDIST_WORKER:  # the controller (or a plain run) watches; the workers run the tests
+        session.config.stash[_RUNS_BEFORE] = stat_tree(USER_RUNS)
+
+
+def pytest_sessionfinish(session, exitstatus):
+    before = session.config.stash.get(_RUNS_BEFORE, None)
+    if before is None:
+        return
+    after = stat_tree(USER_RUNS)
+    if after != before:
+        changed = sorted(k for k in before.keys() | after.keys() if before.get(k) != after.get(k))
+        sys.stderr.write(
+            f"\nerror: the tests changed {USER_RUNS}, the user's run folders ({len(changed)} paths: "
+            f"{', '.join(changed[:5])}{' ...' if len(changed) > 5 else ''}); a test must run in its own folder\n"
+        )
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED
+
+
+@pytest.fixture(autouse=True)
+def _idle_machine(monkeypatch):
+    """An idle machine for the plan line and the timing history (``grpo_fast.obs.eta``) of the
+    runs a test makes in its own process: the tests share a busy machine, whose load would add
+    "expect it slower" to a plan line and keep a run's timings out of the history. The tests of
+    the load set their own (``monkeypatch.setattr(eta, "machine_load", ...)``)."""
+    from grpo_fast.obs import eta
+
+    monkeypatch.setattr(eta, "machine_load", lambda: 0.0)

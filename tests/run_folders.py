@@ -1,5 +1,6 @@
 """What the run-folder tests share (tests/test_run_folder.py, tests/test_user_inputs.py): the
-quick tiny run they train, a finished run to copy, a folder's checksums."""
+quick tiny run they train, a finished run to copy, a folder's checksums; and, for tests/conftest.py,
+a cheap fingerprint of the user's run folders."""
 
 from __future__ import annotations
 
@@ -28,6 +29,19 @@ def tree(folder: Path) -> dict[str, str]:
         for p in sorted(folder.rglob("*"))
         if p.is_file()
     }
+
+
+def stat_tree(folder: Path) -> dict[str, tuple[str, int, int]]:
+    """Every path under ``folder`` (``folder`` itself as ``"."``) → ``(kind, size, mtime in ns)``;
+    {} when it does not exist. Reads no file: a user's runs/ may hold gigabytes of checkpoints."""
+    if not folder.exists() and not folder.is_symlink():
+        return {}
+    found = {}
+    for p in [folder, *sorted(folder.rglob("*"))]:
+        st = p.lstat()
+        kind = "link" if p.is_symlink() else "dir" if p.is_dir() else "file"
+        found[str(p.relative_to(folder))] = (kind, st.st_size if kind == "file" else 0, st.st_mtime_ns)
+    return found
 
 
 def finished_run(tmp_path_factory) -> Path:

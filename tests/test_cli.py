@@ -38,7 +38,7 @@ def _grpo_fast(*args: str, timeout: int = 120) -> subprocess.CompletedProcess:
     """The installed console script (next to this interpreter), output captured."""
     script = Path(sys.executable).with_name("grpo-fast")
     cmd = [str(script)] if script.exists() else [sys.executable, "-m", "grpo_fast.cli"]
-    return subprocess.run([*cmd, *args], capture_output=True, text=True, timeout=timeout, cwd=ROOT)
+    return subprocess.run([*cmd, *args], capture_output=True, text=True, timeout=timeout)
 
 
 @pytest.fixture(scope="module")
@@ -80,7 +80,7 @@ def test_unknown_command_is_one_line_exit_2():
     res = _grpo_fast("trian")
     assert res.returncode == 2
     assert res.stderr.strip().splitlines() == [
-        "error: unknown command 'trian'; commands: train, evaluate, plan, report, sweep, doctor"
+        "error: unknown command 'trian'; commands: train, evaluate, plan, report, sweep, doctor, sandbox"
     ]
 
 
@@ -91,7 +91,6 @@ def test_subcommand_equals_its_module_form():
         [sys.executable, "-m", "grpo_fast.tools.plan", *args[1:]],
         capture_output=True,
         text=True,
-        cwd=ROOT,
         timeout=120,
     )
     assert via_cli.returncode == via_module.returncode == 0, via_cli.stderr
@@ -120,6 +119,65 @@ def test_evaluate_sweep_and_report_run(finished_run, tmp_path, capsys):
 
     assert cli.main(["report", str(out), "--out", str(tmp_path / "report")]) == 0
     assert (tmp_path / "report" / "summary.md").is_file()
+
+
+@pytest.mark.parametrize("mode", [[], ["--dry-run"], ["--plot-only"]])
+def test_a_sweep_whose_out_is_a_file_stops_with_one_line_before_any_run(tmp_path, capsys, monkeypatch, mode):
+    """``--out`` checked first (main at 54b861a: every arm ran, then a FileExistsError traceback).
+    Planted: no ``check_out`` → the arms run and summarize_sweep raises."""
+    from grpo_fast.obs import sweep
+
+    ran = []
+    monkeypatch.setattr(sweep, "run_sweep", lambda runs: ran.append(runs) or {r.name: 0 for r in runs})
+    out = tmp_path / "results.txt"
+    out.write_text("mine\n")
+    args = ["sweep", "--preset", "tiny", "--sweep", "baseline", *mode, "steps=1"]
+    assert cli.main([*args, "--out", str(out)]) == 2
+    assert capsys.readouterr().err.splitlines() == [
+        f"error: --out={str(out)!r} cannot be created: File exists"
+    ]
+    assert cli.main([*args, "--out", str(out / "sweep")]) == 2  # under a file
+    assert capsys.readouterr().err.splitlines() == [
+        f"error: --out={str(out / 'sweep')!r} cannot be created: Not a directory"
+    ]
+    assert ran == [] and out.read_text() == "mine\n" and sorted(tmp_path.iterdir()) == [out]
+
+
+MY_REWARDS = """
+def exact(response, ground_truth):
+    with open("calls.txt", "a") as fh:  # what the test reads: the function scored the responses
+        fh.write(ground_truth + "\\n")
+    ok = float(response.strip() == ground_truth.strip())
+    return {"reward": ok, "answer_reward": ok}
+"""
+
+
+@pytest.mark.parametrize("script", ["grpo-fast", "grpo-fast-train"])
+def test_the_documented_custom_reward_imports_from_the_working_directory_under_the_console_script(
+    tmp_path, script
+):
+    """``grpo-fast train data.reward=my_rewards:exact`` with my_rewards.py in the working directory
+    (docs/tasks.md), through the installed console script, as ``python -m`` runs it (main at
+    54b861a: "No module named 'my_rewards'"). Planted: no ``cwd_on_path`` in ``entry`` → exit 2."""
+    path = Path(sys.executable).with_name(script)
+    if not path.exists():
+        pytest.skip(f"no {script} console script beside {sys.executable} (pip install -e .)")
+    (tmp_path / "my_rewards.py").write_text(MY_REWARDS)
+    command = [str(path), "train"] if script == "grpo-fast" else [str(path)]
+    quick = ["--preset", "tiny", "sft.steps=0", "eval_every=0", "steps=1", "rollout.batch_size=16"]
+    quick += ["train.micro_batch_size=16", "logging.progress=false", "data.reward=my_rewards:exact"]
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}  # this tree's grpo_fast
+    out = tmp_path / "run"
+    res = subprocess.run(
+        [*command, *quick, f"output_dir={out}"],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert res.returncode == 0, res.stderr[-2000:]
+    assert len((tmp_path / "calls.txt").read_text().splitlines()) == 16  # it scored step 1's responses
 
 
 # ----------------------------------------------------------------------------------------------
@@ -152,7 +210,7 @@ def test_dry_run_prints_sources_plan_and_data_and_loads_no_model(monkeypatch, ca
             "model.name_or_path=/nonexistent/model",
             f"output_dir={tmp_path / 'run'}",
             "--config",
-            "configs/dapo.yaml",
+            str(ROOT / "configs" / "dapo.yaml"),
             "--dry-run",
         ]
     )
@@ -165,7 +223,7 @@ def test_dry_run_prints_sources_plan_and_data_and_loads_no_model(monkeypatch, ca
     assert lines["seed"].endswith("# default")
     assert lines["train.lr"].endswith("# preset tiny")
     assert (
-        lines["loss.length_norm"].endswith("# file configs/dapo.yaml")
+        lines["loss.length_norm"].endswith(f"# file {ROOT / 'configs' / 'dapo.yaml'}")
         and "'token_mean'" in lines["loss.length_norm"]
     )
     assert lines["model.name_or_path"].endswith("# override")
@@ -207,7 +265,7 @@ def test_dry_run_in_a_fresh_process_loads_no_model(tmp_path):
     asserted here."""
     run = lambda *extra: subprocess.run(
         [sys.executable, "-m", "grpo_fast.train", "--dry-run", f"output_dir={tmp_path / 'run'}", *extra],
-        capture_output=True, text=True, cwd=ROOT, timeout=120,
+        capture_output=True, text=True, timeout=120,
     )  # fmt: skip
     res = run()
     assert res.returncode == 0, res.stderr

@@ -46,8 +46,8 @@ def test_resolved_yaml_round_trips(tmp_path):
             "unknown config key 'train.lrr' in override train.lrr=... (did you mean 'train.lr'?)",
         ),
         (["rollout.tempreature=0.7"], "did you mean 'rollout.temperature'?"),
-        (["steps=0"], "steps must be > 0, got 0"),
-        (["steps=-3"], "steps must be > 0, got -3"),
+        (["steps=0"], "steps must be >= 1, got 0"),
+        (["steps=-3"], "steps must be >= 1, got -3"),
         (["steps=many"], "config key 'steps'"),
         (["rollout.batch_size=100"], "rollout.batch_size=100 is not a multiple of rollout.group_size=8"),
         (["loss.type=ppo"], "loss.type='ppo' is not one of"),
@@ -58,6 +58,21 @@ def test_resolved_yaml_round_trips(tmp_path):
         (["train.betas=[0.9,1.5]"], "train.betas must be two numbers in [0, 1)"),
         (["loss.dual_clip=0.5"], "loss.dual_clip must be > 1"),
         (["nonsense"], "override 'nonsense' is not of the form key=value"),
+        (["rollout.environment=nope"], "rollout.environment: unknown tool environment 'nope'"),
+        (
+            ["rollout.environment=calculator", "rollout.max_response_tokens=3"],
+            "rollout.max_response_tokens=3 (sampled + inserted tokens) is below rollout.max_tokens=4",
+        ),
+        (["rollout.max_tool_output_tokens=0"], "at least 1 (0 does not mean unlimited)"),
+        (
+            ["loss.mask_void_turns=true"],
+            "loss.mask_void_turns acts on tool calls and needs a tool environment",
+        ),
+        (["data.tool_error_penalty=0.5"], "data.tool_error_penalty acts on tool calls"),
+        (
+            ["rollout.environment=calculator", "rollout.max_staleness=1", "rollout.is_correction=true"],
+            "rollout.environment=calculator runs lockstep in this build: set rollout.max_staleness=0",
+        ),
     ],
 )
 def test_bad_config_names_the_key(overrides, message):
@@ -102,7 +117,7 @@ def _cli(*args):
     ("args", "needle"),
     [
         (["--preset", "tiny", "train.lrr=1"], "did you mean 'train.lr'?"),
-        (["--preset", "tiny", "steps=0"], "steps must be > 0"),
+        (["--preset", "tiny", "steps=0"], "steps must be >= 1"),
         (["--preset", "tiny", "rollout.batch_size=12"], "not a multiple of rollout.group_size"),
         (["--preset", "nope"], "unknown preset 'nope'"),
         (
@@ -173,42 +188,63 @@ def _same(got, want) -> bool:
 # A key added to Config without a row here fails test_every_numeric_key_has_a_domain_row.
 DOMAINS: dict[str, tuple[list[str], list[str]]] = {
     "seed": (["0", "12345", "4294967295"], ["-1", "4294967296", "1" + "0" * 400]),
-    "steps": (["1"], ["0", "-1"]),
-    "eval_every": (["0", "5"], ["-1"]),
-    "full_eval_every": (["0", "5"], ["-1"]),
-    "checkpoint_every": (["0", "5"], ["-1"]),
-    "keep_checkpoints": (["1"], ["0", "-1"]),
-    "data.eval_subset_size": (["0", "8"], ["-1"]),
-    "data.overlong_buffer": (["0", "1023"], ["-1", "1024"]),  # 1024: not below max_tokens=1024
+    "steps": (["1", "100000000"], ["0", "-1", "100000001", "99999999999999999999999"]),
+    "eval_every": (["0", "5", "100000000"], ["-1", "100000001"]),
+    "full_eval_every": (["0", "5", "100000000"], ["-1", "100000001"]),
+    "checkpoint_every": (["0", "5", "100000000"], ["-1", "100000001"]),
+    "keep_checkpoints": (["1", "100000000"], ["0", "-1", "100000001"]),
+    "data.eval_subset_size": (["0", "8", "1048576"], ["-1", "1048577"]),  # 0 with eval_every > 0: CONTEXT
+    "data.reward_workers": (["auto", "1", "64"], ["0", "-1", "65", "2.5", "many"]),
+    "data.overlong_buffer": (["0", "1023"], ["-1", "1024", "1048577"]),  # 1024: not below max_tokens=1024
     "data.overlong_penalty": (["0", "1.5"], ["-1"]),
-    "rollout.group_size": (["2", "4"], ["1", "0", "-2"]),
-    "rollout.batch_size": (["8"], ["0", "-8", "12"]),  # 12: not a multiple of group_size=8
+    "rollout.group_size": (["2", "4"], ["1", "0", "-2", "1048577"]),
+    "rollout.batch_size": (
+        ["8", "1048576"],
+        ["0", "-8", "12", "2097152", "99999999999999999992"],
+    ),  # 12: not a multiple of group_size=8
     "rollout.temperature": (["0.1", "2.0"], ["0", "-1"]),
     "rollout.top_p": (["1.0", "0.5"], ["0", "-0.5", "1.5"]),
-    "rollout.top_k": (["0", "20"], ["-1", "2.5"]),
-    "rollout.max_tokens": (["4"], ["0", "-1", "3"]),  # 3: below min_tokens=4
-    "rollout.min_tokens": (["0", "4"], ["-1", "2000"]),  # 2000: above max_tokens=1024
-    "rollout.max_prompt_tokens": (["1"], ["0", "-1"]),
-    "rollout.generation_batch_size": (["1"], ["0", "-1"]),
+    "rollout.top_k": (["0", "20", "1048576"], ["-1", "2.5", "1048577"]),
+    "rollout.max_tokens": (["4", "1048576"], ["0", "-1", "3", "1048577"]),  # 3: below min_tokens=4
+    "rollout.min_tokens": (["0", "4"], ["-1", "2000", "1048577"]),  # 2000: above max_tokens=1024
+    "rollout.max_prompt_tokens": (["1", "1048576"], ["0", "-1", "1048577"]),
+    "rollout.generation_batch_size": (["1", "1048576"], ["0", "-1", "1048577"]),
     "rollout.eval_temperature": (["0", "0.7"], ["-0.1"]),
     "rollout.gpu_memory_utilization": (["auto", "0.5"], ["0", "-0.5", "1.5"]),
     "rollout.sleep_level": (["0", "2"], ["-1", "3"]),
     "rollout.weight_sync_tolerance": (["auto", "0", "0.05"], ["-0.1"]),
     "rollout.is_cap": (["1.5"], ["1", "0", "-2"]),
-    "rollout.max_sampling_rounds": (["1", "5"], ["0", "-1"]),
+    "rollout.max_sampling_rounds": (["1", "5", "10000"], ["0", "-1", "10001"]),
     "rollout.curriculum_start": (["0.25", "1"], ["0", "-0.5", "1.5"]),
-    "rollout.curriculum_steps": (["null", "1", "250"], ["0", "-1", "2.5"]),
-    "rollout.min_group_size": (["2", "16"], ["1", "0", "17"]),  # 17: above max_group_size=16
-    "rollout.max_group_size": (["2", "64"], ["1", "0", "-1"]),  # 1: below min_group_size=2
+    "rollout.curriculum_steps": (["null", "1", "250", "100000000"], ["0", "-1", "2.5", "100000001"]),
+    "rollout.min_group_size": (["2", "16"], ["1", "0", "17", "1048577"]),  # 17: above max_group_size=16
+    "rollout.max_group_size": (
+        ["2", "64", "1048576"],
+        ["1", "0", "-1", "1048577"],
+    ),  # 1: below min_group_size=2
+    # the tool caps: 0 is refused (it does not mean unlimited)
+    "rollout.max_tool_calls": (["0", "1", "4", "1024"], ["-1", "2.5", "1025"]),  # 0: zero calls
+    "rollout.max_turns": (["auto", "1", "1025"], ["0", "-1", "1026"]),
+    "rollout.max_tool_output_tokens": (["1", "256", "1048576"], ["0", "-1", "1048577"]),
+    "rollout.max_response_tokens": (["auto", "1024", "1048576"], ["0", "-1", "1048577"]),
+    "rollout.tool_timeout_s": (["0.5", "10", "3600"], ["0", "-1", "3601"]),
+    "rollout.tool_workers": (["auto", "1", "256"], ["0", "-1", "2.5", "257"]),
+    "data.tool_error_penalty": (["0", "0.5"], ["-0.1"]),  # above 0 needs an environment: CONTEXT
+    "rollout.max_staleness": (["0", "1", "8"], ["-1", "9", "1.5"]),  # > 0 needs a correction: CONTEXT
+    "rollout.worker_threads": (["auto", "1", "1024"], ["0", "-1", "1.5", "1025"]),
+    "rollout.start_timeout": (["0.5", "900"], ["0", "-1"]),
+    "rollout.request_timeout": (["0.5", "3600"], ["0", "-1"]),
+    "rollout.sync_timeout": (["0.5", "600"], ["0", "-1"]),
     "train.lr": (["0", "1e-5"], ["-1e-5"]),
     "train.betas": (["[0.0,0.5]"], ["[-0.1,0.9]", "[0.9,1.0]", "[0.9]"]),
     "train.weight_decay": (["0", "0.1"], ["-0.1"]),
-    "train.warmup_steps": (["0", "10"], ["-1"]),
+    "train.warmup_steps": (["0", "10", "100000000"], ["-1", "100000001"]),
     "train.min_lr_ratio": (["0", "1"], ["-0.1", "1.5"]),
     "train.grad_clip": (["0", "1.0"], ["-1"]),
-    "train.micro_batch_size": (["auto", "1"], ["0", "-2", "1.5"]),
-    "train.epochs_per_rollout_batch": (["1", "2"], ["0", "-1"]),
-    "train.max_nonfinite_steps": (["1", "10"], ["0", "-1"]),
+    "train.micro_batch_size": (["auto", "1", "1048576"], ["0", "-2", "1.5", "1048577"]),
+    "train.epochs_per_rollout_batch": (["1", "2", "1000"], ["0", "-1", "1001"]),
+    "train.max_nonfinite_steps": (["1", "10", "100000000"], ["0", "-1", "100000001"]),
+    "train.sequence_parallel": (["1", "2", "8", "1024"], ["0", "-1", "1.5", "1025"]),
     "loss.clip_low": (["0", "0.2"], ["-0.1", "1", "2"]),
     "loss.clip_high": (["0", "0.3"], ["-0.1"]),
     "loss.dual_clip": (["null", "3"], ["1", "0", "-3"]),
@@ -224,24 +260,31 @@ DOMAINS: dict[str, tuple[list[str], list[str]]] = {
     "loss.advantage_eps": (["0", "1e-6"], ["-1e-6"]),
     "loss.sapo_tau_pos": (["1.0", "0.5"], ["0", "-1"]),
     "loss.sapo_tau_neg": (["1.05", "2"], ["0", "-1"]),
-    "loss.chunk_size": (["auto", "1"], ["0", "-1", "2.5"]),
-    "sft.steps": (["0", "10"], ["-1"]),
+    "loss.chunk_size": (["auto", "1", "1048576"], ["0", "-1", "2.5", "1048577"]),
+    "sft.steps": (["0", "10", "100000000"], ["-1", "100000001"]),
     "sft.lr": (["0", "1e-3"], ["-1e-3"]),
-    "sft.batch_size": (["1"], ["0", "-1"]),
+    "sft.batch_size": (["1", "1048576"], ["0", "-1", "1048577"]),
     "sft.target_accuracy": (["null", "1", "0.5"], ["0", "-0.5", "1.5"]),
-    "sft.check_every": (["1"], ["0", "-1"]),
-    "sft.check_size": (["1"], ["0", "-1"]),
+    "sft.check_every": (["1", "100000000"], ["0", "-1", "100000001"]),
+    "sft.check_size": (["1", "1048576"], ["0", "-1", "1048577"]),
     "sft.mix_coef": (["0", "0.1"], ["-0.1"]),
-    "model.lora.r": (["0", "8"], ["-1"]),
+    "threads.intra_op": (["auto", "1", "1024"], ["0", "-1", "1.5", "1025", "many"]),
+    "model.lora.r": (["0", "8", "65536"], ["-1", "65537"]),
     "model.lora.alpha": (["0.5", "32"], ["0", "-1"]),
     "model.lora.dropout": (["0", "0.5"], ["-0.1", "1"]),
     "model.lora.lr_scale": (["1", "10"], ["0", "-1"]),
     "model.lora.target_modules": (["all-linear", "[q_proj,v_proj]"], ["7", "[]", "all"]),
-    "logging.sample_every": (["0", "10"], ["-1"]),
-    "logging.samples_per_dump": (["0", "16"], ["-1"]),
+    "logging.sample_every": (["0", "10", "100000000"], ["-1", "100000001"]),
+    "logging.samples_per_dump": (["0", "16", "1048576"], ["-1", "1048577"]),
 }
 # Other keys a value needs to be valid in combination.
-CONTEXT = {"loss.target_kl": ["loss.beta=0.1"]}
+CONTEXT = {
+    "loss.target_kl": ["loss.beta=0.1"],
+    "data.eval_subset_size": ["eval_every=0"],
+    "data.tool_error_penalty": ["rollout.environment=calculator"],
+    "rollout.max_staleness": ["rollout.old_logprobs=sampler"],
+    "rollout.worker_threads": ["rollout.placement=process"],
+}
 NUMERIC_TYPES = {"int", "float", "float | None", "int | None", "Any", "tuple[float, float]"}
 
 
@@ -309,6 +352,48 @@ def test_numeric_key_refuses_outside_its_domain_naming_it(key, value):
         load_config(overrides=[*CONTEXT.get(key, []), f"{key}={value}"], check_device=False)
     msg = str(err.value)
     assert key in msg and "\n" not in msg, msg
+
+
+def _integer_keys(cls: type = Config, prefix: str = "") -> dict[str, object]:
+    """Every integer leaf of Config (by its annotation, or an integer domain under ``Any``) → its domain."""
+    import dataclasses
+
+    from grpo_fast.config import _is_section
+
+    keys = {}
+    for f in dataclasses.fields(cls):
+        domain = f.metadata.get("domain")
+        if _is_section(f):
+            keys |= _integer_keys(type(f.default_factory()), f"{prefix}{f.name}.")
+        elif f.type in ("int", "int | None") or getattr(domain, "integer", False):
+            keys[f"{prefix}{f.name}"] = domain
+    return keys
+
+
+def test_every_integer_key_has_a_bound_a_run_can_reach_and_says_why():
+    """An absurd value (steps=10^23, rollout.batch_size=10^20) is refused in one line naming the key
+    and the bound, instead of a plan of 10^19 hours or a run that never starts: every integer key
+    has a finite upper bound with its reason (or a list of choices)."""
+    from grpo_fast.domains import OneOf, Range
+
+    keys = _integer_keys()
+    assert len(keys) > 25 and "steps" in keys and "train.micro_batch_size" in keys
+    for key, domain in keys.items():
+        if isinstance(domain, OneOf):
+            assert all(isinstance(c, int) for c in domain.choices), key
+            continue
+        assert isinstance(domain, Range) and domain.integer, f"{key}: no integer domain"
+        assert domain.hi is not None and domain.hi <= 2**32, f"{key}: no bound a run can reach"
+        assert domain.hi_why.startswith(": ") and len(domain.hi_why) > 20, f"{key}: the bound has no reason"
+
+
+def test_an_absurd_integer_names_the_key_the_bound_and_why():
+    with pytest.raises(ConfigError) as err:
+        load_config("tiny", overrides=["steps=99999999999999999999999"])
+    assert str(err.value).startswith("steps must be <= 100000000, got 99999999999999999999999: 10^8 steps")
+    with pytest.raises(ConfigError) as err:
+        load_config("tiny", overrides=["rollout.batch_size=99999999999999999992"])
+    assert str(err.value).startswith("rollout.batch_size must be <= 1048576, got 99999999999999999992: 2^20")
 
 
 def test_group_size_one_is_refused_with_the_reason():

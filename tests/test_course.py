@@ -45,10 +45,11 @@ def test_public_api_is_exported():
 
 def test_each_course_name_has_one_home():
     """``grpo_fast`` re-exports ``grpo_fast.algo.course``; only ``compute_entropy`` (which the eager
-    reference of the fused ops uses) is defined in ``grpo_fast.algo.core``, the rest only in the course module."""
+    reference of the fused ops uses) is defined in the algorithm core (``grpo_fast.algo.token_loss``,
+    re-exported by ``grpo_fast.algo.core``), the rest only in the course module."""
     for name in course.__all__:
         assert getattr(grpo_fast, name) is getattr(course, name), name
-        home = "grpo_fast.algo.core" if name == "compute_entropy" else "grpo_fast.algo.course"
+        home = "grpo_fast.algo.token_loss" if name == "compute_entropy" else "grpo_fast.algo.course"
         assert getattr(course, name).__module__ == home, name
         assert hasattr(core, name) == (name == "compute_entropy"), name
 
@@ -307,6 +308,58 @@ def test_grpo_clip_loss_hand_values():
     expected = torch.tensor([[-1.2, -1.0, -e(-0.5)], [e(0.5), 1.0, 0.8]])
     torch.testing.assert_close(loss, expected)
     assert meta["clipped"].tolist() == [[True, False, False], [False, False, True]]
+
+
+# The documented domain of cliprange: any number >= 0 (issue 35: LossOptions' training-config
+# domain, clip_low in [0, 1), had narrowed it). A large one is a legal call: the course's own tests
+# use one. Ratios e^0.5 ≈ 1.6487, e^-3 ≈ 0.0498, e^3 ≈ 20.086 against A = +1 and A = −1.
+_NEW = torch.tensor([[0.5, -3.0, 3.0], [0.5, -3.0, 3.0]])
+_ADV = torch.tensor([[1.0], [-1.0]])
+
+
+@pytest.mark.parametrize("cliprange", [10, 10.0, torch.tensor(10.0)], ids=["int", "float", "tensor"])
+def test_a_clip_range_of_one_or_more_leaves_no_lower_clip(cliprange):
+    loss, meta = course.compute_grpo_clip_loss(_ADV, _NEW, torch.zeros(2, 3), cliprange)
+    e = math.exp
+    # [1 − 10, 1 + 10] = [−9, 11]: no ratio (> 0) is below −9, so nothing is clipped from below;
+    # A=+1: −min(r, clip(r)) → −1.6487, −0.0498, −11 (20.086 > 11: clipped)
+    # A=−1: −min(−r, −clip(r)) = max(r, clip(r)) → 1.6487, 0.0498 (0.8 with cliprange 0.2), 20.086
+    expected = torch.tensor([[-e(0.5), -e(-3.0), -11.0], [e(0.5), e(-3.0), e(3.0)]])
+    torch.testing.assert_close(loss, expected)
+    assert meta["clipped"].tolist() == [[False, False, True], [False, False, False]]
+
+
+def test_an_infinite_clip_range_clips_nothing_and_a_negative_one_is_refused():
+    loss, meta = course.compute_grpo_clip_loss(_ADV, _NEW, torch.zeros(2, 3), math.inf)
+    # −min(r·A, clip(r, −inf, inf)·A) = −r·A
+    torch.testing.assert_close(loss, -torch.exp(_NEW) * _ADV)
+    assert not meta["clipped"].any()
+    for bad in (-0.1, math.nan):
+        with pytest.raises(ValueError, match=r"cliprange must be a number >= 0 \(1 or more: no lower clip\)"):
+            course.compute_grpo_clip_loss(_ADV, _NEW, torch.zeros(2, 3), bad)
+    with pytest.raises(TypeError, match="cliprange must be a number, got 'wide'"):
+        course.compute_grpo_clip_loss(_ADV, _NEW, torch.zeros(2, 3), "wide")
+
+
+def test_the_dispatch_and_the_train_step_take_a_large_clip_range():
+    """compute_policy_gradient_loss and grpo_microbatch_train_step pass cliprange on unchanged."""
+    old = torch.zeros(2, 3)
+    loss, _ = course.compute_policy_gradient_loss(
+        _NEW, "grpo_clip", advantages=_ADV, old_log_probs=old, cliprange=10
+    )
+    torch.testing.assert_close(loss, course.compute_grpo_clip_loss(_ADV, _NEW, old, 10)[0])
+    lp = _NEW.clone().requires_grad_(True)
+    mask = torch.ones(2, 3, dtype=torch.bool)
+    step_loss, meta = course.grpo_microbatch_train_step(
+        lp, mask, 1, "grpo_clip", advantages=_ADV, old_log_probs=old, cliprange=10
+    )
+    # mean over tokens then rows of the loss above: (−1.6487 − 0.0498 − 11 + 1.6487 + 0.0498 + 20.086) / 6
+    assert step_loss.item() == pytest.approx((-11.0 + math.exp(3.0)) / 6, rel=1e-6)
+    # ∂ℓ/∂lp = −A·r where unclipped, 0 where clipped (r = 20.086, A = +1), each / 6
+    r = torch.exp(_NEW)
+    grad = torch.tensor([[-1.0, -1.0, 0.0], [1.0, 1.0, 1.0]]) * r / 6
+    torch.testing.assert_close(lp.grad, grad)
+    assert meta["clip_fraction"].item() == pytest.approx(1 / 6)
 
 
 def test_policy_gradient_loss_dispatch():

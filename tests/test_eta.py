@@ -6,6 +6,7 @@ tiny preset without history gets the speed probe's estimate."""
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import json
 import os
@@ -21,6 +22,7 @@ from grpo_fast.config import ON_RESUME, load_config
 from grpo_fast.loop import setup as setup_mod
 from grpo_fast.obs import eta
 from grpo_fast.policy import checkpoint as ckpt
+from grpo_fast.testing import plan_threads_note
 from grpo_fast.train import main
 
 CPU = torch.device("cpu")
@@ -84,7 +86,8 @@ def test_a_run_s_end_records_its_setup_and_the_next_plan_line_quotes_it(tmp_path
     assert entry["sft_steps"] == rows[0]["sft/steps"] == 20 and entry["sft_max"] == 20
     last_sft = _rows(tmp_path / "a" / "sft_metrics.jsonl")[-1]
     assert last_sft["step"] == 20 and entry["sft_step_s"] == pytest.approx(last_sft["time/elapsed_s"] / 20)
-    assert entry["date"] == TODAY and isinstance(entry["load1"], float)
+    assert entry["date"] == TODAY and entry["cores"] == eta.cpu_cores()
+    assert entry["load"] == {"grpo_step_s": 0.0, "eval_s": 0.0, "sft_step_s": 0.0}  # idle (conftest)
     assert entry["machine"] == {
         "device": "cpu",
         "cpu": eta.cpu_model(),
@@ -96,7 +99,7 @@ def test_a_run_s_end_records_its_setup_and_the_next_plan_line_quotes_it(tmp_path
     assert main([*QUICK, "steps=2", f"output_dir={tmp_path / 'b'}"]) == 0
     total = 20 * entry["sft_step_s"] + 2 * entry["grpo_step_s"] + 2 * entry["eval_s"]  # evals: 0, 2
     assert _plan_line(capsys.readouterr().err).endswith(
-        f", an evaluation every 2 steps; about {eta.format_duration(total)} on this machine (from its "
+        f", an evaluation every 2 steps; {plan_threads_note()}; about {eta.format_duration(total)} on this machine (from its "
         f"last run of this setup on {TODAY}: 20 warm-start steps, "
         f"{eta.format_seconds(entry['grpo_step_s'])} s a GRPO step)"
     )
@@ -108,16 +111,16 @@ def test_a_run_s_end_records_its_setup_and_the_next_plan_line_quotes_it(tmp_path
 
 def test_a_run_stopped_by_a_signal_records_what_it_timed(tmp_path, monkeypatch, capsys):
     """Planted: no ``eta.record_run`` in train.py's ``except Preempted`` → no entry."""
-    from grpo_fast import train
+    from grpo_fast.loop import stats
 
-    real = train.step_metrics
+    real = stats.step_metrics  # close_step's metrics row, at each step's end
 
     def signalled(run, step, *a, **k):
         if step == 2:
             os.kill(os.getpid(), signal.SIGTERM)  # met at step 2's end: checkpoint, then stop
         return real(run, step, *a, **k)
 
-    monkeypatch.setattr(train, "step_metrics", signalled)
+    monkeypatch.setattr(stats, "step_metrics", signalled)
     args = [*QUICK, "sft.steps=0", "eval_every=0", "steps=5", f"output_dir={tmp_path}"]
     assert main(args) == 128 + signal.SIGTERM
     assert "error: SIGTERM during step 2" in capsys.readouterr().err
@@ -169,7 +172,9 @@ def test_the_total_counts_what_is_left_and_caps_the_warm_start_at_sft_steps():
     assert eta.plan_counts(_cfg(), t, 0, 30)["sft"] == 200  # a stopped warm start: 30 steps done
     full = eta.plan_counts(_cfg("full_eval_every=100"), t, 0, 0)
     assert full["eval_full"] == 5 and eta.total_seconds(full, t) is None  # no time for it: no total
-    assert eta.plan_counts(_cfg("data.eval_subset_size=0"), t, 0, 0)["eval"] == 0
+    cfg = _cfg()  # data.eval_subset_size=0 with eval_every > 0 is refused; plan_counts still says 0
+    no_subset = dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, eval_subset_size=0))
+    assert eta.plan_counts(no_subset, t, 0, 0)["eval"] == 0
 
 
 def test_a_resumed_plan_line_counts_from_the_checkpoint(tmp_path):
@@ -388,3 +393,95 @@ def test_the_probe_command_prints_the_line_to_paste(capsys):
     assert eta.main(["--probe"]) == 0
     line = capsys.readouterr().out.strip()
     assert line.startswith("TINY_REFERENCE_PROBE_S = ") and float(line.split()[2]) > 0
+
+
+# ---------------------------------------------------------------- the machine's load
+
+
+def _busy(monkeypatch, load: float, cores: int = 2) -> None:
+    """This machine's 1-minute load average and cores, as eta reads them."""
+    monkeypatch.setattr(eta, "machine_load", lambda: load)
+    monkeypatch.setattr(eta, "cpu_cores", lambda: cores)
+
+
+def test_timings_made_under_contention_are_not_recorded_and_the_earlier_ones_stay(tmp_path, monkeypatch):
+    """A run's end at load 5 on 2 cores (3 a core once its own 2 threads are taken out): its
+    timings stay out of the history, the entry keeps the idle run's. Planted: record_run
+    without its contention check → the loaded run's 0.4 s a step replaces 0.2."""
+    monkeypatch.setattr(eta.torch, "get_num_threads", lambda: 2)
+    cfg = _cfg("rollout.batch_size=32", f"output_dir={tmp_path}")
+    _busy(monkeypatch, 0.4)
+    eta.record_run(cfg, CPU, dist.DistInfo(), _write_run(tmp_path / "idle"), sft_steps=20)
+    (idle,) = eta.load_history().values()
+    assert idle["grpo_step_s"] == 0.2 and idle["cores"] == 2
+    assert idle["load"] == dict.fromkeys(("grpo_step_s", "eval_s", "sft_step_s"), 0.0)  # 0.4 - 2 threads
+    _busy(monkeypatch, 5.0)
+    loaded = _write_run(tmp_path / "loaded", step_s=(0.4, 0.4), eval_s=(1.4,), sft=((10, 9.0),))
+    eta.record_run(cfg, CPU, dist.DistInfo(), loaded, sft_steps=10)
+    (entry,) = eta.load_history().values()
+    assert {k: entry[k] for k in ("grpo_step_s", "eval_s", "sft_step_s")} == {
+        k: idle[k] for k in ("grpo_step_s", "eval_s", "sft_step_s")
+    }
+    assert entry["sft_steps"] == 10  # a count, not a timing: the load does not change it
+    # the plan line's reading, before the run computed, counts too: 1.2 on 2 cores is contended
+    _busy(monkeypatch, 1.2)
+    assert eta.plan_estimate(cfg, CPU, 1).endswith("; load 1.2 on 2 cores: expect it slower")
+    _busy(monkeypatch, 0.0)  # idle at the run's end, but the plan line saw 1.2: not recorded
+    eta.record_run(cfg, CPU, dist.DistInfo(), loaded, sft_steps=10)
+    assert eta.load_history()[eta.fingerprint(cfg, CPU, 1)]["grpo_step_s"] == 0.2
+    eta.record_run(cfg, CPU, dist.DistInfo(), loaded, sft_steps=10)  # idle throughout: recorded
+    assert eta.load_history()[eta.fingerprint(cfg, CPU, 1)]["grpo_step_s"] == pytest.approx(0.4)
+
+
+def test_an_entry_timed_under_load_is_not_quoted(monkeypatch):
+    """An entry whose timings were made at a load of 3 on 2 cores (the issue's "about 20 min" for
+    a run that took 29 s): a loaded ``load``, or an older version's ``load1`` with the run's own
+    threads in it. Planted: timings_of without its contention filter → "about 8.3 h"."""
+    _busy(monkeypatch, 0.0)
+    cfg = _cfg("rollout.batch_size=32", "sft.steps=0", "eval_every=0", "steps=500")
+    key = eta.fingerprint(cfg, CPU, 1)
+    idle = {"grpo_step_s": 60.0, "load": {"grpo_step_s": 0.2}, "cores": 2}
+    eta.write_history({key: idle})
+    assert eta.plan_estimate(cfg, CPU, 1).startswith("about 8.3 h on this machine")
+    machine = {"device": "cpu", "threads": 2, "world_size": 1}
+    for loaded in (
+        {**idle, "load": {"grpo_step_s": 3.0}},
+        {"grpo_step_s": 60.0, "load1": 5.0, "machine": machine},
+    ):
+        eta.write_history({key: loaded})
+        assert eta.plan_estimate(cfg, CPU, 1) == eta.NO_ESTIMATE, loaded
+    eta.write_history({key: {"grpo_step_s": 60.0, "load1": 2.5, "machine": machine}})  # 0.5: its own
+    assert eta.plan_estimate(cfg, CPU, 1).startswith("about 8.3 h on this machine")
+
+
+def test_the_plan_line_says_when_the_machine_is_busy(monkeypatch):
+    """Planted: load_note's threshold on the load itself, not per core → 1.8 on 4 cores warns."""
+    cfg = _cfg("rollout.batch_size=32")
+    _busy(monkeypatch, 3.2, cores=2)
+    assert eta.plan_estimate(cfg, CPU, 1) == eta.NO_ESTIMATE + "; load 3.2 on 2 cores: expect it slower"
+    _busy(monkeypatch, 1.8, cores=4)  # 0.45 a core
+    assert eta.plan_estimate(cfg, CPU, 1) == eta.NO_ESTIMATE
+    _busy(monkeypatch, 2.1, cores=4)
+    assert eta.plan_estimate(cfg, CPU, 1).endswith("; load 2.1 on 4 cores: expect it slower")
+    monkeypatch.setattr(eta, "machine_load", lambda: None)  # no load average on this OS: no note
+    assert eta.plan_estimate(cfg, CPU, 1) == eta.NO_ESTIMATE
+
+
+def test_a_run_without_a_warm_start_leaves_the_tiny_preset_its_probe_for_the_warm_start(
+    tmp_path, monkeypatch
+):
+    """A ``sft.steps=0`` run of the tiny preset's setup records GRPO and eval times only; the next
+    run with the warm start takes the warm start from the speed probe (main at 54b861a: "no time
+    estimate yet"). Planted: no ``_filled`` in _estimate → NO_ESTIMATE."""
+    monkeypatch.setattr(eta, "speed_probe", lambda: eta.TINY_REFERENCE_PROBE_S)
+    no_warm = _cfg("sft.steps=0", f"output_dir={tmp_path}")
+    eta.record_run(no_warm, CPU, dist.DistInfo(), _write_run(tmp_path / "run", sft=()), sft_steps=0)
+    (entry,) = eta.load_history().values()
+    assert "sft_step_s" not in entry and "sft_steps" not in entry
+    cfg = _cfg()  # the warm start (to 0.25, at most 1000 steps), GRPO to step 500, 21 evaluations
+    sft = eta.TINY_REFERENCE_SFT_STEPS
+    total = sft * eta.TINY_REFERENCE_SFT_STEP_S + 500 * 0.2 + 21 * 0.6
+    assert eta.plan_estimate(cfg, CPU, 1) == (
+        f"about {eta.format_duration(total)} on this machine (from its last run of this setup on {TODAY} "
+        f"and a speed probe for what it did not time: {sft} warm-start steps, 0.20 s a GRPO step)"
+    )

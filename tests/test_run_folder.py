@@ -215,12 +215,144 @@ def test_a_resume_whose_config_yaml_is_unreadable_stops_with_one_line(finished, 
     assert _tree(out) == before
 
 
-def test_resume_with_nothing_to_resume_starts_over_without_the_old_rows(finished, tmp_path, capsys):
+def test_a_resume_of_a_run_with_no_checkpoint_stops_with_one_line_and_changes_nothing(
+    finished, tmp_path, capsys
+):
+    """Planted: check_resumable without its last refusal → the run starts over: its rows and
+    config.yaml rewritten (main at 54b861a: "holds no checkpoint: starting from scratch", exit 0)."""
     out = _copy(finished, tmp_path / "run")
     subprocess.run(["rm", "-r", str(out / "checkpoints"), str(out / "final")], check=True)
+    before = _tree(out)
+    capsys.readouterr()
+    assert main([*QUICK, "steps=1", "checkpoint_every=0", f"output_dir={out}", "resume=true"]) == 2
+    assert _err_lines(capsys) == [
+        f"error: resume=true: output_dir {out} holds a run (metrics.jsonl up to step 2) but no checkpoint "
+        "to continue it from: overwrite=true deletes it and starts over"
+    ]
+    assert _tree(out) == before
+
+
+@pytest.mark.parametrize("left", ["nothing", "the evaluation before GRPO"])
+def test_resume_with_no_run_s_work_in_the_folder_starts_the_run(tmp_path, capsys, left):
+    """resume=true on a new folder, or on one a signal stopped before step 1 ("nothing was
+    written; resume=true starts the run over"): the run starts, and says so."""
+    out = tmp_path / "run"
+    if left != "nothing":
+        out.mkdir()
+        (out / "metrics.jsonl").write_text('{"step": 0, "eval/accuracy": 0.1}\n')
     assert main([*QUICK, "steps=1", "checkpoint_every=0", f"output_dir={out}", "resume=true"]) == 0
     assert "holds no checkpoint: starting from scratch" in capsys.readouterr().err
     assert _steps(out) == [1]
+
+
+def _only_checkpoint(finished: Path, tmp_path: Path) -> Path:
+    """A copy of the finished run whose one checkpoint is step_000002."""
+    out = _copy(finished, tmp_path / "run")
+    subprocess.run(["rm", "-r", str(out / "checkpoints" / "step_000001")], check=True)
+    return out
+
+
+def test_a_resume_whose_only_checkpoint_lacks_its_trainer_state_stops_with_one_line(
+    finished, tmp_path, capsys
+):
+    """Planted: check_resumable skipping a folder without trainer_state.pt (main at 54b861a: "holds
+    no checkpoint: starting from scratch", exit 0, the run's files rewritten) → exit 0."""
+    out = _only_checkpoint(finished, tmp_path)
+    latest = out / "checkpoints" / "step_000002"
+    (latest / "trainer_state.pt").unlink()
+    before = _tree(out)
+    capsys.readouterr()
+    assert main([*QUICK, "steps=3", f"output_dir={out}", "resume=true"]) == 2
+    assert _err_lines(capsys) == [
+        f"error: checkpoint {latest} has no trainer_state.pt (the optimizer, schedule and step a resume "
+        "needs); there is no checkpoint before it: overwrite=true deletes the run and starts over"
+    ]
+    assert _tree(out) == before
+    assert main([*QUICK, "steps=3", f"output_dir={out}"]) == 2  # a fresh run: the folder holds a run
+    assert "an incomplete checkpoint step_000002" in _err_lines(capsys)[0]
+    assert _tree(out) == before
+
+
+def _truncate(file: Path) -> None:
+    file.write_bytes(file.read_bytes()[: file.stat().st_size // 2])
+
+
+LATEST_DAMAGES = {  # the damage, the words the line says of it
+    "no trainer_state.pt": (lambda c: (c / "trainer_state.pt").unlink(), "has no trainer_state.pt ("),
+    "trainer_state.pt truncated": (
+        lambda c: _truncate(c / "trainer_state.pt"),
+        "cannot be read (not a whole torch.save archive: ",
+    ),
+    "no weights": (lambda c: (c / "model.safetensors").unlink(), "has no model weights (*.safetensors)"),
+}
+
+
+@pytest.mark.parametrize("damage", list(LATEST_DAMAGES))
+def test_a_resume_whose_latest_checkpoint_is_damaged_names_the_one_before_and_changes_nothing(
+    finished, tmp_path, capsys, damage
+):
+    """Two checkpoints, the latest damaged: refused in one line naming the damage and the
+    checkpoint before it (main at 54b861a resumed from step_000001 without a word, or, for a
+    truncated trainer_state.pt, failed after writing config.yaml's resume line); deleting the
+    damaged folder as the line says resumes from step_000001.
+    Planted: check_resumable checking list_checkpoints' latest (complete ones only) → exit 0."""
+    harm, words = LATEST_DAMAGES[damage]
+    out = _copy(finished, tmp_path / "run")
+    latest = out / "checkpoints" / "step_000002"
+    harm(latest)
+    before = _tree(out)
+    capsys.readouterr()
+    assert main([*QUICK, "steps=3", f"output_dir={out}", "resume=true"]) == 2
+    (line,) = _err_lines(capsys)
+    assert words in line and str(latest) in line
+    assert line.endswith("; delete the folder to resume from the checkpoint before it, step_000001")
+    assert _tree(out) == before
+    if damage == "no trainer_state.pt":  # the advice works
+        subprocess.run(["rm", "-r", str(latest)], check=True)
+        assert main([*QUICK, "steps=3", f"output_dir={out}", "resume=true"]) == 0
+        assert f"resumed from {out / 'checkpoints' / 'step_000001'} at step 1" in capsys.readouterr().err
+        assert _steps(out) == [1, 2, 3]
+
+
+def test_a_resume_refused_after_the_checks_leaves_config_yaml_as_it_was(
+    finished, tmp_path, capsys, monkeypatch
+):
+    """A refusal while the checkpoint loads (another world size, ...) comes before config.yaml's
+    resume line. Planted: record_config before restore (main at 54b861a) → the line is there."""
+    from grpo_fast.loop import setup as setup_mod
+
+    def refuse(run, path):
+        raise config_mod.ConfigError(f"resume=true: {path} was written by 2 rank(s)")
+
+    monkeypatch.setattr(setup_mod, "restore", refuse)
+    out = _copy(finished, tmp_path / "run")
+    before = (out / "config.yaml").read_text()
+    assert main([*QUICK, "steps=3", f"output_dir={out}", "resume=true"]) == 2
+    assert _err_lines(capsys)[-1].endswith("was written by 2 rank(s)")
+    assert (out / "config.yaml").read_text() == before
+
+
+@pytest.mark.parametrize("how", ["fresh", "overwrite=true", "resume=true"])
+def test_a_folder_holding_only_the_user_s_config_yaml_is_refused_and_the_file_kept(tmp_path, capsys, how):
+    """``--config exp1/config.yaml output_dir=exp1``: the user's file is never replaced nor
+    deleted. Planted: check_folder without users_config (main at 54b861a: the run replaced it,
+    exit 0) → exit 0 and the file rewritten."""
+    exp = tmp_path / "exp1"
+    exp.mkdir()
+    mine = exp / "config.yaml"
+    mine.write_text("# my experiment\nsteps: 1\nrollout:\n  group_size: 4\n")
+    before = _tree(exp)
+    capsys.readouterr()
+    extra = [] if how == "fresh" else [how]
+    assert main([*QUICK, "--config", str(mine), f"output_dir={exp}", *extra]) == 2
+    assert _err_lines(capsys) == [
+        f"error: output_dir {exp} holds {mine}, which no run wrote (your own config file?): a run writes "
+        f"its resolved config there and would replace it; give the run another output_dir (e.g. "
+        f"output_dir={exp / 'run'}), or move the file"
+    ]
+    assert _tree(exp) == before  # no lock file either
+    assert main([*QUICK, "--config", str(mine), f"output_dir={exp / 'run'}"]) == 0  # as the line says
+    assert mine.read_text().startswith("# my experiment\n") and (exp / "run" / "config.yaml").is_file()
 
 
 def test_the_final_summary_goes_to_stdout_with_the_model_the_eval_and_the_report(tmp_path, capsys):

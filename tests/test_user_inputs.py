@@ -1,20 +1,29 @@
 """Bad and hostile inputs: each is one ``error:`` line and exit code 2, never a traceback, and
 nothing in a run folder changes. Damaged model files, planner and evaluate arguments, the dry
-run's stops (the real run's, with the same lines), data files and YAML (a fuzz pass), a
-microbatch larger than the batch, a data line of megabytes."""
+run's stops (the real run's, with the same lines), data files and YAML (a fuzz pass), command-line
+overrides (prompt templates, devices, the Triton kernels, absurd integers; a fuzz pass), a resume
+after a cut metrics line, a microbatch larger than the batch, a data line of megabytes."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import random
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
+import torch
+from hypothesis import HealthCheck, Phase, example, given, settings
+from hypothesis import strategies as st
 from run_folders import QUICK, finished_run
 from run_folders import copy_folder as _copy
 from run_folders import tree as _tree
 
-from grpo_fast.config import load_config
+from grpo_fast.config import Config, _is_section, load_config
+from grpo_fast.config_checks import devices_here
+from grpo_fast.errors import ConfigError
 from grpo_fast.obs import run_folder
 from grpo_fast.tools import evaluate as evaluate_mod
 from grpo_fast.tools import plan as plan_mod
@@ -72,8 +81,26 @@ def test_a_resume_from_a_damaged_checkpoint_is_one_line_and_changes_nothing(
     before = _tree(out)
     line = _one_line(capsys, 2, main([*QUICK, "steps=3", f"output_dir={out}", "resume=true"]))
     assert line.startswith(f"error: model file {out / 'checkpoints' / 'step_000002' / name} is damaged (")
-    assert line.endswith("delete the folder to resume from the checkpoint before it")
+    assert line.endswith("delete the folder to resume from the checkpoint before it, step_000001")
     assert _tree(out) == before
+
+
+def test_a_resume_after_metrics_jsonl_was_cut_inside_a_line_works_and_says_so(finished, tmp_path, capsys):
+    """What a SIGKILL or a full disk during a write leaves: the last row cut short. The resume drops
+    that line (its step is redone from the checkpoint), says so, and goes on."""
+    out = _copy(finished, tmp_path / "run")
+    metrics = out / "metrics.jsonl"
+    lines = metrics.read_text().splitlines()
+    assert [json.loads(ln)["step"] for ln in lines] == [1, 2]
+    metrics.write_text(lines[0] + "\n" + lines[1][: len(lines[1]) // 2])  # cut inside row 2
+    assert main([*QUICK, "steps=3", f"output_dir={out}", "resume=true"]) == 0
+    err = capsys.readouterr().err
+    assert (
+        f"resume: dropped 1 unreadable line(s) of {metrics} (line 2: cut short, as a run killed "
+        "mid-write leaves it)"
+    ) in err.splitlines()
+    rows = [json.loads(ln) for ln in metrics.read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1, 3] and rows[0] == json.loads(lines[0])
 
 
 def test_an_intact_model_folder_passes_the_check(finished):
@@ -262,6 +289,8 @@ def _yaml_cases() -> list[tuple[str, bytes]]:
         "python tag": "steps: !!python/object:os.system ls\n",
         "truncated": "rollout:\n  group_size: 8\n  batch_size: [1,\n",
         "deep": "steps: " + "[" * 5000 + "]" * 5000 + "\n",
+        "a float key 10^400": "sft: {mix_coef: " + "9" * 400 + "}\n",  # beyond a float: OverflowError
+        "a mapping into a list": "train: {betas: {a: 1}}\n",  # TypeError in the merge
     }
     cases += [(k, v.encode()) for k, v in wrong.items()]
     return cases
@@ -272,6 +301,308 @@ def test_fuzz_yaml_config_files_are_one_line_exit_2(tmp_path, capsys, name, cont
     f = tmp_path / "c.yaml"
     f.write_bytes(content)
     _one_line(capsys, 2, main([*QUICK, "--dry-run", "--config", str(f), f"output_dir={tmp_path}/o"]))
+
+
+# ---------------------------------------------------------------------------- command-line overrides
+
+
+@pytest.mark.parametrize(
+    ("typed", "template"),
+    [
+        ("{question} Answer:", "{question} Answer:"),  # YAML read it as a mapping: a traceback
+        ("{question}{oops}", "{question}{oops}"),  # braces besides {question} are text
+        ("Q: {question}", "Q: {question}"),  # a colon and a space
+        ('"Q: {question}\\nA:"', "Q: {question}\nA:"),  # in quotes: YAML's escapes
+        ("{question} # 1", "{question} # 1"),  # not a YAML comment
+    ],
+)
+def test_a_custom_prompt_template_on_the_command_line_is_the_text_as_typed(tmp_path, capsys, typed, template):
+    """README and docs/tasks.md: "any string holding {question}", given as
+    data.prompt_template=...: the run uses exactly that text (the dry run shows its prompt)."""
+    assert load_config("tiny", overrides=[f"data.prompt_template={typed}"]).data.prompt_template == template
+    code = main([*QUICK, "--dry-run", f"data.prompt_template={typed}", f"output_dir={tmp_path / 'run'}"])
+    out = capsys.readouterr().out
+    assert code == 0 and f"template {template!r}" in out
+    prompt = out.split("sample prompt (")[1].splitlines()[1].strip()
+    assert prompt == repr(template.replace("{question}", "75+60="))  # the tiny task's train[0]
+
+
+def test_an_invalid_prompt_template_is_one_line_naming_the_key(tmp_path, capsys):
+    line = _one_line(capsys, 2, main([*QUICK, "data.prompt_template=Answer:", f"output_dir={tmp_path}"]))
+    assert line == (
+        "error: data.prompt_template: unknown prompt template 'Answer:': use one of math_tir, "
+        "question_only, r1_zero, or a custom template string containing {question}"
+    )
+
+
+@pytest.mark.parametrize("device", ["banana", "meta", "mps", "cuda:x", "cpu:0", "cuda:-1", "CPU"])
+def test_a_device_this_machine_does_not_run_is_one_line(tmp_path, capsys, device):
+    """torch.device raised (banana), or .item() did later (meta, mps): now the config's line, naming
+    the key and what this machine takes."""
+    line = _one_line(capsys, 2, main([*QUICK, f"device={device}", f"output_dir={tmp_path}"]))
+    assert line == f"error: device={device!r} is not one of: auto, cpu, cuda, cuda:N ({devices_here()})"
+    assert not any(tmp_path.iterdir())
+
+
+def test_a_cuda_device_past_the_last_gpu_is_one_line(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    assert load_config("tiny", overrides=["device=cuda:0"]).device == "cuda:0"
+    with pytest.raises(ConfigError) as err:
+        load_config("tiny", overrides=["device=cuda:1"])
+    assert str(err.value) == "device='cuda:1' is not on this machine (this machine: auto, cpu, cuda, cuda:0)"
+
+
+def test_resolve_device_names_a_device_this_machine_does_not_run():
+    """A config built without the checks (dataclasses.replace) meets the same line at the device."""
+    from grpo_fast.policy.model import resolve_device
+
+    cfg = load_config("tiny")
+    assert resolve_device(cfg) == torch.device("cpu")
+    for device in ("mps", "banana", *(["cuda"] if not torch.cuda.is_available() else [])):
+        with pytest.raises(ConfigError, match=f"device='{device}' is not one this machine runs"):
+            resolve_device(dataclasses.replace(cfg, device=device))
+
+
+def test_the_triton_kernels_on_a_cpu_without_the_interpreter_is_one_line(tmp_path, capsys, monkeypatch):
+    if torch.cuda.is_available():
+        pytest.skip("this machine has CUDA: the Triton kernels run")
+    assert load_config("tiny", overrides=["loss.kernel_backend=triton"]).loss.kernel_backend == "triton"
+    monkeypatch.delenv("TRITON_INTERPRET")
+    line = _one_line(capsys, 2, main([*QUICK, "loss.kernel_backend=triton", f"output_dir={tmp_path}"]))
+    assert line == (
+        "error: loss.kernel_backend=triton needs CUDA tensors, or TRITON_INTERPRET=1 set before triton is "
+        "imported to run under the interpreter; device=cpu"
+    )
+    assert not any(tmp_path.iterdir())
+
+
+@pytest.mark.parametrize(
+    ("override", "line"),
+    [
+        (
+            "steps=99999999999999999999999",  # planned "about 63837894527776161792.0 h"
+            "error: steps must be <= 100000000, got 99999999999999999999999: 10^8 steps is 58 days at "
+            "the tiny preset's fastest, 0.05 s a step (published GRPO runs take thousands)",
+        ),
+        (
+            "rollout.batch_size=99999999999999999992",  # printed its plan, then hung
+            "error: rollout.batch_size must be <= 1048576, got 99999999999999999992: 2^20 = 1,048,576 "
+            "sequences, 128 times the largest published GRPO batch (8,192 responses a step)",
+        ),
+        (
+            "rollout.max_tokens=10000000000",
+            "error: rollout.max_tokens must be <= 1048576, got 10000000000: 2^20 = 1,048,576 tokens, "
+            "8 times the longest context of the models trained here (131,072)",
+        ),
+    ],
+)
+def test_an_absurd_integer_is_one_line_naming_the_key_and_the_bound(tmp_path, capsys, override, line):
+    """The dry run (which printed the plan for these) and the real run stop on the same line."""
+    assert _one_line(capsys, 2, main([*QUICK, "--dry-run", override, f"output_dir={tmp_path}"])) == line
+    assert _one_line(capsys, 2, main([*QUICK, override, f"output_dir={tmp_path}"])) == line
+
+
+def _leaf_keys(cls: type = Config, prefix: str = "") -> list[str]:
+    keys = []
+    for f in dataclasses.fields(cls):
+        if _is_section(f):
+            keys += _leaf_keys(type(f.default_factory()), f"{prefix}{f.name}.")
+        else:
+            keys.append(f"{prefix}{f.name}")
+    return keys
+
+
+# Every key, and an entry of each dict-valued key; the values a shell lets through: YAML's flow
+# and block syntax, tags, anchors, interpolations, quotes, numbers past every range, unicode.
+FUZZ_KEYS = [*_leaf_keys(), "health.thresholds.entropy_warn_low", "rollout.vllm_kwargs.enforce_eager"]
+FUZZ_WORDS = [
+    *("", " ", "{", "}", "[", "]", "{}", "[]", "{question}", "{question}{oops}", "'", '"', '"x', "${oops}"),
+    *("9" * 400, "-" + "9" * 30, "1e400", "-1e400", "nan", ".inf", "null", "~", "true", "no", "[1,2"),
+    *("{a: 1}", "!!python/object:os.system ls", "!!binary aGVsbG8=", "&a [*a]", "*a", "2024-01-01"),
+    *("0x1F", "a: b", "- x", "[" * 2000, "{" * 2000, "? a", "---", "|", "@", "`", "a #b", "\t", "1_000"),
+    *("ü", "🙂", "\x00", "\n", "cuda:99999", "meta", "mps", "auto", "triton", "vllm", "[a, [b, {c: 1}]]"),
+]
+FUZZ_VALUES = st.one_of(
+    st.sampled_from(FUZZ_WORDS),
+    st.text(st.sampled_from([*":{}[]'\",=#&*!|>%@`~$\\ -_.\t\n0123456789aeu", "ü", "\x00"]), max_size=30),
+    st.text(max_size=20),
+    st.integers(-(10**30), 10**30).map(str),
+    st.integers(-(10**400), 10**400).map(str),  # past a float's range too
+    st.floats().map(repr),
+)
+
+
+@settings(
+    max_examples=250,  # ≈ 20 s at load 10 on 2 cores (≈ 80 ms a load_config)
+    derandomize=True,
+    database=None,
+    deadline=None,
+    phases=[Phase.explicit, Phase.generate],
+    suppress_health_check=[HealthCheck.too_slow],
+)
+@given(key=st.sampled_from(FUZZ_KEYS), value=FUZZ_VALUES)
+@example(key="data.prompt_template", value="{question} Answer:")  # the tracebacks it found, kept
+@example(key="sft.mix_coef", value="9" * 400)
+@example(key="health.thresholds.entropy_warn_low", value="-" + "9" * 400)
+@example(key="train.grad_clip", value="1" + "0" * 309)
+def test_fuzz_command_line_overrides_are_a_config_or_one_line(key, value):
+    """A random value for a random key, through the CLI's config loading: a Config, or a
+    ConfigError of one line naming the key (its leaf for a relation between keys). Tracebacks
+    it found: a YAML ParserError for text keys, OverflowError for a float key past 1.8e308,
+    TypeError for a mapping merged into a list, IndexError for a key of brackets."""
+    try:
+        cfg = load_config("tiny", overrides=[f"{key}={value}"])
+    except ConfigError as exc:
+        msg = str(exc)
+        assert msg and "\n" not in msg, msg
+        assert key.rsplit(".", 1)[-1] in msg, msg
+    else:
+        assert isinstance(cfg, Config)
+
+
+@pytest.mark.parametrize(
+    "key",
+    ["", ".", "a..b", "steps[0]", "train.betas[0]", "train.betas.0", "[x}y", "${x}", "ü", "a b", "-steps"],
+)
+def test_an_override_key_that_is_not_a_dotted_name_is_one_line(key):
+    with pytest.raises(ConfigError) as err:
+        load_config("tiny", overrides=[f"{key}=1"])
+    assert "\n" not in str(err.value) and repr(key) in str(err.value)
+
+
+@pytest.mark.slow  # two processes that import torch and transformers: 48 s at load 12 on 2 cores
+def test_hostile_overrides_through_the_real_command(tmp_path):
+    """Two of the fuzz's values through `python -m grpo_fast.train --dry-run`, a process of its own:
+    the template works; the absurd batch is one line and exit 2 (no traceback, no plan)."""
+    run = lambda *a: subprocess.run(
+        [sys.executable, "-m", "grpo_fast.train", *QUICK, "--dry-run", f"output_dir={tmp_path}", *a],
+        capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    works = run("data.prompt_template={question}{oops}")
+    assert works.returncode == 0 and "'75+60={oops}'" in works.stdout, works.stderr[-2000:]
+    refused = run("rollout.batch_size=99999999999999999992")
+    assert refused.returncode == 2 and refused.stdout == ""
+    assert refused.stderr.splitlines() == [
+        "error: rollout.batch_size must be <= 1048576, got 99999999999999999992: 2^20 = 1,048,576 "
+        "sequences, 128 times the largest published GRPO batch (8,192 responses a step)"
+    ]
+
+
+# ---------------------------------------------------------------------------- the tiny task's files
+
+
+def test_a_tiny_task_file_s_errors_speak_of_the_tiny_task_and_name_the_line(tmp_path, capsys):
+    """A tiny-task data file: an answer that is not one (main at 54b861a: GSM8K's "no '####'
+    answer found"), characters the built-in tokenizer does not know (main: silently <unk>).
+    Planted: load_examples without its alphabet check → the spaces pass."""
+    f = tmp_path / "train.jsonl"
+    args = [*QUICK, "--dry-run", f"data.train_path={f}", f"output_dir={tmp_path}/o"]
+    cases = {
+        '{"question": "1+2=", "answer": "3"}\n{"question": "2+2=", "answer": "four"}\n': (
+            f"error: {f}:2: the answer 'four' holds 'foru', which the tokenizer does not know (it knows "
+            "only '0123456789+='): it would become <unk>"
+        ),
+        '{"question": "37 + 45 =", "answer": "82"}\n': (
+            f"error: {f}:1: the question '37 + 45 =' holds ' ', which the tokenizer does not know (it "
+            "knows only '0123456789+='): it would become <unk>"
+        ),
+        '{"question": "1+2=", "answer": " "}\n': f"error: {f}:1: empty answer in field 'answer'",
+    }
+    for text, want in cases.items():
+        f.write_text(text)
+        assert _one_line(capsys, 2, main(args)) == want
+
+
+def test_a_tiny_task_file_takes_any_character_another_tokenizer_knows(finished, tmp_path):
+    """The check is the built-in tokenizer's: a tiny run's own folder has it too; another
+    model's tokenizer (whatever it is) is not checked."""
+    from grpo_fast.task import tiny
+    from grpo_fast.task.loader import load_task
+
+    f = tmp_path / "train.jsonl"
+    f.write_text('{"question": "2 + 2 =", "answer": "four"}\n')
+    assert tiny.has_builtin_tokenizer(str(finished / "final"))
+    assert not tiny.has_builtin_tokenizer("Qwen/Qwen2.5-Math-1.5B")
+    cfg = load_config("tiny", overrides=[f"data.train_path={f}", "model.name_or_path=Qwen/Qwen2.5-Math-1.5B"])
+    assert [(e.question, e.answer, e.solution) for e in load_task(cfg).train] == [("2 + 2 =", "four", "four")]
+
+
+def test_the_plan_line_says_the_evaluation_stays_on_the_built_in_problems(tmp_path):
+    """data.train_path without data.eval_path: the evaluations are the built-in problems' (the
+    tiny task) or the Hub's test split; the plan line says so. Planted: no _eval_source → silent."""
+    from grpo_fast import dist
+    from grpo_fast.loop import setup as setup_mod
+
+    class Events:
+        def __init__(self):
+            self.lines = []
+
+        def event(self, line):
+            self.lines.append(line)
+
+    f = tmp_path / "train.jsonl"
+    f.write_text('{"question": "1+2=", "answer": "3"}\n')
+    cpu = __import__("torch").device("cpu")
+    for extra, words in (
+        ([], ", an evaluation every 25 steps on the built-in eval problems (data.eval_path is not set);"),
+        ([f"data.eval_path={f}"], ", an evaluation every 25 steps;"),
+        (
+            ["data.task=gsm8k"],
+            ", an evaluation every 25 steps on openai/gsm8k [test] (data.eval_path is not set);",
+        ),
+    ):
+        events = Events()
+        setup_mod._announce_plan(
+            load_config("tiny", overrides=[f"data.train_path={f}", *extra]), dist.DistInfo(), events, cpu
+        )
+        assert words in events.lines[0], events.lines
+
+
+# ---------------------------------------------------------------------------- runs that would do the wrong thing
+
+WRONG = {  # main at 54b861a ran each, exit 0: NaN steps, no evaluation, no final_merged
+    "fp16 weights": (
+        ["model.dtype=float16"],
+        "error: model.dtype=float16 keeps the weights that train in fp16 (the whole model trains): AdamW "
+        "then computes its step in fp16, where its eps=1e-8 rounds to 0",
+    ),
+    "fp16 base made by the warm start": (
+        ["model.dtype=float16", "model.lora.r=8", "sft.steps=20"],
+        "error: model.dtype=float16 keeps the weights that train in fp16 (the warm start trains the whole "
+        "model (sft.target=base)): ",
+    ),
+    "an evaluation of no problem": (
+        ["eval_every=2", "data.eval_subset_size=0"],
+        "error: data.eval_subset_size=0 with eval_every=2: the evaluation every 2 steps would evaluate no "
+        "problem; set eval_every=0 to turn it off",
+    ),
+    "save_merged without LoRA": (
+        ["train.save_merged=true"],
+        "error: train.save_merged=true merges a LoRA adapter into its base (output_dir/final_merged) and "
+        "needs model.lora.r > 0; without LoRA, output_dir/final is the whole model already",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", list(WRONG))
+def test_a_run_that_would_do_the_wrong_thing_is_refused_in_one_line(tmp_path, capsys, case):
+    """Planted: each check taken out of config_checks → the run trains (exit 0)."""
+    extra, start = WRONG[case]
+    out = tmp_path / "run"
+    line = _one_line(capsys, 2, main([*QUICK, "steps=2", *extra, f"output_dir={out}"]))
+    assert line.startswith(start) and not out.exists()
+
+
+def test_what_those_checks_leave_alone_loads():
+    """fp16 under LoRA (the frozen base in fp16, the adapter fp32), no evaluation, a merged LoRA."""
+    for ok in (
+        ["model.dtype=float16", "model.lora.r=8", "sft.steps=0"],
+        ["model.dtype=float16", "model.lora.r=8", "sft.target=adapter"],
+        ["eval_every=0", "data.eval_subset_size=0"],
+        ["train.save_merged=true", "model.lora.r=8"],
+    ):
+        load_config("tiny", overrides=ok)
 
 
 # ---------------------------------------------------------------------------- sizes
@@ -299,8 +630,8 @@ def test_a_megabyte_prompt_is_cut_before_tokenizing_and_printed_shortened(tmp_pa
     seen = []
     real = tiny.build_tokenizer
 
-    def spy_tokenizer():
-        tok = real()
+    def spy_tokenizer(*name):  # tiny.build_tokenizer(name=BUILTIN_NAME)
+        tok = real(*name)
         call = tok.__call__
         tok.__class__ = type(
             "Spy", (type(tok),), {"__call__": lambda s, t, **k: seen.append(len(t)) or call(t, **k)}

@@ -25,13 +25,9 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from grpo_fast.algo.core import (
-    _check_group_sizes,
-    compute_entropy,
-    grpo_clip_loss,
-    normalize_group_rewards,
-)
+from grpo_fast.algo.advantages import _check_group_sizes, normalize_group_rewards
 from grpo_fast.algo.loss_options import LOSS_TYPES, LossOptions
+from grpo_fast.algo.token_loss import compute_entropy, grpo_clip_loss
 
 __all__ = [
     "compute_entropy",
@@ -251,12 +247,28 @@ def compute_grpo_clip_loss(
     """Symmetric GRPO-Clip (CS336 API): ``grpo_clip_loss`` with ``clip_low = clip_high = cliprange``.
 
     ``[B, 1]``, ``[B, T]``, ``[B, T]`` -> ``(loss [B, T], {"clipped": bool [B, T], "ratio": [B, T]})``.
+    ``cliprange``: ε, any number ≥ 0 (a Python number or a one-element tensor); the ratio is
+    clipped to ``[1 − ε, 1 + ε]``, so ``ε ≥ 1`` leaves it (always > 0) no lower clip, and
+    ``ε = inf`` no clip at all. That is wider than a training run's ``loss.clip_low``, below 1.
 
     Example:
-        ``A = 1, log π − log π_old = 0.5``: ``r = e^0.5 ≈ 1.6487 > 1.2`` → clipped, loss ``−1.2``.
+        ``A = 1, log π − log π_old = 0.5``: ``r = e^0.5 ≈ 1.6487 > 1.2`` → clipped, loss ``−1.2``;
+        with ``cliprange=10`` nothing in ``(0, 11]`` is clipped: loss ``−1.6487``.
     """
-    options = LossOptions(clip_low=cliprange, clip_high=cliprange)
+    eps = _clip_range(cliprange)
+    options = LossOptions(clip_low=eps, clip_high=eps)
     return grpo_clip_loss(advantages, policy_log_probs, old_log_probs, options)
+
+
+def _clip_range(cliprange: float) -> float:
+    """``cliprange`` as a float: ``TypeError`` for a non-number, ``ValueError`` outside [0, ∞]."""
+    try:
+        eps = float(cliprange)
+    except (TypeError, ValueError, RuntimeError):  # RuntimeError: a tensor of more than one element
+        raise TypeError(f"cliprange must be a number, got {cliprange!r}") from None
+    if not eps >= 0:  # NaN too
+        raise ValueError(f"cliprange must be a number >= 0 (1 or more: no lower clip), got {eps}")
+    return eps
 
 
 def compute_policy_gradient_loss(

@@ -10,13 +10,22 @@ its own): the seconds per warm-start step (``sft_metrics.jsonl``'s ``time/elapse
 steps, accuracy checks included), how many steps the warm start ran (it may stop early at
 ``sft.target_accuracy``) and its ``sft.steps``, the median ``time/step_s`` of the GRPO steps,
 the mean ``time/eval_s`` (``time/eval_full_s``) per evaluation of the subset (the whole eval
-set), the date and the 1-minute load average.
+set), the date, and with each timing the load the run competed with (``load``: the 1-minute
+load average of the other processes, ``cores``: the cores this process may use).
+
+Timings made under contention are ignored: the others' load is the larger of the load average
+when the plan line was printed (the run had not started computing) and the one at its end less
+the run's own threads (``own_load``); above ``CONTENDED_LOAD`` per core a run's timings are not
+written (the entry keeps its earlier ones), and an entry's timing recorded so (or by an older
+version, whose one ``load1`` at the end counted the run's own threads) is not quoted. The plan
+line says when the machine is busy now: ``load 3.2 on 2 cores: expect it slower``.
 
 The next run of the same setup quotes it (``plan_estimate``): warm-start steps × their time +
 the GRPO steps left × the step time + the evaluations left × their time. Without an entry, the
 tiny preset on CPU gets the reference measurement below scaled by a speed probe of this
 machine (``speed_probe``: fp32 matmuls the size of the tiny model's); any other setup says that
-no estimate exists yet. The history is written atomically (a temporary file, then
+no estimate exists yet; the tiny preset with an entry that lacks a unit (a run with
+``sft.steps=0`` timed no warm-start step) takes that unit from the probe. The history is written atomically (a temporary file, then
 ``os.replace``) and holds at most ``MAX_ENTRIES`` setups, the oldest dropped; an unreadable or
 corrupt file is ignored (one debug-level log record) and replaced at the next write.
 
@@ -69,6 +78,10 @@ PROBE_MIN, PROBE_MAX = 8, 400
 
 HISTORY_VERSION = 1
 MAX_ENTRIES = 64  # setups kept in the history; the oldest written is dropped first
+# Contention: the other processes' 1-minute load average above this per core (on 2 cores: more
+# than one other busy process's worth, which a 2-thread CPU run has to share a core with).
+CONTENDED_LOAD = 0.5
+TIMING_FIELDS = ("sft_step_s", "grpo_step_s", "eval_s", "eval_full_s")
 NO_ESTIMATE = "no time estimate yet: the progress lines give the time left once the first steps are timed"
 
 # The config keys that set the cost of a step (or, for the warm start, how many steps it takes
@@ -103,7 +116,6 @@ class Timings:
     eval_s: float | None = None
     eval_full_s: float | None = None
     date: str = ""
-    load1: float | None = None
 
 
 # ---------------------------------------------------------------- the setup's fingerprint
@@ -204,11 +216,78 @@ def _number(value: Any) -> float | None:
 
 
 def timings_of(entry: dict) -> Timings:
-    """An entry as ``Timings`` (a field of the wrong type: not measured)."""
-    num = {f: _number(entry.get(f)) for f in ("sft_step_s", "grpo_step_s", "eval_s", "eval_full_s", "load1")}
-    ints = {f: int(v) if (v := _number(entry.get(f))) is not None else None for f in ("sft_steps", "sft_max")}
+    """An entry as ``Timings`` (a field of the wrong type, or timed under contention: not
+    measured)."""
+    loads, cores = field_loads(entry), _int(entry.get("cores")) or cpu_cores()
+    num = {
+        f: None if (load := loads.get(f)) is not None and contended(load, cores) else _number(entry.get(f))
+        for f in TIMING_FIELDS
+    }
+    ints = {f: _int(entry.get(f)) for f in ("sft_steps", "sft_max")}
     date = entry.get("date") if isinstance(entry.get("date"), str) else ""
     return Timings(**num, **ints, date=date)
+
+
+def _int(value: Any) -> int | None:
+    return int(v) if (v := _number(value)) is not None else None
+
+
+def field_loads(entry: dict) -> dict[str, float]:
+    """The others' load each of an entry's timings was made under: its ``load`` (by field), else,
+    for an entry an older version wrote, its ``load1`` less the run's own threads
+    (``machine``'s); a timing with neither: unknown (not in the result)."""
+    loads = entry.get("load") if isinstance(entry.get("load"), dict) else {}
+    found = {f: v for f in TIMING_FIELDS if (v := _number(loads.get(f))) is not None}
+    old, was = _number(entry.get("load1")), entry.get("machine")
+    if old is not None and isinstance(was, dict):
+        threads, ranks = _int(was.get("threads")) or 1, _int(was.get("world_size")) or 1
+        own = ranks * (threads if was.get("device") == "cpu" else 1)
+        for f in TIMING_FIELDS:
+            if f not in found and f in entry:
+                found[f] = max(old - own, 0.0)
+    return found
+
+
+# ---------------------------------------------------------------- the machine's load
+
+
+def cpu_cores() -> int:
+    """The cores this process may run on (its affinity; the machine's count where there is none)."""
+    with contextlib.suppress(AttributeError, OSError):
+        return len(os.sched_getaffinity(0)) or 1
+    return os.cpu_count() or 1
+
+
+def machine_load() -> float | None:
+    """This machine's 1-minute load average; None where the OS keeps none."""
+    try:
+        return os.getloadavg()[0]
+    except (AttributeError, OSError):
+        return None
+
+
+def own_load(device: torch.device, world_size: int) -> float:
+    """The load a run puts on this machine while it computes: every rank's torch threads on a
+    CPU, one busy thread per rank on a GPU (one node)."""
+    return float(world_size * (torch.get_num_threads() if device.type == "cpu" else 1))
+
+
+def contended(load: float, cores: int) -> bool:
+    """Whether the other processes' ``load`` slows a run on ``cores`` cores (``CONTENDED_LOAD``)."""
+    return load > CONTENDED_LOAD * cores
+
+
+def load_note(load: float | None, cores: int) -> str:
+    """The plan line's words on a busy machine (``"; load 3.2 on 2 cores: expect it slower"``),
+    else nothing."""
+    if load is None or not contended(load, cores):
+        return ""
+    return f"; load {load:.1f} on {cores} core{'s' * (cores != 1)}: expect it slower"
+
+
+# The load each plan line saw, by setup fingerprint: the others' load before the run computed,
+# read back by record_run at the run's end (the same process).
+_PLAN_LOADS: dict[str, float] = {}
 
 
 # ---------------------------------------------------------------- what a run measured
@@ -278,20 +357,43 @@ def record_run(
         return
     try:
         key = fingerprint(cfg, device, world.world_size)
-        found = measured(out, first)
+        timed = measured(out, first)
+        others = _others_load(key, device, world.world_size)
+        cores = cpu_cores()
+        if others is not None and contended(others, cores):  # not what this machine does alone
+            log.debug("timings under load %.1f on %d cores not recorded: %s", others, cores, sorted(timed))
+            timed = {}
+        found: dict[str, Any] = dict(timed)
         if sft_steps is not None and cfg.sft.steps > 0:
             found.update(sft_steps=sft_steps, sft_max=cfg.sft.steps)
         if not found:
             return
         entries = load_history()
-        entry = {**entries.pop(key, {}), **found}  # popped: re-inserted as the newest
-        entry["date"] = datetime.date.today().isoformat()
-        entry["load1"] = round(os.getloadavg()[0], 2) if hasattr(os, "getloadavg") else None
+        old = entries.pop(key, {})  # popped: re-inserted as the newest
+        loads = field_loads(old)
+        entry = {k: v for k, v in {**old, **found}.items() if k != "load1"}
+        if timed:
+            entry["date"] = datetime.date.today().isoformat()
+        for f in timed:  # each timing with the load it was made under (none kept here: unknown)
+            loads.pop(f, None)
+            if others is not None:
+                loads[f] = round(others, 2)
+        entry["load"], entry["cores"] = loads, cores
         entry["machine"] = machine(device, world.world_size)
         entries[key] = entry
         write_history(entries)
     except Exception as exc:  # best effort: no home directory, a history nested past recursion, ...
         log.debug("the timing history was not updated: %s", exc)
+
+
+def _others_load(key: str, device: torch.device, world_size: int) -> float | None:
+    """The other processes' load over the run: the larger of the plan line's reading (before the
+    run computed) and the load average now less the run's own (``own_load``); None where the
+    OS keeps no load average."""
+    now, before = machine_load(), _PLAN_LOADS.pop(key, None)
+    if now is None:
+        return before
+    return max(before or 0.0, now - own_load(device, world_size), 0.0)
 
 
 # ---------------------------------------------------------------- the estimate
@@ -408,42 +510,68 @@ def tiny_reference(probe_s: float) -> Timings:
 
 def plan_estimate(cfg: Config, device: torch.device, world_size: int) -> str:
     """The plan line's end: about how long the run takes on this machine, from its last run of
-    this setup, else (the tiny preset) from the speed probe, else that there is no estimate yet.
-    Never raises: what cannot be read gives no estimate (a debug-level record says why)."""
+    this setup, else (the tiny preset) from the speed probe, else that there is no estimate yet;
+    then, on a busy machine, its load (``load_note``). Never raises: what cannot be read gives
+    no estimate (a debug-level record says why)."""
+    load = machine_load()
     try:
-        return _estimate(cfg, device, world_size)
+        key = fingerprint(cfg, device, world_size)
+        if load is not None:
+            _PLAN_LOADS[key] = load  # the others' load: this run has not computed yet
+        return _estimate(cfg, device, world_size, key) + load_note(load, cpu_cores())
     except Exception as exc:  # best effort: no home directory (Path.home), a deeply nested file, ...
         log.debug("no time estimate: %s", exc)
-        return NO_ESTIMATE
+        return NO_ESTIMATE + load_note(load, cpu_cores())
 
 
-def _estimate(cfg: Config, device: torch.device, world_size: int) -> str:
+def _estimate(cfg: Config, device: torch.device, world_size: int, key: str) -> str:
     start, sft_done = resume_point(cfg)
-    entry = load_history().get(fingerprint(cfg, device, world_size))
-    if entry is not None:
-        t = timings_of(entry)
+    entry = load_history().get(key)
+    t = timings_of(entry) if entry is not None else None
+    if t is not None and all(getattr(t, f) is None for f in TIMING_FIELDS):
+        entry = t = None  # nothing it holds is quoted (timed under contention, or not at all)
+    probed = False
+    if is_tiny_reference(cfg, device, world_size) and (
+        t is None or total_seconds(plan_counts(cfg, t, start, sft_done), t) is None
+    ):  # what the history does not hold (no run here yet; a run without a warm start): the probe
+        reference = tiny_reference(speed_probe())
+        t, probed = (reference if t is None else _filled(t, reference)), True
+    if t is not None:
         counts = plan_counts(cfg, t, start, sft_done)
         total = total_seconds(counts, t)
         if total is not None and total > 0:
+            if entry is None:
+                return (
+                    f"about {format_duration(total)} on this machine "
+                    "(estimated from a speed probe; no run of this setup here yet)"
+                )
             parts = []
             if counts["sft"]:
                 parts.append(f"{counts['sft']} warm-start steps" + (" left" if sft_done else ""))
             if counts["grpo"] and t.grpo_step_s is not None:
                 parts.append(f"{format_seconds(t.grpo_step_s)} s a GRPO step")
             when = f" on {t.date}" if t.date else ""
-            what = f"from its last run of this setup{when}" + (": " + ", ".join(parts) if parts else "")
+            what = f"from its last run of this setup{when}"
+            if probed:
+                what += " and a speed probe for what it did not time"
+            if parts:
+                what += ": " + ", ".join(parts)
             return f"about {format_duration(total)} on this machine ({what})"
-    if entry is None and is_tiny_reference(cfg, device, world_size):
-        t = tiny_reference(speed_probe())
-        total = total_seconds(plan_counts(cfg, t, start, sft_done), t)
-        if total:
-            return (
-                f"about {format_duration(total)} on this machine "
-                "(estimated from a speed probe; no run of this setup here yet)"
-            )
     if cfg.steps <= start and not (sft_done is not None and cfg.sft.steps > 0):
         return "the progress lines give the time left"  # nothing left to run
     return NO_ESTIMATE
+
+
+def _filled(t: Timings, reference: Timings) -> Timings:
+    """``t`` with what it did not measure (None) taken from ``reference``."""
+    return dataclasses.replace(
+        t,
+        **{
+            f.name: getattr(reference, f.name)
+            for f in dataclasses.fields(Timings)
+            if getattr(t, f.name) is None and f.name != "date"
+        },
+    )
 
 
 def main(argv: list[str] | None = None) -> int:

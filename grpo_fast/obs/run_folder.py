@@ -9,7 +9,12 @@
   and the two ways on: ``resume=true`` continues it, ``overwrite=true`` deletes the files a
   run writes (``RUN_FILES``, nothing else) and starts over;
 - ``resume=true`` refuses a change of a run-defining key (``config.ON_RESUME``), naming every
-  changed key (``check_resume``).
+  changed key (``check_resume``); and a folder it cannot continue (``check_resumable``): its
+  latest checkpoint incomplete or damaged (it names the checkpoint before it, or says there is
+  none), or a run's work with no checkpoint at all. On a folder that holds no run's work,
+  ``resume=true`` starts the run (a job script may always pass it);
+- a ``config.yaml`` in a folder no run has claimed (no lock file) is the user's own file, never
+  overwritten or deleted: the run stops, saying so.
 
 Every refusal comes before anything in the folder changes. ``record_config`` writes
 ``config.yaml`` once, at the run's start, and appends one dated comment line per resume with
@@ -58,20 +63,21 @@ RUN_FILES = (
 )
 
 
-def output_dir_problem(out: Path) -> str | None:
-    """Why the run could not create or write ``output_dir`` (the line ``train``'s own check gives
-    when it tries), found without creating anything: the dry run's check; None when it can."""
+def output_dir_problem(out: Path, name: str = "output_dir") -> str | None:
+    """Why a run could not create or write the folder ``out`` (the line ``train``'s own check
+    gives when it tries), found without creating anything: the dry run's check, and the sweep's
+    of ``--out`` (``name``: the key or flag the line names); None when it can."""
     existing = out
     while not existing.exists() and existing != existing.parent:
         existing = existing.parent
     verb = "is not writable" if existing == out else "cannot be created"
     if not existing.is_dir():
         code = errno.EEXIST if existing == out else errno.ENOTDIR
-        return f"output_dir={str(out)!r} cannot be created: {os.strerror(code)}"
+        return f"{name}={str(out)!r} cannot be created: {os.strerror(code)}"
     if os.statvfs(existing).f_flag & os.ST_RDONLY:
-        return f"output_dir={str(out)!r} {verb}: {os.strerror(errno.EROFS)}"
+        return f"{name}={str(out)!r} {verb}: {os.strerror(errno.EROFS)}"
     if not os.access(existing, os.W_OK | os.X_OK):
-        return f"output_dir={str(out)!r} {verb}: {os.strerror(errno.EACCES)}"
+        return f"{name}={str(out)!r} {verb}: {os.strerror(errno.EACCES)}"
     return None
 
 
@@ -80,20 +86,30 @@ def held_run(out: Path) -> str | None:
 
     Example: ``"checkpoints up to step 20, a final model, metrics.jsonl up to step 20"``.
     """
+    return ", ".join(words for words, _ in _held(out)) or None
+
+
+def _held(out: Path) -> list[tuple[str, bool]]:
+    """What of a run ``out`` holds, in words, each with whether a fresh start would lose work
+    by deleting it (a ``metrics.jsonl`` whose only row is the evaluation before GRPO, step 0,
+    loses none: a fresh start redoes it)."""
     found = []
     steps = ckpt.list_checkpoints(out / "checkpoints")
     if steps:
-        found.append(f"checkpoints up to {steps[-1].name}")
-    if (out / "checkpoints" / SFT_PROGRESS / ckpt.STATE_FILE).is_file():
-        found.append("a stopped SFT warm start")
+        found.append((f"checkpoints up to {steps[-1].name}", True))
+    incomplete = [p for p in ckpt.step_folders(out / "checkpoints") if p not in steps]
+    if incomplete:
+        found.append((f"an incomplete checkpoint {incomplete[-1].name}", True))
+    if (out / "checkpoints" / SFT_PROGRESS).is_dir():
+        found.append(("a stopped SFT warm start", True))
     if (out / "final").is_dir():
-        found.append("a final model")
+        found.append(("a final model", True))
     last = _last_step(out / "metrics.jsonl")
     if last is not None:
-        found.append(f"metrics.jsonl up to step {last}")
+        found.append((f"metrics.jsonl up to step {last}", last > 0))
     elif _nonempty(out / "sft_metrics.jsonl"):
-        found.append("sft_metrics.jsonl")
-    return ", ".join(found) or None
+        found.append(("sft_metrics.jsonl", True))
+    return found
 
 
 def resumable(out: Path) -> Path | None:
@@ -104,12 +120,18 @@ def resumable(out: Path) -> Path | None:
 
 
 def check_folder(out: Path, cfg: Config) -> None:
-    """The refusals that read the folder only: a fresh run into a used folder, a resume that
-    changes a run-defining key or whose checkpoint is damaged, ``resume`` with ``overwrite``.
-    ``ConfigError`` (``CheckpointError``) in one line."""
+    """The refusals that read the folder only: the user's own ``config.yaml``, a fresh run into
+    a used folder, a resume that cannot continue the folder or changes a run-defining key,
+    ``resume`` with ``overwrite``. ``ConfigError`` (``CheckpointError``) in one line."""
     if cfg.resume and cfg.overwrite:
         raise ConfigError(
             "resume=true and overwrite=true: choose one (resume continues the run, overwrite deletes it)"
+        )
+    if out.is_dir() and users_config(out):
+        raise ConfigError(
+            f"output_dir {out} holds {out / CONFIG_FILE}, which no run wrote (your own config file?): "
+            "a run writes its resolved config there and would replace it; give the run another "
+            f"output_dir (e.g. output_dir={out / 'run'}), or move the file"
         )
     held = held_run(out) if out.is_dir() else None
     if held and not (cfg.resume or cfg.overwrite):
@@ -117,13 +139,72 @@ def check_folder(out: Path, cfg: Config) -> None:
             f"output_dir {out} holds a run ({held}): resume=true continues it, "
             "overwrite=true deletes it and starts over"
         )
-    resume_from = resumable(out) if cfg.resume else None
-    if resume_from is not None:
-        check_resume(out, cfg)
-        fix = "delete the folder to resume from the checkpoint before it"
-        if resume_from.name == SFT_PROGRESS:
-            fix = "delete the folder to start the warm start over"
-        ckpt.check_model_folder(resume_from, fix)  # a damaged file: refused before anything loads
+    if cfg.resume and out.is_dir():
+        check_resumable(out)
+        if resumable(out) is not None:
+            check_resume(out, cfg)
+
+
+def users_config(out: Path) -> bool:
+    """Whether ``out/config.yaml`` is the user's own file, not a run's record: a run claims its
+    folder (``LOCK_FILE``) before it writes one, and a folder a run has used holds more than
+    that file (an older run's folder may have no lock file)."""
+    return (out / CONFIG_FILE).is_file() and not (out / LOCK_FILE).exists() and not _held(out)
+
+
+def check_resumable(out: Path) -> None:
+    """``resume=true`` on ``out``: ``CheckpointError`` when its latest checkpoint (or a stopped
+    warm start's progress) is incomplete or damaged (``ckpt.check_checkpoint``), saying which
+    checkpoint comes before it or that none does; ``ConfigError`` when it holds a run's work but
+    no checkpoint to continue from. A folder without a run's work passes: the run starts."""
+    steps = ckpt.step_folders(out / "checkpoints")
+    if steps:
+        complete = [p for p in steps[:-1] if (p / ckpt.STATE_FILE).is_file()]
+        fix = (
+            f"delete the folder to resume from the checkpoint before it, {complete[-1].name}"
+            if complete
+            else "there is no checkpoint before it: overwrite=true deletes the run and starts over"
+        )
+        ckpt.check_checkpoint(steps[-1], fix)  # the refusal, before anything loads
+        return
+    sft = out / "checkpoints" / SFT_PROGRESS
+    if sft.is_dir():
+        ckpt.check_checkpoint(sft, "overwrite=true deletes the run and starts the warm start over")
+        return
+    lost = [words for words, work in _held(out) if work]
+    if lost:
+        raise ConfigError(
+            f"resume=true: output_dir {out} holds a run ({', '.join(lost)}) but no checkpoint to "
+            "continue it from: overwrite=true deletes it and starts over"
+        )
+
+
+def resume_summary(out: Path) -> str:
+    """What ``resume=true`` finds in ``out`` now, checked (``ckpt.check_checkpoint``), in words:
+    the line a second signal prints. Never raises.
+
+    Example: ``"checkpoint runs/x/checkpoints/step_000004 is whole (checked): resume=true
+    continues from it"``.
+    """
+    root = out / "checkpoints"
+    try:
+        steps = ckpt.step_folders(root)
+        sft = root / SFT_PROGRESS
+        writing = sorted(p.name for p in root.glob("*.tmp")) if root.is_dir() else []
+        unfinished = f"; {writing[-1]}, being written, is left unfinished and never read" if writing else ""
+        target = steps[-1] if steps else sft if sft.is_dir() else None
+        if target is None:
+            return f"no checkpoint in {root}: there is nothing to resume from{unfinished}"
+        problem = ckpt.checkpoint_problem(target)
+        if problem is not None:
+            return f"{problem}: resume=true refuses it{unfinished}"
+        if target == sft:
+            return (
+                f"the warm start's progress in {sft} is whole (checked): resume=true continues it{unfinished}"
+            )
+        return f"checkpoint {target} is whole (checked): resume=true continues from it{unfinished}"
+    except Exception as exc:  # a second signal must exit whatever the folder holds
+        return f"{root} could not be checked ({type(exc).__name__})"
 
 
 def check_resume(out: Path, cfg: Config) -> None:

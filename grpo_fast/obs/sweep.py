@@ -29,7 +29,7 @@ GSPO); ``top_entropy_quantile`` → ``loss.top_entropy_quantile`` (1 vs 0.2, the
 ``key=value`` words are OmegaConf dot-list overrides passed to every run; they may appear
 anywhere on the command line (even after ``--values``).
 
-Afterwards (or alone, with ``--plot-only``) it writes into ``OUT``: ``sweep_reward.png``,
+Afterwards (or alone, with ``--plot-only``) it writes into ``OUT`` (checked before the first run): ``sweep_reward.png``,
 ``sweep_eval_accuracy.png``, ``sweep_entropy.png`` (one line per run against the step), for
 an lr sweep ``sweep_lr.png`` (final reward and best eval accuracy against the lr), and
 ``sweep.md`` with a table of each run's final numbers. A failed run is reported and the sweep
@@ -50,11 +50,13 @@ from typing import Any
 
 from matplotlib.figure import Figure
 
-from grpo_fast.algo.core import LENGTH_NORMS, SCALE_REWARDS
+from grpo_fast.algo.advantages import SCALE_REWARDS
 from grpo_fast.algo.difficulty import CURRICULA
+from grpo_fast.algo.length_norm import LENGTH_NORMS
 from grpo_fast.algo.loss_options import IMPORTANCE_SAMPLING_LEVELS, LOSS_TYPES
 from grpo_fast.errors import ConfigError, UserError, cli_errors
 from grpo_fast.obs.report import METRICS_FILE, read_metrics, series
+from grpo_fast.obs.run_folder import output_dir_problem
 
 __all__ = ["SWEEPS", "LRGrid", "SweepRun", "SweepSpec", "main", "plan_sweep", "run_sweep", "summarize_sweep"]
 
@@ -210,6 +212,15 @@ def plan_sweep(
     return runs
 
 
+def check_out(out: str | Path) -> None:
+    """``ConfigError`` in one line when the sweep's folder ``out`` (``--out``: the runs' folders
+    and the plots go there) cannot be created or written: found before the first run, not after
+    the last. Nothing is created."""
+    problem = output_dir_problem(Path(out), "--out")
+    if problem is not None:
+        raise ConfigError(problem)
+
+
 def run_sweep(runs: Sequence[SweepRun]) -> dict[str, int]:
     """Run the commands one after another (output streams through); returns exit codes by name."""
     codes = {}
@@ -329,6 +340,7 @@ def main(argv: Sequence[str] | None = None, prog: str = "python -m grpo_fast.swe
     runs = plan_sweep(
         args.preset, args.sweep, values, configs=args.config, overrides=overrides, out=out, lr_grid=grid
     )
+    check_out(out)  # before any run: the plots and sweep.md go there after the last one
     if args.dry_run:
         for run in runs:
             print(shlex.join(run.command))
