@@ -16,7 +16,13 @@ prompt and response lengths), 32 per rank. Each case is one group of ``bench/res
   (``deferred``: ``set_requires_gradient_sync(False)`` before the others);
 - ``fsdp-cpu-weight_push``: ``VLLMBackend.update_weights`` into tests/test_rollout_vllm.py's
   FakeVLLMEngine, from whole weights (``ddp``) and from shards (``fsdp``); ``layer_bytes`` is
-  one decoder layer's fp32 weights.
+  one decoder layer's fp32 weights;
+- ``fsdp-cpu-lora``: the same step with a rank-16 LoRA adapter on every linear layer of the
+  decoder (``lora``: the frozen fp32 base; ``qlora``: the base in NF4 from a folder), under DDP
+  and under FSDP;
+- ``fsdp-cpu-adamw8bit``: the full fine-tuning step with bitsandbytes' 8-bit AdamW, under DDP
+  (``bnb.optim.AdamW8bit``) and under FSDP (``ShardedAdamW8bit`` on each rank's shards), beside
+  the ``fsdp-cpu-train_step`` rows (plain AdamW).
 
 The pytest process is rank 0 and times the step with pytest-benchmark; rank 1 is a spawned
 process that runs each call as rank 0 tells it (one 8-byte broadcast per call, inside the timed
@@ -25,7 +31,9 @@ rank's ``grpo_fast.obs.memory.tracked_peak_bytes`` of one more call (what the st
 top of what existed before it: the weights, the optimizer state and DDP's buckets are not in
 it); ``peak_by_rank`` has both, ``passes_peak_by_rank`` the same for the step's forward and
 backward passes alone (where gradients are held), ``held_by_rank`` the weight and AdamW bytes
-each rank keeps between steps. Each rank runs one thread, so the two ranks use the 2 cores.
+each rank keeps between steps, ``weights_by_rank`` and ``optimizer_by_rank`` the two apart
+(``fsdp.local_bytes``: local shards, a 4-bit base's quantization state included, shared tensors
+once). Each rank runs one thread, so the two ranks use the 2 cores.
 """
 
 from __future__ import annotations
@@ -35,6 +43,7 @@ import datetime
 import multiprocessing
 import socket
 import sys
+import tempfile
 from collections.abc import Callable
 from pathlib import Path
 from typing import NamedTuple
@@ -52,8 +61,9 @@ from grpo_fast.loop.state import Trainer
 from grpo_fast.loop.stats import StepStats
 from grpo_fast.obs.memory import tracked_peak_bytes
 from grpo_fast.policy import fsdp
-from grpo_fast.policy.batch import build_sequences, make_microbatches
+from grpo_fast.policy.batch import loss_trajectories, make_microbatches
 from grpo_fast.policy.loss import PolicyLoss
+from grpo_fast.rollout import Rollout
 from grpo_fast.task import tiny
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))  # FakeVLLMEngine
@@ -73,13 +83,26 @@ TIMEOUT_S = 300  # a rank that stops answering fails the case instead of hanging
 STEP, PEAK, STOP = 0, 1, 2  # what rank 0 tells rank 1 to do next
 
 CASES = {
-    # case: (microbatch size, arm) — 32 responses per rank
-    "ddp": (32, "ddp"),
-    "fsdp": (32, "fsdp"),
-    "per_microbatch": (8, "fsdp"),
-    "deferred": (8, "fsdp_deferred"),
-    "push_ddp": (None, "push_whole"),
-    "push_fsdp": (None, "push_sharded"),
+    # case: (microbatch size, arm, what trains) — 32 responses per rank
+    "ddp": (32, "ddp", "full"),
+    "fsdp": (32, "fsdp", "full"),
+    "per_microbatch": (8, "fsdp", "full"),
+    "deferred": (8, "fsdp_deferred", "full"),
+    "push_ddp": (None, "push_whole", "full"),
+    "push_fsdp": (None, "push_sharded", "full"),
+    "lora_ddp": (32, "ddp", "lora"),
+    "lora_fsdp": (32, "fsdp", "lora"),
+    "qlora_ddp": (32, "ddp", "qlora"),
+    "qlora_fsdp": (32, "fsdp", "qlora"),
+    "adamw8bit_ddp": (32, "ddp", "adamw8bit"),
+    "adamw8bit_fsdp": (32, "fsdp", "adamw8bit"),
+}
+LORA = ["model.lora.r=16", "model.lora.alpha=32", "model.lora.lr_scale=1"]
+TRAINS = {
+    "full": [],
+    "lora": LORA,
+    "qlora": [*LORA, "model.load_in_4bit=true"],
+    "adamw8bit": ["train.optimizer=adamw8bit"],
 }
 
 
@@ -90,6 +113,22 @@ def _model(tok):
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(0)
         return AutoModelForCausalLM.from_config(config)
+
+
+def _policy_model(cfg, tok, folder: Path, rank: int):
+    """The bench model; under LoRA with a fresh rank-16 adapter on every decoder linear (peft,
+    lora_A seeded), its base written to ``folder`` by rank 0 (transformers writes from rank 0
+    only) and loaded from there (in NF4 for QLoRA)."""
+    if not cfg.model.lora.r:
+        return _model(tok)
+    from grpo_fast.policy.model import load_policy
+
+    if rank == 0:
+        _model(tok).save_pretrained(folder)
+    torch.distributed.barrier()
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        return load_policy(cfg, tok, torch.device("cpu"), base_path=str(folder))
 
 
 def _microbatches(cfg, tok, rank: int, micro_batch: int):
@@ -104,10 +143,9 @@ def _microbatches(cfg, tok, rank: int, micro_batch: int):
     adv = torch.randn(PROMPTS * GROUP, generator=g)
     per = PROMPTS // WORLD
     lo, hi = rank * per, (rank + 1) * per
-    seqs = build_sequences(
-        prompts[lo:hi],
-        responses[lo * GROUP : hi * GROUP],
-        adv[lo * GROUP : hi * GROUP],
+    seqs = loss_trajectories(
+        Rollout(prompts[lo:hi], responses[lo * GROUP : hi * GROUP]),
+        advantages=adv[lo * GROUP : hi * GROUP],
         length_norm=cfg.loss.length_norm,
         max_length=cfg.rollout.max_tokens,
         num_sequences=len(responses),
@@ -126,21 +164,21 @@ def _fsdp_deferred_sync(trainer: Trainer, defer: bool):
 
 class Work(NamedTuple):
     """One case on one rank: ``step`` (the timed call), ``accumulate`` (its forward and backward
-    passes alone; None for a push), ``held`` (the bytes this rank keeps between steps: its weights
-    and AdamW state, shards under FSDP; DDP's gradient buckets, a full fp32 gradient, are not in
-    it) and ``info`` (what rank 0 records)."""
+    passes alone; None for a push), ``held`` (the bytes this rank keeps between steps,
+    ``fsdp.local_bytes``: its weights and optimizer state, shards under FSDP; DDP's gradient
+    buckets, a full fp32 gradient, are not in it) and ``info`` (what rank 0 records)."""
 
     step: Callable[[], object]
     accumulate: Callable[[], None] | None
-    held: Callable[[], int]
+    held: Callable[[], dict[str, int]]
     info: dict
 
 
-def _workload(case: str, rank: int) -> Work:
-    micro_batch, arm = CASES[case]
-    cfg = load_config("tiny", overrides=["train.lr=1e-4"])
+def _workload(case: str, rank: int, folder: Path) -> Work:
+    micro_batch, arm, trains = CASES[case]
+    cfg = load_config("tiny", overrides=["train.lr=1e-4", *TRAINS[trains]])
     tok = tiny.build_tokenizer()
-    model = _model(tok)
+    model = _policy_model(cfg, tok, folder, rank)
     layer_bytes = sum(p.numel() * p.element_size() for p in fsdp.decoder_layers(model)[0].parameters())
     info = {"layer_bytes": layer_bytes, "weights_bytes": sum(p.numel() * 4 for p in model.parameters())}
     engine = None
@@ -159,12 +197,17 @@ def _workload(case: str, rank: int) -> Work:
         fsdp.shard_policy(policy, None, torch.device("cpu"), WORLD)
     if engine is not None:
         backend = VLLMBackend(engine, tok, sleep_level=0)
-        held = lambda: fsdp.local_bytes(model)["weights"]
-        return Work(lambda: backend.update_weights(model, step=1), None, held, info)
-    params = list(model.parameters())
+        return Work(
+            lambda: backend.update_weights(model, step=1), None, lambda: fsdp.local_bytes(model), info
+        )
+    params = [p for p in model.parameters() if p.requires_grad]
     trainer = Trainer(
         policy, build_optimizer(cfg, params), params, cfg, dist.DistInfo(rank=rank, world_size=WORLD)
     )
+    info |= {
+        "optimizer": type(trainer.optimizer).__name__,
+        "trainable_params": sum(p.numel() for p in params),
+    }
     mbs = _microbatches(cfg, tok, rank, micro_batch)
     info |= {"microbatches": len(mbs), "tokens": sum(int(mb.input_ids.numel()) for mb in mbs)}
     sync = _fsdp_deferred_sync if arm == "fsdp_deferred" else optimization._deferred_sync
@@ -181,11 +224,7 @@ def _workload(case: str, rank: int) -> Work:
             optimization._accumulate_gradients(trainer, mbs, (), StepStats(), LossOptions(), 1.0, None)
         trainer.optimizer.zero_grad(set_to_none=True)
 
-    def held() -> int:
-        held = fsdp.local_bytes(model, trainer.optimizer)
-        return held["weights"] + held["optimizer"]
-
-    return Work(step, accumulate, held, info)
+    return Work(step, accumulate, lambda: fsdp.local_bytes(model, trainer.optimizer), info)
 
 
 def _join(rank: int, port: int) -> None:
@@ -206,9 +245,13 @@ def _tell(command: int) -> int:
     return int(t)
 
 
-def _rank1(case: str, port: int) -> None:
+def _rank1(case: str, port: int, folder: str) -> None:
     _join(1, port)
-    work = _workload(case, 1)
+    _serve(_workload(case, 1, Path(folder)))
+
+
+def _serve(work: Work) -> None:
+    """Rank 1: run each call rank 0 asks for, until it says stop."""
     while (command := _tell(STEP)) != STOP:
         if command == STEP:
             work.step()
@@ -218,9 +261,9 @@ def _rank1(case: str, port: int) -> None:
     torch.distributed.destroy_process_group()
 
 
-def _memory(work: Work) -> tuple[int, int | None, int]:
+def _memory(work: Work) -> tuple[int, int | None, dict[str, int]]:
     """``tracked_peak_bytes`` of one step, and of its forward and backward passes alone; the
-    bytes held between steps."""
+    bytes held between steps (``fsdp.local_bytes``)."""
     passes = None if work.accumulate is None else tracked_peak_bytes(work.accumulate)
     return tracked_peak_bytes(work.step), passes, work.held()
 
@@ -233,11 +276,14 @@ def _free_port() -> int:
 
 def _run_case(benchmark, request, case: str, what: str) -> None:
     port, threads = _free_port(), torch.get_num_threads()
-    peer = multiprocessing.get_context("spawn").Process(target=_rank1, args=(case, port), daemon=True)
+    folder = tempfile.TemporaryDirectory()  # a LoRA base is loaded from a folder
+    peer = multiprocessing.get_context("spawn").Process(
+        target=_rank1, args=(case, port, folder.name), daemon=True
+    )
     peer.start()
     try:
         _join(0, port)
-        work = _workload(case, 0)
+        work = _workload(case, 0, Path(folder.name))
         out = []
         benchmark.pedantic(lambda: out.append((_tell(STEP), work.step())[1]), rounds=ROUNDS, warmup_rounds=1)
         _tell(PEAK)
@@ -249,7 +295,8 @@ def _run_case(benchmark, request, case: str, what: str) -> None:
         if torch.distributed.is_initialized():
             torch.distributed.destroy_process_group()
         torch.set_num_threads(threads)
-        peer.join(timeout=60)
+        folder.cleanup()
+        peer.join(timeout=TIMEOUT_S)  # measured: up to 60+ s to exit after its last call at load 10-14
         if peer.is_alive():
             peer.kill()
     assert peer.exitcode == 0, f"rank 1 exited with {peer.exitcode}"
@@ -264,7 +311,9 @@ def _run_case(benchmark, request, case: str, what: str) -> None:
         peak_by_rank=list(peaks),
         # the forward and backward passes alone: where the gradients are held (None for a push)
         passes_peak_by_rank=None if work.accumulate is None else list(passes),
-        held_by_rank=list(held),
+        held_by_rank=[h["weights"] + h["optimizer"] for h in held],
+        weights_by_rank=[h["weights"] for h in held],
+        optimizer_by_rank=[h["optimizer"] for h in held],
         grad_norm=out[-1],
         ranks=WORLD,
         **work.info,
@@ -291,3 +340,20 @@ def test_fsdp_gradient_accumulation(benchmark, request, case):
 @pytest.mark.parametrize("case", ["push_ddp", "push_fsdp"])
 def test_weight_push(benchmark, request, case):
     _run_case(benchmark, request, case, f"{MODEL}: update_weights into the fake vLLM engine")
+
+
+@pytest.mark.benchmark(group="fsdp-cpu-lora")
+@pytest.mark.parametrize("case", ["lora_ddp", "lora_fsdp", "qlora_ddp", "qlora_fsdp"])
+def test_lora_step_ddp_vs_fsdp(benchmark, request, case):
+    _run_case(
+        benchmark,
+        request,
+        case,
+        f"{MODEL}, LoRA r 16 on every decoder linear: one step, 32 responses per rank",
+    )
+
+
+@pytest.mark.benchmark(group="fsdp-cpu-adamw8bit")
+@pytest.mark.parametrize("case", ["adamw8bit_ddp", "adamw8bit_fsdp"])
+def test_8bit_adamw_step_ddp_vs_fsdp(benchmark, request, case):
+    _run_case(benchmark, request, case, f"{MODEL}, 8-bit AdamW: one optimizer step, 32 responses per rank")

@@ -209,3 +209,86 @@ def test_vllm_push_cpu(benchmark, tmp_path, mode):
         load_average_1m=os.getloadavg()[0],
         versions={"torch": torch.__version__, "vllm": vllm.__version__},
     )
+
+
+# Weight sync by placement (issue 32): one update_weights (the whole model, no probe) into the
+# colocated engine (LLM.apply_model, in-process), an engine in its own process (AsyncLLM: pause keep,
+# safetensors chunks in /dev/shm, vLLM's weight-transfer calls, resume) and a server (the same
+# over HTTP), on the tiny preset's model and on the wider random Qwen2 of the peer cases
+# (bench/peers/workloads.py: D 512, 6 layers, V 32,768, tied; ≈ 34 M parameters), fp32.
+# One engine start per case: run each case in its own process, alternating (docs/rollout.md).
+
+
+def _sync_model(which: str, folder):
+    """(trainer model, tokenizer) of ``which``, saved to ``folder`` for the engine to start from."""
+    if which == "tiny":
+        tok = tiny.build_tokenizer()
+        model = tiny.build_model(tok, seed=0)
+    else:
+        from bench.peers.workloads import wide_model, wide_tokenizer
+
+        tok = wide_tokenizer()
+        model = wide_model(tok, seed=0)
+    model.save_pretrained(folder)
+    tok.save_pretrained(folder)
+    return model.eval(), tok
+
+
+def _sync_engine(placement: str, folder, tmp_path):
+    from grpo_fast.config import load_config
+    from grpo_fast.rollout.vllm import VLLMEngine
+    from grpo_fast.rollout.vllm_transfer import Timeouts, free_port
+
+    common = dict(max_model_len=32, seed=0, dtype="float32")
+    extra = dict(load_config("tiny", check_device=False).rollout.vllm_kwargs)
+    timeouts = Timeouts(start=1800, request=600, sync=600)
+    if placement == "colocated":
+        return VLLMEngine(str(folder), gpu_memory_utilization=0.3, extra_args=extra, **common)
+    if placement == "process":
+        from grpo_fast.rollout.vllm_process import ProcessEngine
+
+        return ProcessEngine(str(folder), timeouts=timeouts, extra_args=extra, **common)
+    from grpo_fast.rollout.vllm_server import ServerEngine, server_command, start_server
+
+    port = free_port()
+    proc = start_server(
+        server_command(str(folder), port, extra_args=extra, cpu=True, **common),
+        port,
+        tmp_path / "server.log",
+        timeouts,
+    )
+    return ServerEngine(proc.url, timeouts=timeouts, dtype="float32", process=proc)
+
+
+@pytest.mark.vllm
+@pytest.mark.benchmark(group="vllm-sync-cpu")
+@pytest.mark.parametrize("model_name", ["tiny", "wide"])
+@pytest.mark.parametrize("placement", ["colocated", "process", "server"])
+def test_vllm_weight_sync_cpu(benchmark, tmp_path, placement, model_name):
+    import vllm
+
+    from grpo_fast.rollout.vllm import VLLMBackend
+
+    model, tok = _sync_model(model_name, tmp_path / "model")
+    engine = _sync_engine(placement, tmp_path / "model", tmp_path)
+    backend = VLLMBackend(engine, tok, sleep_level=0)
+    try:
+        backend.update_weights(model, step=0)  # warm-up
+        step = iter(range(1, 10**6))
+        benchmark.pedantic(lambda: backend.update_weights(model, step=next(step)), rounds=ROUNDS)
+    finally:
+        backend.close()
+    params = sum(p.numel() for p in model.parameters())
+    transport = getattr(engine, "transport", None)
+    benchmark.extra_info.update(
+        impl=f"sync {placement}",
+        case=f"{model_name} model ({params / 1e6:.2f} M parameters, tied), fp32",
+        bytes_per_sync=getattr(transport, "bytes_sent", None),
+        load_average_1m=os.getloadavg()[0],
+        cpu_count=os.cpu_count(),
+        versions={"torch": torch.__version__, "vllm": vllm.__version__},
+        command=(
+            "for p in colocated process server; do .venv-vllm/bin/python -m pytest bench/test_bench_rollout.py "
+            '-p no:cacheprovider -k "weight_sync and $p" --benchmark-json bench/results/vllm-sync-$p.json; done'
+        ),
+    )

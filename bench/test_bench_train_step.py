@@ -8,7 +8,7 @@ Qwen2.5-Math-1.5B architecture (``grpo_fast.tools.plan.KNOWN_ARCHS``: no weights
 card capped at 24 GB (``set_per_process_memory_fraction``) to stand in for an RTX 4090:
 
 - rollout: transformers ``generate`` through ``grpo_fast.rollout.hf.HFBackend`` on random prompts;
-- optimization: a synthetic rollout batch through ``build_sequences`` → ``make_microbatches`` →
+- optimization: a synthetic rollout batch through ``loss_trajectories`` → ``make_microbatches`` →
   ``PolicyLoss`` → backward → grad clip → 8-bit AdamW step (gradient checkpointing, bf16 autocast),
   with the fused lm_head + loss (``loss.kernel_backend=triton``) and the eager reference (``eager``:
   ``[n, V]`` logits + ``grpo_fast.algo.core.eager_grpo_loss_from_logits``) at the same shapes. Eager may
@@ -46,10 +46,10 @@ from grpo_fast.loop.optim import build_optimizer
 from grpo_fast.loop.optimization import optimize_on_rollout
 from grpo_fast.loop.state import Trainer
 from grpo_fast.obs.memory import peak_cuda_memory, peak_rss_growth
-from grpo_fast.policy.batch import build_sequences, make_microbatches
+from grpo_fast.policy.batch import loss_trajectories, make_microbatches
 from grpo_fast.policy.loss import build_policy_loss
 from grpo_fast.policy.model import autocast_dtype, load_policy, load_tokenizer
-from grpo_fast.rollout import BackendContext, SamplingParams, make_backend
+from grpo_fast.rollout import BackendContext, Rollout, SamplingParams, make_backend
 from grpo_fast.rollout.hf import HFBackend
 from grpo_fast.task.loader import load_task
 from grpo_fast.tools import plan
@@ -147,7 +147,7 @@ class OptimizationPhase:
     on-policy (π_old is never computed, as with the presets' ``epochs_per_rollout_batch=1``), β =
     ``loss.beta`` (0 in every preset: no reference model).
 
-    ``__call__`` runs what the loop runs: ``build_sequences`` → ``make_microbatches`` →
+    ``__call__`` runs what the loop runs: ``loss_trajectories`` → ``make_microbatches`` →
     ``.to(device)`` → ``grpo_fast.train.optimize_on_rollout`` (per microbatch ``PolicyLoss`` +
     backward, ``clip_grad_norm_``, ``optimizer.step()``, the grad-norm sync), and returns the
     gradient norm. It then drops the gradients (the loop does so at the start of the next step), so
@@ -171,10 +171,9 @@ class OptimizationPhase:
     def _microbatches(self, batch: RolloutBatch, on_device: bool = True):
         cfg = self.cfg
         lengths = [len(x) for x in batch.response_ids]
-        seqs = build_sequences(
-            batch.prompt_ids,
-            batch.response_ids,
-            batch.advantages,
+        seqs = loss_trajectories(
+            Rollout(batch.prompt_ids, batch.response_ids),
+            advantages=batch.advantages,
             length_norm=cfg.loss.length_norm,
             max_length=cfg.rollout.max_tokens,
             num_sequences=len(lengths),

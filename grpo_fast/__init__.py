@@ -6,15 +6,15 @@ from the algorithm core (``grpo_fast.algo.core``). Fused ops live in ``grpo_fast
 loop in ``grpo_fast.train``.
 """
 
-from grpo_fast.algo.core import (
-    AdaptiveKLController,
-    GRPOLossOutput,
-    grpo_clip_loss,
-    grpo_token_loss,
-    kl_early_stop,
-    kl_penalty,
-    length_norm_weights,
-)
+# First, before anything imports torch: a command (python -m grpo_fast.X, grpo-fast) waits
+# passively between OpenMP regions unless the environment says otherwise (grpo_fast.threads).
+from grpo_fast import threads as _threads
+
+if _threads.started_as_command():
+    _threads.started_by_command = True
+    _threads.prefer_passive_wait()
+
+from grpo_fast.algo.control import AdaptiveKLController, kl_early_stop
 from grpo_fast.algo.course import (
     compute_entropy,
     compute_group_normalized_rewards,
@@ -28,6 +28,8 @@ from grpo_fast.algo.course import (
     sft_microbatch_train_step,
     tokenize_prompt_and_output,
 )
+from grpo_fast.algo.length_norm import length_norm_weights
+from grpo_fast.algo.token_loss import GRPOLossOutput, grpo_clip_loss, grpo_token_loss, kl_penalty
 
 __version__ = "0.1.0"
 

@@ -22,6 +22,9 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import functools
+import re
+import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -30,15 +33,19 @@ import yaml
 from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from grpo_fast.algo.core import LENGTH_NORMS, SCALE_REWARDS
+from grpo_fast.algo.advantages import SCALE_REWARDS
 from grpo_fast.algo.difficulty import CURRICULA
+from grpo_fast.algo.length_norm import LENGTH_NORMS
 from grpo_fast.algo.loss_options import LossOptions
 from grpo_fast.algo.sampler_correction import IS_LEVELS, IS_MODES
-from grpo_fast.config_checks import validate
-from grpo_fast.domains import AUTO, AutoOrBool, OneOf, Range, option
+from grpo_fast.config_checks import devices_here, validate
+from grpo_fast.domains import AUTO, RESUME_CLASSES, AutoOrBool, OneOf, Pattern, Range, option
 from grpo_fast.errors import ConfigError
 from grpo_fast.ops._backend import BACKENDS as KERNEL_BACKENDS
 from grpo_fast.rollout.registry import backends as rollout_backends
+from grpo_fast.sandbox.sandbox import ISOLATIONS
+from grpo_fast.task.registry import tasks
+from grpo_fast.threads import WAIT_POLICIES
 
 __all__ = ["AUTO", "PRESETS", "Config", "config_sources", "load_config", "presets_and_keys_help", "validate"]
 
@@ -47,13 +54,54 @@ _ANY = Range()  # any finite number
 _NONNEG = Range(0)
 _POSITIVE = Range(0, lo_open=True)
 
+# Every integer key has an upper bound a run can reach, generous but finite: an absurd value
+# (steps=10^23, rollout.batch_size=10^20) is refused in one line naming the key and the bound,
+# instead of a plan of 10^19 hours or an allocation that never returns. Each says why it is where
+# it is; tests/test_config.py checks that no integer key is unbounded.
+MAX_STEPS = 10**8
+MAX_SEQUENCES = 2**20
+MAX_TOKENS = 2**20
+_STEPS_WHY = (
+    ": 10^8 steps is 58 days at the tiny preset's fastest, 0.05 s a step (published GRPO runs take thousands)"
+)
+_SEQUENCES_WHY = (
+    ": 2^20 = 1,048,576 sequences, 128 times the largest published GRPO batch (8,192 responses a step)"
+)
+# the tool caps refuse 0 (TRL read an explicit 0 as "unlimited": sequences grew until out of memory)
+_NO_ZERO_CAP = ": this cap is a number of at least 1 (0 does not mean unlimited)"
+_TOKENS_WHY = ": 2^20 = 1,048,576 tokens, 8 times the longest context of the models trained here (131,072)"
+
+
+def _steps(lo: int, **kw: Any) -> Range:
+    """A count of steps (or a period in steps): ``[lo, MAX_STEPS]``."""
+    return Range(lo, MAX_STEPS, integer=True, hi_why=_STEPS_WHY, **kw)
+
+
+def _sequences(lo: int, **kw: Any) -> Range:
+    """A count of sequences (responses, prompts, problems): ``[lo, MAX_SEQUENCES]``."""
+    return Range(lo, MAX_SEQUENCES, integer=True, hi_why=_SEQUENCES_WHY, **kw)
+
+
+def _tokens(lo: int, **kw: Any) -> Range:
+    """A count of tokens (or of rows of logits): ``[lo, MAX_TOKENS]``."""
+    return Range(lo, MAX_TOKENS, integer=True, hi_why=_TOKENS_WHY, **kw)
+
 
 @dataclass(frozen=True)
 class LoRAConfig:
     """``model.lora``: a LoRA adapter (peft) on a frozen base; the embeddings and the lm_head stay
     frozen. Off while ``r`` is 0."""
 
-    r: int = option(0, Range(0, integer=True))  # the adapter's rank; 0 = off (full fine-tuning)
+    # the adapter's rank; 0 = off (full fine-tuning)
+    r: int = option(
+        0,
+        Range(
+            0,
+            2**16,
+            integer=True,
+            hi_why=": a rank is at most a layer's width, and 2^16 = 65,536 is wider than any model's",
+        ),
+    )
     alpha: float = option(16.0, Range(0, lo_open=True))  # the update is scaled by alpha / r
     dropout: float = option(0.0, Range(0, 1, hi_open=True))
     # "all-linear" (every linear layer of the decoder: attention and MLP projections) or a list
@@ -72,9 +120,11 @@ class ModelConfig:
     # autocast on CUDA when train.mixed_precision=bf16).
     dtype: str = option(AUTO, OneOf(_DTYPES))
     # flash_attention_2 | sdpa | eager | auto (flash-attn 2 when installed on CUDA, else sdpa)
-    attn_implementation: str = option(AUTO, OneOf(("auto", "flash_attention_2", "sdpa", "eager")))
-    gradient_checkpointing: bool = False
-    trust_remote_code: bool = False
+    attn_implementation: str = option(
+        AUTO, OneOf(("auto", "flash_attention_2", "sdpa", "eager")), resume="safe"
+    )
+    gradient_checkpointing: bool = option(False, resume="safe")
+    trust_remote_code: bool = option(False, resume="safe")
     lora: LoRAConfig = field(default_factory=LoRAConfig)
     # QLoRA: the frozen base in 4-bit NF4 (bitsandbytes; on CUDA, and on CPU with bnb ≥ 0.50),
     # computing in the run's precision (bf16 under autocast, else fp32); needs model.lora.r > 0
@@ -83,7 +133,7 @@ class ModelConfig:
 
 @dataclass(frozen=True)
 class DataConfig:
-    task: str = option("math", OneOf(("math", "gsm8k", "tiny")))
+    task: str = option("math", OneOf(tuple(tasks())))  # a task module of grpo_fast.task (its registry)
     train_path: str | None = None  # local JSONL/Parquet; None = the task's hub dataset
     eval_path: str | None = None
     hub_name: str | None = None  # override the task's default hub dataset name
@@ -101,15 +151,27 @@ class DataConfig:
     # sum, then Σ_k w_k·normalized_k; the shaping terms, overlong and KL, as one more reward of
     # weight 1). The same as sum with one reward and no shaping (grpo_fast.algo.core.normalize_each_reward).
     reward_aggregation: str = option("sum", OneOf(("sum", "normalize_each")))
-    eval_subset_size: int = option(1024, _NONNEG)  # subset evaluated every eval_every steps (fixed seed)
+    eval_subset_size: int = option(1024, _sequences(0))  # evaluated every eval_every steps (fixed seed)
     # A reward function that raises or returns a non-number: raise (stop the run, one line naming
     # the function, the exception and the response) | zero (score it 0, count train/reward_errors)
     reward_errors: str = option("raise", OneOf(("raise", "zero")))
+    # Threads scoring one batch's responses (grpo_fast.task.rewards.score_batch; the math grader's
+    # symbolic step runs in as many worker processes). auto: the rewards built into grpo_fast on up
+    # to 4 (at most the CPUs) when a call is slow (the batch's first takes > 2 ms: a grader, a
+    # sandbox), else one by one; a function of your own one by one (it may keep state). A number:
+    # that many for every reward function (yours must then be thread-safe).
+    reward_workers: Any = option(
+        AUTO, Range(1, 64, integer=True, auto_ok=True, hi_why=": threads waiting on graders"), resume="safe"
+    )
     # DAPO's soft overlong punishment (grpo_fast.algo.core.overlong_penalty): over the last
     # overlong_buffer tokens before rollout.max_tokens the reward falls linearly from 0 to
     # −overlong_penalty (reached at max_tokens); added to the reward before the advantage. 0 = off.
-    overlong_buffer: int = option(0, _NONNEG)
+    overlong_buffer: int = option(0, _tokens(0))
     overlong_penalty: float = option(1.0, _NONNEG)
+    # With rollout.environment: subtracted from a response's reward for each of its tool calls that
+    # failed (the code raised or hit a limit, the expression did not evaluate), before the
+    # advantage, as overlong's; 0 = off.
+    tool_error_penalty: float = option(0.0, _NONNEG)
     # The field holding a worked ground-truth solution (sft.mix_coef's target); None = the task's
     # default (math: solution; gsm8k: answer, the text before ####; tiny: the answer itself).
     solution_field: str | None = None
@@ -120,38 +182,40 @@ class DataConfig:
 
 @dataclass(frozen=True)
 class RolloutConfig:
-    # A backend of grpo_fast.rollout: hf (transformers generate) | vllm (colocated in-process engine)
+    # A backend of grpo_fast.rollout: hf (transformers generate) | vllm (a vLLM engine: rollout.placement)
     backend: str = option("hf", OneOf(tuple(rollout_backends())))
     group_size: int = option(
         8,
-        Range(
+        _sequences(
             2,
             why=": GRPO's advantage is a response's reward against the others of its group, so a "
             "group of one never learns",
         ),
     )  # responses per prompt
-    batch_size: int = option(256, _POSITIVE)  # responses per step (a multiple of group_size)
+    batch_size: int = option(256, _sequences(1))  # responses per step (a multiple of group_size)
     temperature: float = option(1.0, _POSITIVE)
     top_p: float = option(1.0, Range(0, 1, lo_open=True))
     # top-k sampling: only the top_k most likely tokens (after the temperature, before top_p, as
     # vLLM and transformers apply them); 0 = off. The trainer's log-probs follow (loss.truncated_logprobs).
-    top_k: int = option(0, Range(0, integer=True))
-    max_tokens: int = option(1024, _POSITIVE)  # response tokens
-    min_tokens: int = option(4, _NONNEG)
-    max_prompt_tokens: int = option(512, _POSITIVE)  # longer prompts are left-truncated, with a warning
+    top_k: int = option(
+        0, Range(0, 2**20, integer=True, hi_why=": 2^20 is above any vocabulary (Qwen2.5's: 151,936)")
+    )
+    max_tokens: int = option(1024, _tokens(1))  # response tokens
+    min_tokens: int = option(4, _tokens(0))
+    max_prompt_tokens: int = option(512, _tokens(1))  # longer prompts are left-truncated, with a warning
     # hf backend: prompts·group_size sequences per generate call
-    generation_batch_size: int = option(64, _POSITIVE)
+    generation_batch_size: int = option(64, _sequences(1), resume="safe")
     eval_temperature: float = option(0.0, _NONNEG)  # 0 = greedy
     # vllm: fraction of the card, or auto (memory planner)
-    gpu_memory_utilization: Any = option(AUTO, Range(0.05, 0.99, auto_ok=True))
+    gpu_memory_utilization: Any = option(AUTO, Range(0.05, 0.99, auto_ok=True), resume="safe")
     # vllm sleep mode during the training phase: 0 = stay awake, 1 = offload the weights to CPU
     # RAM, 2 = discard them (the next push refills them). Where the platform has no sleep mode
     # (CPU), the engine stays awake whatever the level, and says so once in the log.
-    sleep_level: int = option(1, OneOf((0, 1, 2)))
+    sleep_level: int = option(1, OneOf((0, 1, 2)), resume="safe")
     # After each weight push, vLLM's log-probs of a fixed probe sequence are compared with the
     # trainer's; a mean |Δ log p| above this stops the run. auto: 1e-3 when vLLM serves fp32,
     # 0.05 in bf16/fp16 (grpo_fast.rollout.vllm.WEIGHT_SYNC_TOLERANCE).
-    weight_sync_tolerance: Any = option(AUTO, Range(0, auto_ok=True))
+    weight_sync_tolerance: Any = option(AUTO, Range(0, auto_ok=True), resume="safe")
     # Truncated importance sampling against the sampler's log-probs (vllm): each token's loss is
     # weighted by ρ = exp(logp_trainer_old − logp_sampler), per token (is_level=token) or the
     # product over the response (sequence); ρ > is_cap is cut to is_cap (is_mode=truncate) or
@@ -167,7 +231,15 @@ class RolloutConfig:
     # generated until the step has batch_size responses from informative groups, for at most
     # max_sampling_rounds generation rounds (then it trains on what it has, and says so).
     dynamic_sampling: bool = False
-    max_sampling_rounds: int = option(3, _POSITIVE)
+    max_sampling_rounds: int = option(
+        3,
+        Range(
+            1,
+            10**4,
+            integer=True,
+            hi_why=": each round generates a whole batch (10^4 rounds: 10^4 steps' worth)",
+        ),
+    )
     # [lo, hi]: after a prompt's first visit, skip it while its pass rate (grpo_fast.algo.difficulty)
     # is outside [lo, hi], e.g. [0.0, 0.9] drops the prompts already solved; None = off.
     difficulty_filter: list[float] | None = None
@@ -178,19 +250,111 @@ class RolloutConfig:
     # easiness), a share growing linearly to all of them over curriculum_steps steps (null: half
     # the run's steps), never a sort (grpo_fast.algo.difficulty.paced_quantile)
     curriculum_start: float = option(0.25, Range(0, 1, lo_open=True))
-    curriculum_steps: int | None = option(None, Range(1, integer=True, none_ok=True))
+    curriculum_steps: int | None = option(None, _steps(1, none_ok=True))
     # Group size per prompt by its pass rate, between min_group_size (solved) and max_group_size
     # (never solved); unseen prompts get group_size; each step still has batch_size responses.
     adaptive_group_size: bool = False
-    min_group_size: int = option(2, Range(2))
-    max_group_size: int = 16  # at least min_group_size
+    min_group_size: int = option(2, _sequences(2))
+    max_group_size: int = option(16, _sequences(2))  # at least min_group_size
     # With model.lora, what a backend with its own weights (vllm) gets after each step: adapter (the
     # adapter alone, served as a LoRA request) | merged (the adapter merged into a copy of the
     # base's affected weights, pushed as full weights: faster decoding, not with a 4-bit base)
-    lora_sync: str = option("adapter", OneOf(("adapter", "merged")))
+    lora_sync: str = option("adapter", OneOf(("adapter", "merged")), resume="safe")
     # More keyword arguments for vllm.LLM, e.g. {enforce_eager: true, max_num_seqs: 128}; those
-    # grpo_fast sets itself (grpo_fast.rollout.vllm.VLLM_MANAGED_ARGS) are refused.
-    vllm_kwargs: dict[str, Any] = field(default_factory=dict)
+    # grpo_fast sets itself (grpo_fast.rollout.vllm.VLLM_MANAGED_ARGS) are refused. With
+    # placement=process: AsyncEngineArgs; server: command-line flags (--enforce-eager --max-num-seqs 128).
+    vllm_kwargs: dict[str, Any] = option(factory=dict, resume="safe")
+    # Multi-turn rollouts with a tool (docs/tools.md, grpo_fast.rollout.multi_turn): none | a
+    # built-in environment of grpo_fast.env (python: code in the sandbox; calculator) | the import
+    # path of a module of yours that declares ENVIRONMENT. A turn ends on the environment's stop
+    # string, its call runs, the output comes back as inserted tokens (context, never a label).
+    environment: str = "none"
+    # The caps per response; a response that hits one ends with a finish reason naming it. Calls
+    # run per response (then "max_tool_calls"); 0 means zero calls (never "unlimited": the first
+    # request ends the response unrun). The other caps are at least 1.
+    max_tool_calls: int = option(
+        4,
+        Range(0, 1024, integer=True, hi_why=": a call a turn, and 1,024 turns is past any context"),
+    )
+    # Sampled turns per response (then "max_turns"); auto: max_tool_calls + 1
+    max_turns: Any = option(
+        AUTO,
+        Range(
+            1, 1025, integer=True, auto_ok=True, why=_NO_ZERO_CAP, hi_why=": max_tool_calls + 1 at most 1,025"
+        ),
+    )
+    # Tokens inserted after one call, the environment's wrapping included; a longer output is cut
+    # in the middle with a visible "[... N characters of output cut ...]"
+    max_tool_output_tokens: int = option(256, _tokens(1, why=_NO_ZERO_CAP))
+    # Sampled + inserted tokens of a response (then "max_response_tokens"); rollout.max_tokens stays
+    # the budget of sampled tokens alone (then "length"). auto: max_tokens + max_tool_calls ×
+    # max_tool_output_tokens, the most a response can hold. The context is max_prompt_tokens + this.
+    max_response_tokens: Any = option(AUTO, _tokens(1, auto_ok=True, why=_NO_ZERO_CAP))
+    # Seconds per call (the python sandbox's wall clock; the calculator is bounded by construction)
+    tool_timeout_s: float = option(
+        10.0, Range(0, 3600, lo_open=True, hi_why=": a call holds its whole batch of rows back")
+    )
+    # The python sandbox: bwrap (bubblewrap namespaces: no network, no host files; docs/tools.md) |
+    # unsafe (trusted code only: the same limits, no isolation)
+    tool_isolation: str = option("bwrap", OneOf(ISOLATIONS))
+    # Calls run at once (the sandbox pool's width); auto: this process's CPUs, at most 8
+    tool_workers: Any = option(
+        AUTO,
+        Range(1, 256, integer=True, auto_ok=True, hi_why=": each running call is a process"),
+        resume="safe",
+    )
+    # Where the vllm engine runs: colocated (in the training process; sleep mode between phases)
+    # | process (vLLM's AsyncLLM: its engine core in a child process on this machine) | server (a
+    # vLLM OpenAI-compatible server the run starts on 127.0.0.1, or rollout.server_url). process
+    # and server take the weights through vLLM's weight-transfer API and may generate while a
+    # sync lands (docs/rollout.md: where the engine runs).
+    # Generation apart from training (grpo_fast.loop.pipeline): 0 = lockstep (generate, score,
+    # train, sync, repeat); S > 0: a producer generates and scores step k + S while the trainer
+    # trains step k, each batch sampled by the policy S optimizer steps behind (never more: an
+    # older batch is refused and regenerated). Needs an off-policy correction against the
+    # sampler's log-probs: rollout.is_correction=true or rollout.old_logprobs=sampler.
+    max_staleness: int = option(
+        0,
+        Range(
+            0,
+            8,
+            integer=True,
+            hi_why=": each step of staleness keeps one more copy of the trainable weights in the "
+            "pipeline and in every checkpoint; one step already overlaps generation with training",
+        ),
+    )
+    # Where generation runs: colocated (in the training process: vllm with sleep mode between
+    # phases; hf with max_staleness > 0 from a copy of the weights in a thread) | process (vllm:
+    # vLLM's AsyncLLM, its engine core in a child process on this machine; hf: the decoder in a
+    # worker process with its own copy of the weights and its own CPU threads, synced exactly after
+    # every step) | server (vllm only: a vLLM OpenAI-compatible server the run starts on 127.0.0.1,
+    # or rollout.server_url). vllm process and server take the weights through vLLM's
+    # weight-transfer API and may generate while a sync lands (docs/rollout.md: where the engine runs).
+    placement: str = option("colocated", OneOf(("colocated", "process", "server")), resume="safe")
+    # placement=process (hf): torch threads of the worker process; auto = half the CPUs this
+    # process may use (the trainer keeps the rest): 1 each on 2 cores
+    worker_threads: Any = option(
+        AUTO,
+        Range(1, 1024, integer=True, auto_ok=True, hi_why=": more threads than any machine's cores"),
+        resume="safe",
+    )
+    # placement=server: the base URL of a running vLLM server to attach to (http://127.0.0.1:8000),
+    # started as docs/rollout.md says; null: the run starts its own (log: output_dir/vllm_server.log)
+    server_url: str | None = option(None, resume="safe")
+    # placement=process|server (vllm): how the weights travel: shm (safetensors files in /dev/shm,
+    # loaded by the engine's workers: any platform, the engine on this machine) | nccl (vLLM's NCCL
+    # broadcast from the trainer's GPU to the engine's GPUs: rollout.engine_devices)
+    weight_transfer: str = option("shm", OneOf(("shm", "nccl")), resume="safe")
+    # placement=process|server (vllm, a server the run starts): the GPUs the engine runs on, as the
+    # trainer numbers them (several: tensor parallel); null: the trainer's own device
+    engine_devices: list[int] | None = option(None, resume="safe")
+    # Seconds the run waits, with an engine apart (placement=process|server) or the pipeline, for:
+    # the engine to start (its process or server answering) | one rollout batch (its generation,
+    # and in the pipeline its scoring) | one weight sync. A wait past its limit, or an engine that
+    # died, stops the run with one line (grpo_fast.errors.EngineError) and a resumable checkpoint.
+    start_timeout: float = option(900.0, _POSITIVE, resume="safe")
+    request_timeout: float = option(3600.0, _POSITIVE, resume="safe")
+    sync_timeout: float = option(600.0, _POSITIVE, resume="safe")
 
 
 @dataclass(frozen=True)
@@ -200,20 +364,30 @@ class TrainConfig:
     optimizer: str = option("adamw", OneOf(("adamw", "adamw8bit")))
     betas: tuple[float, float] = (0.9, 0.999)  # two numbers in [0, 1)
     weight_decay: float = option(0.0, _NONNEG)
-    warmup_steps: int = option(0, _NONNEG)
+    warmup_steps: int = option(0, _steps(0))
     # constant | linear | cosine (after warmup, to min_lr_ratio·lr)
     schedule: str = option("constant", OneOf(("constant", "linear", "cosine")))
     min_lr_ratio: float = option(0.0, Range(0, 1))
     grad_clip: float = option(1.0, _NONNEG)
     # sequences per microbatch, or auto (memory planner)
-    micro_batch_size: Any = option(AUTO, Range(1, integer=True, auto_ok=True))
-    epochs_per_rollout_batch: int = option(1, _POSITIVE)  # > 1 computes old log-probs and clips off-policy
-    packing: bool = False  # padding-free packing of microbatches (flash-attn varlen / sdpa mask)
+    micro_batch_size: Any = option(AUTO, _sequences(1, auto_ok=True), resume="safe")
+    # > 1 computes old log-probs and clips off-policy
+    epochs_per_rollout_batch: int = option(
+        1,
+        Range(
+            1,
+            1000,
+            integer=True,
+            hi_why=": each epoch is one more pass over the rollout batch (PPO and GRPO take 1-4)",
+        ),
+    )
+    # padding-free packing of microbatches (flash-attn varlen / sdpa mask)
+    packing: bool = option(False, resume="safe")
     # Each prompt computed once for all its responses in the training forward and backward (and the
     # π_old / π_ref passes): [prompt, r_1 … r_G] rows, the same gradients to fp32 summation order
     # (grpo_fast.policy.batch.shared_prompt_microbatches, policy/shared_attention.py); needs sdpa or
     # eager attention. auto: on, unless model.attn_implementation=flash_attention_2 (shares_prompts)
-    share_prompts: bool | str = option(AUTO, AutoOrBool())
+    share_prompts: bool | str = option(AUTO, AutoOrBool(), resume="safe")
     # Skip the forward/backward of responses whose advantage is exactly 0 (groups whose rewards are
     # all equal) where the loss says their gradient is exactly 0 (LossOptions.zero_advantage_zero_gradient).
     skip_zero_advantage: bool = True
@@ -222,18 +396,29 @@ class TrainConfig:
     )  # auto: bf16 on CUDA, no on CPU
     # dtype of the final model in output_dir/final: auto (the trained weights' dtype) | float32
     # | bfloat16 | float16 (e.g. bfloat16 for serving: half the size of fp32 master weights)
-    save_dtype: str = option(AUTO, OneOf(_DTYPES))
+    save_dtype: str = option(AUTO, OneOf(_DTYPES), resume="safe")
     # With model.lora: also write output_dir/final_merged, the adapter merged into the base
     # (Hugging Face format, train.save_dtype), for serving without peft
-    save_merged: bool = False
+    save_merged: bool = option(False, resume="safe")
     # A step whose loss or gradient norm is NaN/inf is not applied (optimizer step skipped, logged);
     # this many in a row stop the run (the checkpoint before them is intact).
-    max_nonfinite_steps: int = option(3, _POSITIVE)
+    max_nonfinite_steps: int = option(3, _steps(1), resume="safe")
     # Under torchrun: ddp (every rank holds the whole model, gradients and AdamW state) | fsdp
     # (FSDP2, ZeRO-3-style: each holds 1/N of them; sharded checkpoints; grpo_fast.policy.fsdp)
     parallelism: str = option("ddp", OneOf(("ddp", "fsdp")))
     # With fsdp: the weight shards, their gradients and the optimizer step in CPU RAM (ZeRO-3 offload)
-    fsdp_cpu_offload: bool = False
+    fsdp_cpu_offload: bool = option(False, resume="safe")
+    # Under torchrun: sequence parallelism (Ulysses). Groups of this many ranks train one batch, each
+    # holding 1/N of every sequence's tokens through the decoder (per-rank activations ≈ 1/N: long
+    # responses), attention by all-to-all (grpo_fast/policy/sequence_parallel.py). Generation stays
+    # whole-sequence: each rank generates its share, then the group shares its batch. It must divide
+    # the ranks and the model's attention and key/value heads; sdpa or eager attention. "safe": the
+    # same batches and gradient (to fp32 summation order), less memory per rank.
+    sequence_parallel: int = option(
+        1,
+        Range(1, 1024, integer=True, hi_why=": it divides the model's attention heads (Qwen2.5: 12 to 40)"),
+        resume="safe",
+    )
 
 
 @dataclass(frozen=True)
@@ -242,12 +427,32 @@ class LossConfig(LossOptions):
     importance_sampling_level, top_entropy_quantile, beta, kl_estimator, entropy_coef; their
     defaults and domains live there), and the loop's loss settings below."""
 
+    # Two options a training run takes in a narrower domain than the math (LossOptions, which the
+    # public functions accept); the default stays LossOptions'.
+    clip_low: float = option(
+        LossOptions.clip_low,
+        Range(
+            0,
+            1,
+            hi_open=True,
+            why=": a run keeps the lower side of the trust region, 1 − clip_low > 0 (clip_low ≥ 1 "
+            "would switch it off; the course API's cliprange may)",
+        ),
+    )
+    beta: float = option(
+        LossOptions.beta,
+        Range(0, why=": the weight of the KL penalty to π_ref (a negative one would reward drifting away)"),
+    )
     length_norm: str = option(
         "sequence_mean", OneOf(LENGTH_NORMS)
     )  # | constant (Dr. GRPO) | token_mean (DAPO)
     # true: responses that hit rollout.max_tokens get no loss at all and are not counted in the
     # length normalizers (DAPO's overlong filtering); their rewards still enter the group's advantage.
     mask_truncated: bool = False
+    # true: the same for responses with a void turn (rollout.environment): a turn that yielded
+    # neither a tool call nor an answer (EOS after nothing but whitespace, or the environment's
+    # stop string with no request), SimpleTIR's void-turn filtering.
+    mask_void_turns: bool = False
     # true: β·KL enters the reward, not the loss (verl's use_kl_in_reward): each response's reward
     # loses β·Σ_t k1_t, k1 = log π − log π_ref on its sampled tokens, before the advantages (two
     # no-grad passes in the rollout phase, π and π_ref); the loss then has no KL term.
@@ -270,9 +475,11 @@ class LossConfig(LossOptions):
     # (true), or of the full vocabulary (false: what TRL and verl compute, off by the kept mass).
     # auto = true whenever the sampler truncates (grpo_fast.policy.loss.trainer_truncation).
     truncated_logprobs: bool | str = option(AUTO, AutoOrBool())
-    kernel_backend: str = option(AUTO, OneOf(KERNEL_BACKENDS))  # auto | triton | torch_chunked | eager
+    kernel_backend: str = option(
+        AUTO, OneOf(KERNEL_BACKENDS), resume="safe"
+    )  # auto | triton | torch_chunked | eager
     # rows of logits per lm_head chunk, or auto (memory budget)
-    chunk_size: Any = option(AUTO, Range(1, integer=True, auto_ok=True))
+    chunk_size: Any = option(AUTO, _tokens(1, auto_ok=True), resume="safe")
 
     def __post_init__(self) -> None:
         """Checked by ``validate`` with the ``loss.`` prefix, with the rest of the config."""
@@ -288,14 +495,14 @@ _REPLACED_KEYS = {
 class SFTConfig:
     """An optional supervised warm start before GRPO, logged separately (``sft_metrics.jsonl``)."""
 
-    steps: int = option(0, _NONNEG)  # the most SFT steps (0 = no warm start)
+    steps: int = option(0, _steps(0))  # the most SFT steps (0 = no warm start)
     lr: float = option(1e-3, _NONNEG)
-    batch_size: int = option(64, _POSITIVE)
+    batch_size: int = option(64, _sequences(1))
     # Stop early once greedy accuracy on check_size *training* problems reaches this (checked
     # every check_every steps); None = always run all steps.
     target_accuracy: float | None = option(None, Range(0, 1, lo_open=True, none_ok=True))
-    check_every: int = option(10, _POSITIVE)
-    check_size: int = option(200, _POSITIVE)
+    check_every: int = option(10, _steps(1))
+    check_size: int = option(200, _sequences(1))
     # > 0: during GRPO, add mix_coef × the per-token-mean NLL of the step's prompts' ground-truth
     # solutions (data.solution_field) to the GRPO loss, logged separately; 0 = pure RL.
     mix_coef: float = option(0.0, _NONNEG)
@@ -314,40 +521,69 @@ class SFTConfig:
 
 @dataclass(frozen=True)
 class LoggingConfig:
+    """``logging.*``: what a run writes and shows; a resume may change any of it."""
+
+    RESUME = "safe"  # every key of the section (grpo_fast.config.resume_class)
     wandb: bool = False
     wandb_project: str = "grpo_fast"
     # online | offline | auto (offline without WANDB_API_KEY) | disabled
     wandb_mode: str = option(AUTO, OneOf(("auto", "online", "offline", "disabled")))
     progress: bool = True  # rich progress bars per phase
-    sample_every: int = option(10, _NONNEG)  # write samples/step_N.jsonl every N steps (0 = never)
-    samples_per_dump: int = option(16, _NONNEG)
+    sample_every: int = option(10, _steps(0))  # write samples/step_N.jsonl every N steps (0 = never)
+    samples_per_dump: int = option(16, _sequences(0))
 
 
 @dataclass(frozen=True)
 class HealthConfig:
-    enabled: bool = True
+    enabled: bool = option(True, resume="safe")
     auto_temperature: bool = False  # temporarily raise the temperature on repetition loops
     # Overrides of grpo_fast.obs.health.HealthThresholds fields (their defaults live there), e.g.
     # {entropy_warn_low: 0.1} for a task whose answers are short and nearly deterministic.
-    thresholds: dict[str, float] = field(default_factory=dict)
+    thresholds: dict[str, float] = option(factory=dict, resume="safe")
+
+
+@dataclass(frozen=True)
+class ThreadsConfig:
+    """``threads.*``: the CPU threads of the trainer (``grpo_fast.threads``); the plan line says
+    what a run uses and why."""
+
+    RESUME = "safe"  # every key of the section (grpo_fast.config.resume_class)
+    # torch's intra-op threads. auto: the user's OMP_NUM_THREADS if set (never overwritten), else
+    # on a CPU run the cores free of other work (the 1-minute load), 1 for a model of hidden
+    # size <= 256 (the tiny preset's); a GPU run keeps torch's own.
+    intra_op: Any = option(
+        AUTO,
+        Range(1, 1024, integer=True, auto_ok=True, hi_why=": more threads than any one CPU socket has cores"),
+    )
+    # OpenMP's wait between parallel regions: passive (sleep: no spinning on cores another
+    # process needs) | active (spin) | auto: the environment's OMP_WAIT_POLICY / GOMP_SPINCOUNT,
+    # else passive (the commands set it before torch loads). passive/active differing from the
+    # environment: the training command starts itself again with OMP_WAIT_POLICY set.
+    wait_policy: str = option(AUTO, OneOf(WAIT_POLICIES))
 
 
 @dataclass(frozen=True)
 class Config:
-    output_dir: str = "runs/grpo"
-    seed: int = option(0, Range(0, 2**32 - 1, integer=True))  # numpy's seeds: 0 .. 2^32 - 1
-    steps: int = option(200, _POSITIVE)
-    eval_every: int = option(10, _NONNEG)  # subset evaluation (data.eval_subset_size problems); 0 = never
-    full_eval_every: int = option(50, _NONNEG)  # the whole eval set; 0 = never
-    checkpoint_every: int = option(50, _NONNEG)  # 0 = only the final model
-    keep_checkpoints: int = option(2, _POSITIVE)
+    output_dir: str = option("runs/grpo", resume="safe")
+    seed: int = option(0, Range(0, 2**32 - 1, integer=True, hi_why=": numpy's seeds are 32-bit"))
+    steps: int = option(200, _steps(1), resume="safe")
+    # subset evaluation (data.eval_subset_size problems); 0 = never
+    eval_every: int = option(10, _steps(0), resume="safe")
+    full_eval_every: int = option(50, _steps(0), resume="safe")  # the whole eval set; 0 = never
+    checkpoint_every: int = option(50, _steps(0), resume="safe")  # 0 = only the final model
+    keep_checkpoints: int = option(2, _steps(1), resume="safe")
     # continue the run in output_dir from its latest checkpoint (the run-defining keys of
     # ON_RESUME must match its config.yaml)
-    resume: bool = False
+    resume: bool = option(False, resume="safe")
     # a fresh run into an output_dir that holds a run deletes that run's files first
     # (grpo_fast.obs.run_folder.RUN_FILES); without it such a run stops, naming what is there
-    overwrite: bool = False
-    device: str = AUTO  # auto | cpu | cuda | cuda:N
+    overwrite: bool = option(False, resume="safe")
+    # auto | cpu | cuda | cuda:N (this machine's are checked with it: config_checks.devices_here)
+    device: str = option(
+        AUTO,
+        Pattern(r"auto|cpu|cuda(:(0|[1-9][0-9]{0,3}))?", "auto, cpu, cuda, cuda:N", devices_here),
+        resume="safe",
+    )
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
@@ -356,140 +592,182 @@ class Config:
     sft: SFTConfig = field(default_factory=SFTConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     health: HealthConfig = field(default_factory=HealthConfig)
+    threads: ThreadsConfig = field(default_factory=ThreadsConfig)
 
 
-# Presets hold only what differs from the defaults above.
-PRESETS: dict[str, dict[str, Any]] = {
+class Preset(dict):
+    """A preset: the values it sets (only what differs from the defaults above), and its one-line
+    summary, ``"who it is for: what it sets"`` — what ``--help``, the README's and
+    docs/training.md's preset tables say (tests/test_docs.py holds them to it)."""
+
+    def __init__(self, summary: str, values: dict[str, Any]):
+        super().__init__(values)
+        self.summary = summary
+
+
+# The presets, each once: its summary and its values.
+PRESETS: dict[str, Preset] = {
     # CPU, built-in model, tokenizer and task (grpo_fast.task.tiny): what a newcomer runs first.
     # Two-digit addition. An SFT warm start stops once the model solves 25% of training
     # problems (a "base model"); then 500 GRPO steps. Measured on 2 idle cores (seed 0, 2026-12-02):
     # greedy eval 0.21 → 0.62 in 51 s wall.
-    "tiny": {
-        "output_dir": "runs/tiny",
-        "steps": 500,
-        "eval_every": 25,
-        "full_eval_every": 0,
-        "checkpoint_every": 100,
-        "device": "cpu",
-        "model": {"name_or_path": "builtin:tiny", "dtype": "float32"},
-        "data": {"task": "tiny", "prompt_template": "question_only", "eval_subset_size": 500},
-        "rollout": {
-            "group_size": 8,
-            "batch_size": 256,
-            "max_tokens": 4,
-            "min_tokens": 0,
-            "max_prompt_tokens": 16,
-            "generation_batch_size": 256,
-            # with rollout.backend=vllm: no torch.compile of the 0.4 M-parameter model (engine
-            # start-up 9 s instead of 45 s on 2 busy cores; nothing to gain from compiling it)
-            "vllm_kwargs": {"enforce_eager": True},
+    "tiny": Preset(
+        "any CPU, first run: built-in model/tokenizer/task, SFT warm start, 500 steps",
+        {
+            "output_dir": "runs/tiny",
+            "steps": 500,
+            "eval_every": 25,
+            "full_eval_every": 0,
+            "checkpoint_every": 100,
+            "device": "cpu",
+            "model": {"name_or_path": "builtin:tiny", "dtype": "float32"},
+            "data": {"task": "tiny", "prompt_template": "question_only", "eval_subset_size": 500},
+            "rollout": {
+                "group_size": 8,
+                "batch_size": 256,
+                "max_tokens": 4,
+                "min_tokens": 0,
+                "max_prompt_tokens": 16,
+                "generation_batch_size": 256,
+                # with rollout.backend=vllm: no torch.compile of the 0.4 M-parameter model (engine
+                # start-up 9 s instead of 45 s on 2 busy cores; nothing to gain from compiling it)
+                "vllm_kwargs": {"enforce_eager": True},
+            },
+            "train": {
+                "lr": 2e-4,
+                "warmup_steps": 10,
+                "schedule": "cosine",
+                "min_lr_ratio": 0.1,
+                "micro_batch_size": 256,
+                "mixed_precision": "no",
+            },
+            "sft": {"steps": 1000, "lr": 1e-3, "batch_size": 64, "target_accuracy": 0.25},
+            "logging": {"sample_every": 50},
+            # A 1-4 digit answer is nearly deterministic: its healthy entropy is far below an essay's.
+            "health": {"thresholds": {"entropy_warn_low": 0.05, "entropy_healthy_low": 0.1}},
         },
-        "train": {
-            "lr": 2e-4,
-            "warmup_steps": 10,
-            "schedule": "cosine",
-            "min_lr_ratio": 0.1,
-            "micro_batch_size": 256,
-            "mixed_precision": "no",
+    ),
+    # CPU, the built-in model with the calculator's tags (grpo_fast.task.tiny_tools): what a
+    # newcomer runs first of tool use. Products of 2-3-digit numbers, which the model cannot
+    # compute: it learns to call the calculator and copy the result. A warm start on demonstrations
+    # (half of them call the tool) stops once greedy accuracy on training problems reaches 0.2,
+    # then GRPO, which makes the tool-call rate rise and the accuracy with it.
+    "tiny_tools": Preset(
+        "any CPU, first run with a tool: built-in model, products with a calculator, SFT on demonstrations, 300 steps",
+        {
+            "output_dir": "runs/tiny_tools",
+            "steps": 300,
+            "eval_every": 25,
+            "full_eval_every": 0,
+            "checkpoint_every": 100,
+            "device": "cpu",
+            "model": {"name_or_path": "builtin:tiny_tools", "dtype": "float32"},
+            "data": {"task": "tiny_tools", "prompt_template": "question_only", "eval_subset_size": 500},
+            "rollout": {
+                "group_size": 8,
+                "batch_size": 256,
+                # sampled: <calc>999*999</calc> (9 tokens), the 6-digit product, EOS
+                "max_tokens": 20,
+                "min_tokens": 0,
+                "max_prompt_tokens": 16,
+                "generation_batch_size": 256,
+                "vllm_kwargs": {"enforce_eager": True},
+                "environment": "calculator",
+                "max_tool_calls": 2,
+                # <result>998001</result>: 8 tokens; response ≤ 20 + 2 × 12 = 44, context ≤ 60 of 64
+                "max_tool_output_tokens": 12,
+            },
+            "train": {
+                "lr": 2e-4,
+                "warmup_steps": 10,
+                "schedule": "cosine",
+                "min_lr_ratio": 0.1,
+                "micro_batch_size": 256,
+                "mixed_precision": "no",
+            },
+            "sft": {"steps": 2000, "lr": 1e-3, "batch_size": 64, "target_accuracy": 0.4},
+            "logging": {"sample_every": 50},
+            "health": {"thresholds": {"entropy_warn_low": 0.05, "entropy_healthy_low": 0.1}},
         },
-        "sft": {"steps": 1000, "lr": 1e-3, "batch_size": 64, "target_accuracy": 0.25},
-        "logging": {"sample_every": 50},
-        # A 1-4 digit answer is nearly deterministic: its healthy entropy is far below an essay's.
-        "health": {"thresholds": {"entropy_warn_low": 0.05, "entropy_healthy_low": 0.1}},
-    },
+    ),
     # A real model at ~1% of the cost: catches config mistakes before a long run.
-    "smoke": {
-        "output_dir": "runs/smoke",
-        "steps": 3,
-        "eval_every": 0,
-        "full_eval_every": 0,
-        "checkpoint_every": 0,
-        "data": {"eval_subset_size": 16},
-        "rollout": {"group_size": 2, "batch_size": 8, "max_tokens": 256},
-        "train": {"micro_batch_size": 2},
-    },
+    "smoke": Preset(
+        "a real model, before a long run: group 2, 8 responses, 3 steps (~1% of the cost)",
+        {
+            "output_dir": "runs/smoke",
+            "steps": 3,
+            "eval_every": 0,
+            "full_eval_every": 0,
+            "checkpoint_every": 0,
+            "data": {"eval_subset_size": 16},
+            "rollout": {"group_size": 2, "batch_size": 8, "max_tokens": 256},
+            "train": {"micro_batch_size": 2},
+        },
+    ),
     # Qwen2.5-Math-1.5B on MATH within 24 GB: fp32 master weights + bf16 autocast, gradient
     # checkpointing, 8-bit AdamW, vLLM in sleep mode (its share from the planner). Microbatch 2
     # until a GPU measurement validates the planner's pick (9 at 1,536 tokens per sequence).
-    "rtx4090": {
-        "output_dir": "runs/rtx4090",
-        "steps": 200,
-        "device": "cuda",
-        "model": {"gradient_checkpointing": True},
-        "data": {"task": "math"},
-        "rollout": {"backend": "vllm", "group_size": 8, "batch_size": 256, "max_tokens": 1024},
-        "train": {"lr": 1e-6, "optimizer": "adamw8bit", "betas": [0.9, 0.95], "micro_batch_size": 2},
-        "loss": {"length_norm": "sequence_mean"},
-    },
+    "rtx4090": Preset(
+        "Qwen2.5-Math-1.5B on MATH, 24 GB: fp32 master weights + bf16 autocast, gradient checkpointing, 8-bit AdamW, microbatch 2, vLLM sleep mode",
+        {
+            "output_dir": "runs/rtx4090",
+            "steps": 200,
+            "device": "cuda",
+            "model": {"gradient_checkpointing": True},
+            "data": {"task": "math"},
+            "rollout": {"backend": "vllm", "group_size": 8, "batch_size": 256, "max_tokens": 1024},
+            "train": {"lr": 1e-6, "optimizer": "adamw8bit", "betas": [0.9, 0.95], "micro_batch_size": 2},
+            "loss": {"length_norm": "sequence_mean"},
+        },
+    ),
     # An 80 GB card: larger microbatches, bf16, plain AdamW.
-    "h100": {
-        "output_dir": "runs/h100",
-        "steps": 200,
-        "device": "cuda",
-        "model": {"gradient_checkpointing": True},
-        "data": {"task": "math"},
-        "rollout": {"backend": "vllm", "group_size": 8, "batch_size": 512, "max_tokens": 1024},
-        "train": {"lr": 1e-6, "optimizer": "adamw", "betas": [0.9, 0.95], "micro_batch_size": AUTO},
-    },
-}
-
-# Every key, by what ``resume=true`` may do with it (grpo_fast.obs.run_folder.check_resume):
-# "run": it defines what the run's metrics mean (model, data, task, reward, sizes, seed, loss,
-# rollout and warm-start options): a resume must keep the run's value, or it stops naming it;
-# "safe": how long, how often, where, how fast, what is logged: a resume may change it, and
-# config.yaml records the change. A new key goes in one of the two (tests/test_run_folder.py).
-ON_RESUME: dict[str, tuple[str, ...]] = {
-    "run": (
-        "seed",
-        *("model.name_or_path", "model.dtype", "model.load_in_4bit", "model.lora.r", "model.lora.alpha"),
-        *("model.lora.dropout", "model.lora.target_modules", "model.lora.lr_scale"),
-        *("data.task", "data.train_path", "data.eval_path", "data.hub_name", "data.question_field"),
-        *("data.answer_field", "data.prompt_template", "data.reward", "data.reward_weights"),
-        *("data.eval_subset_size", "data.reward_errors", "data.overlong_buffer", "data.overlong_penalty"),
-        *("data.solution_field", "data.difficulty_field", "data.reward_aggregation"),
-        *("rollout.backend", "rollout.group_size", "rollout.batch_size", "rollout.temperature"),
-        *("rollout.top_p", "rollout.max_tokens", "rollout.min_tokens", "rollout.max_prompt_tokens"),
-        *("rollout.eval_temperature", "rollout.is_correction", "rollout.is_level", "rollout.is_mode"),
-        *("rollout.is_cap", "rollout.old_logprobs", "rollout.dynamic_sampling"),
-        *("rollout.max_sampling_rounds", "rollout.difficulty_filter", "rollout.curriculum"),
-        *("rollout.adaptive_group_size", "rollout.min_group_size", "rollout.max_group_size"),
-        *("train.lr", "train.optimizer", "train.betas", "train.weight_decay", "train.warmup_steps"),
-        *("train.schedule", "train.min_lr_ratio", "train.grad_clip", "train.epochs_per_rollout_batch"),
-        *("train.skip_zero_advantage", "train.mixed_precision", "train.parallelism"),
-        *(f"loss.{f.name}" for f in dataclasses.fields(LossOptions)),  # every loss option
-        *("loss.length_norm", "loss.mask_truncated", "loss.kl_in_reward", "loss.target_kl"),
-        *("loss.kl_early_stop", "loss.scale_rewards", "loss.advantage_eps", "loss.truncated_logprobs"),
-        *("loss.entropy_target", "loss.entropy_coef_max", "loss.entropy_coef_step", "rollout.top_k"),
-        *("rollout.curriculum_start", "rollout.curriculum_steps"),
-        *("sft.steps", "sft.lr", "sft.batch_size", "sft.target_accuracy", "sft.check_every"),
-        *("sft.check_size", "sft.mix_coef", "sft.target", "health.auto_temperature"),
-    ),
-    "safe": (
-        *("output_dir", "steps", "eval_every", "full_eval_every", "checkpoint_every"),
-        *("keep_checkpoints", "resume", "overwrite", "device"),
-        *("model.attn_implementation", "model.gradient_checkpointing", "model.trust_remote_code"),
-        *("rollout.generation_batch_size", "rollout.gpu_memory_utilization", "rollout.sleep_level"),
-        *("rollout.weight_sync_tolerance", "rollout.lora_sync", "rollout.vllm_kwargs"),
-        *("train.micro_batch_size", "train.packing", "train.share_prompts", "train.save_dtype"),
-        "train.save_merged",
-        *("train.max_nonfinite_steps", "train.fsdp_cpu_offload", "loss.kernel_backend", "loss.chunk_size"),
-        *("logging.wandb", "logging.wandb_project", "logging.wandb_mode", "logging.progress"),
-        *("logging.sample_every", "logging.samples_per_dump", "health.enabled", "health.thresholds"),
+    "h100": Preset(
+        "80 GB: bf16 autocast, plain AdamW, microbatch from the planner, 512 responses/step",
+        {
+            "output_dir": "runs/h100",
+            "steps": 200,
+            "device": "cuda",
+            "model": {"gradient_checkpointing": True},
+            "data": {"task": "math"},
+            "rollout": {"backend": "vllm", "group_size": 8, "batch_size": 512, "max_tokens": 1024},
+            "train": {"lr": 1e-6, "optimizer": "adamw", "betas": [0.9, 0.95], "micro_batch_size": AUTO},
+        },
     ),
 }
 
-PRESET_SUMMARIES = {
-    "tiny": "any CPU, first run: built-in model, tokenizer and task, SFT warm start, 500 steps",
-    "smoke": "a real model before a long run: group 2, 8 responses, 3 steps",
-    "rtx4090": "Qwen2.5-Math-1.5B on MATH in 24 GB: bf16 autocast, checkpointing, 8-bit AdamW, vLLM",
-    "h100": "80 GB: bf16 autocast, plain AdamW, planner microbatch, 512 responses/step",
-}
+
+def resume_class(key: str) -> str:
+    """What ``resume=true`` may do with config key ``key`` (grpo_fast.obs.run_folder.check_resume):
+    ``"run"``: it defines what the run's metrics mean (model, data, task, reward, sizes, seed,
+    loss, rollout and warm-start options): a resume must keep the run's value, or it stops naming
+    it; ``"safe"``: how long, how often, where, how fast, what is logged: a resume may change it,
+    and config.yaml records the change. Declared beside each default (``option(..., resume=)``),
+    else the section's ``RESUME`` (``LoggingConfig``: all safe), else ``"run"``: a new key is
+    run-defining until someone says otherwise."""
+    cls, parts = Config, key.split(".")
+    for i, name in enumerate(parts):
+        f = {f.name: f for f in dataclasses.fields(cls)}[name]
+        if "resume" in f.metadata:
+            return f.metadata["resume"]
+        if _is_section(f) and i + 1 < len(parts):
+            cls = type(f.default_factory())
+            continue
+        return getattr(cls, "RESUME", "run")
+    raise KeyError(key)
+
+
+def _resume_table() -> dict[str, tuple[str, ...]]:
+    classes = {k: resume_class(k) for k in _all_keys() if not _is_section_key(k)}
+    return {c: tuple(k for k, v in classes.items() if v == c) for c in RESUME_CLASSES}
+
+
+PRESET_SUMMARIES = {name: preset.summary for name, preset in PRESETS.items()}
 
 
 def presets_and_keys_help() -> str:
     """The presets and every config key by section (from the dataclasses: one source of truth)."""
     lines = ["presets (--preset):"]
-    lines += [f"  {name:<9} {PRESET_SUMMARIES.get(name, '')}".rstrip() for name in PRESETS]
+    lines += [f"  {name:<9} {preset.summary}" for name, preset in PRESETS.items()]
     lines += ["", "config keys (key=value, e.g. train.lr=3e-6; see grpo_fast/config.py):"]
     top = [f.name for f in dataclasses.fields(Config) if not dataclasses.is_dataclass(f.default_factory)]
     lines.append(f"  {'(top)':<9} {' '.join(top)}")
@@ -571,25 +849,94 @@ def _load_yaml(path: str) -> dict:
 
 
 def _dotlist_to_tree(overrides: list[str]) -> list[tuple[str, dict]]:
+    """Each ``key=value`` override as ``(key, {section: {key: value}})``. The value of a text key
+    (a ``str`` field: a path, a name, a prompt template) is the text as typed, never parsed as YAML
+    (``data.prompt_template={question} Answer:``); quotes around it are read as YAML's (escapes
+    such as ``\\n``), and ``null`` is None. Any other value is YAML (numbers, booleans, lists)."""
     out = []
     for item in overrides:
         if "=" not in item:
             raise ConfigError(f"override {item!r} is not of the form key=value (e.g. train.lr=3e-6)")
-        key = item.split("=", 1)[0].strip()
-        try:
-            tree = OmegaConf.to_container(OmegaConf.from_dotlist([item]))
-        except OmegaConfBaseException as exc:
+        key, raw = item.split("=", 1)
+        key = key.strip()
+        if not _KEY.fullmatch(key):
             raise ConfigError(
-                f"override {item!r} cannot be parsed: {exc.msg if hasattr(exc, 'msg') else exc}"
-            ) from None
+                f"override {item!r}: {key!r} is not a config key (dotted names, e.g. train.lr=3e-6){_nearest(key)}"
+            )
+        try:
+            if _is_text_key(key):
+                tree: Any = _text_value(raw)
+                for part in reversed(key.split(".")):
+                    tree = {part: tree}
+            else:
+                tree = OmegaConf.to_container(OmegaConf.from_dotlist([item]))
+        except (OmegaConfBaseException, yaml.YAMLError, RecursionError) as exc:
+            raise ConfigError(f"override {item!r} cannot be parsed: {_first_line(exc)}") from None
         out.append((key, tree))
     return out
 
 
-def _omegaconf_error(exc: OmegaConfBaseException, where: str, key_hint: str = "?") -> ConfigError:
+_KEY = re.compile(r"[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*")  # a key of an override
+
+
+def _is_text_key(key: str) -> bool:
+    """Whether ``key`` names a field that holds text only (``str`` or ``str | None``)."""
+    cls: Any = Config
+    f = None
+    for part in key.split("."):
+        fields = {g.name: g for g in dataclasses.fields(cls)} if dataclasses.is_dataclass(cls) else {}
+        if (f := fields.get(part)) is None:
+            return False
+        cls = type(f.default_factory()) if _is_section(f) else None
+    return f is not None and f.type in ("str", "str | None")
+
+
+def _text_value(raw: str) -> str | None:
+    """A text key's value: ``null`` (or nothing) is None; a quoted string is YAML's reading of
+    it; anything else the text as typed."""
+    text = raw.strip()
+    if text in ("", "null", "Null", "NULL", "~"):
+        return None
+    if len(text) > 1 and text[0] == text[-1] and text[0] in "'\"":
+        try:
+            value = yaml.safe_load(text)
+        except yaml.YAMLError:
+            return raw
+        return value if isinstance(value, str) else raw
+    return raw
+
+
+def _first_line(exc: BaseException) -> str:
+    """An exception's message, its first line (YAML's and OmegaConf's run over several)."""
+    msg = str(getattr(exc, "problem", None) or getattr(exc, "msg", None) or exc).strip()
+    return msg.splitlines()[0] if msg else type(exc).__name__
+
+
+# What merging a user's values can raise besides OmegaConf's own errors: a huge integer for a float
+# key (OverflowError), a mapping merged into a list such as train.betas.x=1 (TypeError).
+_MERGE_ERRORS = (OmegaConfBaseException, OverflowError, TypeError, ValueError)
+
+
+def _omegaconf_error(exc: Exception, where: str, key_hint: str = "?") -> ConfigError:
     key = getattr(exc, "full_key", None) or key_hint
-    msg = str(exc).splitlines()[0]
-    return ConfigError(f"config key {key!r} from {where}: {msg}")
+    return ConfigError(f"config key {key!r} from {where}: {_first_line(exc)}")
+
+
+def _too_large(tree: Any, prefix: str = "") -> str | None:
+    """The dotted key of the first integer in ``tree`` beyond a float's range, or None."""
+    if isinstance(tree, dict):
+        for k, v in tree.items():
+            if (found := _too_large(v, f"{prefix}{k}.")) is not None:
+                return found
+    elif isinstance(tree, int) and not isinstance(tree, bool) and abs(tree) > sys.float_info.max:
+        return prefix.rstrip(".")
+    return None
+
+
+@functools.cache
+def _defaults() -> Any:
+    """The defaults as an OmegaConf structured config (built once: merging copies it)."""
+    return OmegaConf.structured(Config)
 
 
 def shares_prompts(cfg: Config) -> bool:
@@ -614,29 +961,29 @@ def load_config(
         >>> cfg.train.lr, cfg.steps
         (0.0001, 10)
     """
-    base = OmegaConf.structured(Config)
     layers: list[tuple[str, dict, str]] = []
     if preset is not None:
         if preset not in PRESETS:
             near = difflib.get_close_matches(preset, list(PRESETS), n=1)
             hint = f" (did you mean {near[0]!r}?)" if near else ""
             raise ConfigError(f"unknown preset {preset!r}{hint}; presets: {', '.join(PRESETS)}")
-        layers.append((f"preset {preset!r}", PRESETS[preset], "?"))
+        layers.append((f"preset {preset!r}", dict(PRESETS[preset]), "?"))
     for path in config_files or []:
         layers.append((f"config file {path}", _load_yaml(path), "?"))
     for key, tree in _dotlist_to_tree(overrides or []):
         layers.append((f"override {key}=...", tree, key))
 
-    merged = base
+    merged = _defaults()
     for where, tree, key in layers:
         _check_keys(tree, Config, where)
         try:
             merged = OmegaConf.merge(merged, tree)
-        except OmegaConfBaseException as exc:
-            raise _omegaconf_error(exc, where, key) from None
+        except _MERGE_ERRORS as exc:
+            huge = _too_large(tree) if isinstance(exc, OverflowError) else None
+            raise _omegaconf_error(exc, where, huge or key) from None
     try:
         cfg = OmegaConf.to_object(merged)
-    except OmegaConfBaseException as exc:
+    except _MERGE_ERRORS as exc:
         raise _omegaconf_error(exc, "the merged config") from None
     cfg = _freeze(cfg)
     validate(cfg, preset, check_device=check_device)
@@ -701,3 +1048,14 @@ def to_yaml(cfg: Config) -> str:
 
 def to_dict(cfg: Config) -> dict:
     return dataclasses.asdict(cfg)
+
+
+def _is_section_key(key: str) -> bool:
+    cls, parts = Config, key.split(".")
+    for name in parts[:-1]:
+        cls = type({f.name: f for f in dataclasses.fields(cls)}[name].default_factory())
+    return _is_section({f.name: f for f in dataclasses.fields(cls)}[parts[-1]])
+
+
+# Every leaf key by resume class, from the declarations (``resume_class``): what run_folder reads.
+ON_RESUME: dict[str, tuple[str, ...]] = _resume_table()

@@ -12,9 +12,12 @@ import math
 from typing import TYPE_CHECKING, Any
 
 from grpo_fast.domains import AUTO, DomainError, check_fields
+from grpo_fast.env.registry import environment as environment_spec
 from grpo_fast.errors import ConfigError
+from grpo_fast.ops._backend import triton_unavailable
 from grpo_fast.rollout.registry import backend as rollout_backend
 from grpo_fast.rollout.registry import backends as rollout_backends
+from grpo_fast.task.prompts import get_template
 
 if TYPE_CHECKING:  # grpo_fast.config imports this module: the checks take its objects as they come
     from grpo_fast.config import Config, DataConfig
@@ -39,6 +42,7 @@ def validate(cfg: Config, preset: str | None = None, check_device: bool = True) 
     _check_model(cfg)
     _check_rollout(cfg)
     _check_reward(cfg.data)
+    _check_prompt_template(cfg.data)
     _check_train_and_loss(cfg)
     _check_parallelism(cfg)
     from grpo_fast.obs.health import HealthThresholds
@@ -91,6 +95,27 @@ def _check_model(cfg: Config) -> None:
         raise ConfigError(
             "train.share_prompts=true runs its own attention around sdpa or eager: model.attn_implementation="
             "sdpa, eager or auto (which picks sdpa then), not flash_attention_2; or train.share_prompts=false"
+        )
+    if cfg.train.sequence_parallel > 1 and m.attn_implementation == "flash_attention_2":
+        raise ConfigError(
+            f"train.sequence_parallel={cfg.train.sequence_parallel} runs Ulysses attention around sdpa or eager: "
+            "model.attn_implementation=sdpa, eager or auto (which picks sdpa then), not flash_attention_2"
+        )
+    whole = not lora.r or (cfg.sft.steps > 0 and cfg.sft.resolved_target(m.name_or_path) == "base")
+    if m.dtype == "float16" and whole:  # AdamW's state in fp16: NaN at the first zero gradient
+        what = (
+            "the warm start trains the whole model (sft.target=base)" if lora.r else "the whole model trains"
+        )
+        raise ConfigError(
+            f"model.dtype=float16 keeps the weights that train in fp16 ({what}): AdamW then computes "
+            "its step in fp16, where its eps=1e-8 rounds to 0, so every weight whose gradient is 0 "
+            "becomes NaN at the first step (8-bit AdamW gave NaN steps too, on a CPU); use model.dtype=auto "
+            "(fp32 weights; train.mixed_precision=fp16 computes in fp16 on a GPU) or model.dtype=bfloat16"
+        )
+    if cfg.train.save_merged and not lora.r:
+        raise ConfigError(
+            "train.save_merged=true merges a LoRA adapter into its base (output_dir/final_merged) and "
+            "needs model.lora.r > 0; without LoRA, output_dir/final is the whole model already"
         )
     if cfg.rollout.lora_sync == "merged" and m.load_in_4bit:
         raise ConfigError(
@@ -145,10 +170,160 @@ def _check_rollout(cfg: Config) -> None:
         raise ConfigError(
             f"data.overlong_buffer={cfg.data.overlong_buffer} must be below rollout.max_tokens={r.max_tokens}"
         )
+    _check_placement(cfg)
+    _check_pipeline(cfg)
+    _check_tools(cfg)
+
+
+def _check_tools(cfg: Config) -> None:
+    """``rollout.environment`` names an environment; the caps agree; the keys that act on tool
+    calls have an environment to act on."""
+    r = cfg.rollout
+    if r.environment == "none":
+        for key, on in (
+            ("data.tool_error_penalty", cfg.data.tool_error_penalty > 0),
+            ("loss.mask_void_turns", cfg.loss.mask_void_turns),
+        ):
+            if on:
+                raise ConfigError(
+                    f"{key} acts on tool calls and needs a tool environment: set rollout.environment "
+                    "(python, calculator, or your module's import path)"
+                )
+        return
+    if pipelined(cfg):  # the pipeline's producers (hf thread or worker process) sample one turn
+        raise ConfigError(
+            f"rollout.environment={r.environment} runs lockstep in this build: set rollout.max_staleness=0 "
+            "(and for rollout.backend=hf, rollout.placement=colocated)"
+        )
+    try:
+        environment_spec(r.environment)
+    except ConfigError as exc:
+        raise ConfigError(f"rollout.environment: {exc}") from None
+    if r.max_response_tokens != AUTO and r.max_response_tokens < r.max_tokens:
+        raise ConfigError(
+            f"rollout.max_response_tokens={r.max_response_tokens} (sampled + inserted tokens) is below "
+            f"rollout.max_tokens={r.max_tokens} (the sampled tokens alone): raise it, or lower max_tokens"
+        )
+
+
+def pipelined(cfg: Config) -> bool:
+    """Whether the run trains through the pipeline (``grpo_fast.loop.pipeline``: a producer apart
+    from the trainer, a queue between them): with ``rollout.max_staleness > 0``, or with a backend
+    that samples from the training model (hf) placed in a process of its own."""
+    r = cfg.rollout
+    own_weights = rollout_backend(r.backend).needs_weight_push
+    return r.max_staleness > 0 or (r.placement == "process" and not own_weights)
+
+
+def _check_pipeline(cfg: Config) -> None:
+    """``rollout.placement`` for the hf backend, ``rollout.max_staleness`` and what the pipeline
+    does not run with."""
+    r = cfg.rollout
+    own_weights = rollout_backend(r.backend).needs_weight_push
+    if r.max_staleness > 0 and own_weights:
+        raise ConfigError(
+            f"rollout.max_staleness={r.max_staleness} with rollout.backend={r.backend} is not available in "
+            "this build: the pipeline's producer samples with the hf decoder (rollout.backend=hf); the vllm "
+            "engine runs lockstep (rollout.max_staleness=0), apart with rollout.placement=process|server"
+        )
+    if r.placement == "process" and not own_weights and cfg.device.startswith("cuda"):
+        raise ConfigError(
+            f"rollout.placement=process runs the hf decoder on CPU cores of its own: device=cpu "
+            f"(got device={cfg.device})"
+        )
+    if r.worker_threads != AUTO and (r.placement != "process" or own_weights):
+        raise ConfigError(
+            f"rollout.worker_threads is for rollout.placement=process with rollout.backend=hf (the hf "
+            f"decoder's worker process; got placement={r.placement}, backend={r.backend})"
+        )
+    if r.max_staleness > 0 and not (r.is_correction or r.old_logprobs == "sampler"):
+        raise ConfigError(
+            f"rollout.max_staleness={r.max_staleness} trains on batches sampled by an older policy and "
+            "needs an off-policy correction against the sampler's log-probs: rollout.is_correction=true "
+            "(TIS/MIS weights, rollout.is_mode) or rollout.old_logprobs=sampler (the clipped ratio)"
+        )
+    if not pipelined(cfg):
+        return
+    if r.dynamic_sampling:
+        raise ConfigError(
+            "rollout.dynamic_sampling=true runs extra generation rounds inside a step, which the "
+            "pipeline (rollout.max_staleness > 0 or rollout.placement=process) does not: turn one off"
+        )
+    by_rate = r.curriculum != "none" and cfg.data.difficulty_field is None
+    reads_rates = [
+        ("rollout.adaptive_group_size=true", r.adaptive_group_size),
+        ("rollout.difficulty_filter", r.difficulty_filter is not None),
+        (f"rollout.curriculum={r.curriculum} without data.difficulty_field", by_rate),
+    ]
+    for what, on in reads_rates:
+        if on and r.max_staleness > 0:
+            raise ConfigError(
+                f"{what} has the producer read the pass rates the trainer records, which with "
+                f"rollout.max_staleness={r.max_staleness} run at the same time: use rollout.max_staleness=0"
+            )
+
+
+def _check_placement(cfg: Config) -> None:
+    """``rollout.placement`` and the keys that only mean something with an engine apart."""
+    r = cfg.rollout
+    own_weights = rollout_backend(r.backend).needs_weight_push
+    apart = r.placement != "colocated" and own_weights  # an engine apart: vllm process | server
+    if r.placement == "server" and not own_weights:
+        raise ConfigError(
+            f"rollout.placement=server is a vLLM server (rollout.backend=vllm); rollout.backend={r.backend} "
+            "runs colocated or in a worker process (rollout.placement=process)"
+        )
+    if r.server_url is not None:
+        url = str(r.server_url)
+        if r.placement != "server":
+            raise ConfigError(
+                f"rollout.server_url is for rollout.placement=server (got placement={r.placement})"
+            )
+        scheme, _, rest = url.partition("://")
+        host, _, port = rest.rstrip("/").rpartition(":")
+        if scheme not in ("http", "https") or not host or not port.isdigit() or "/" in rest.rstrip("/"):
+            raise ConfigError(
+                f"rollout.server_url must be http://HOST:PORT (a vLLM server's base URL), got {url!r}"
+            )
+    if not apart:
+        for key, value, default in (
+            ("weight_transfer", r.weight_transfer, "shm"),
+            ("engine_devices", r.engine_devices, None),
+        ):
+            if value != default:
+                raise ConfigError(
+                    f"rollout.{key} is for rollout.placement=process or server with rollout.backend=vllm "
+                    f"(got placement={r.placement}, backend={r.backend})"
+                )
+    if r.engine_devices is not None:
+        devices = list(r.engine_devices)
+        if (
+            not devices
+            or any(not isinstance(d, int) or isinstance(d, bool) or d < 0 for d in devices)
+            or len(set(devices)) < len(devices)
+        ):
+            raise ConfigError(
+                f"rollout.engine_devices must be distinct GPU indices (e.g. [1] or [2, 3]), got {devices}"
+            )
+        if r.server_url is not None:
+            raise ConfigError(
+                "rollout.engine_devices is for a server the run starts; the server at rollout.server_url has its own"
+            )
+    if r.weight_transfer == "nccl" and not r.engine_devices:
+        raise ConfigError(
+            "rollout.weight_transfer=nccl broadcasts from the trainer's GPU to the engine's: set rollout.engine_devices "
+            "to GPUs the trainer does not use (NCCL needs one GPU per rank)"
+        )
 
 
 def _check_train_and_loss(cfg: Config) -> None:
     t, lo = cfg.train, cfg.loss
+    if cfg.eval_every and cfg.data.eval_subset_size == 0:
+        raise ConfigError(
+            f"data.eval_subset_size=0 with eval_every={cfg.eval_every}: the evaluation every "
+            f"{cfg.eval_every} steps would evaluate no problem; set eval_every=0 to turn it off "
+            "(full_eval_every evaluates the whole eval set), or a subset size above 0"
+        )
     if len(t.betas) != 2 or not all(0 <= b < 1 for b in t.betas):
         raise ConfigError(f"train.betas must be two numbers in [0, 1), got {list(t.betas)}")
     if lo.target_kl is not None and lo.beta == 0:
@@ -167,38 +342,46 @@ def _check_train_and_loss(cfg: Config) -> None:
 
 
 def _check_parallelism(cfg: Config) -> None:
-    """What ``train.parallelism=fsdp`` does not run with yet, and the offload that needs it."""
+    """The offload that needs ``train.parallelism=fsdp``. (LoRA, QLoRA and 8-bit AdamW run under
+    FSDP: grpo_fast/policy/fsdp.py, grpo_fast/policy/sharded_optim.py.)"""
     t = cfg.train
     if t.fsdp_cpu_offload and t.parallelism != "fsdp":
         raise ConfigError(
             "train.fsdp_cpu_offload=true needs train.parallelism=fsdp (it offloads FSDP's shards)"
         )
-    if t.parallelism != "fsdp":
-        return
-    if t.optimizer == "adamw8bit":
-        raise ConfigError(
-            "train.optimizer=adamw8bit with train.parallelism=fsdp is not supported: bitsandbytes' 8-bit "
-            "AdamW steps plain tensors and FSDP2's parameters are DTensor shards; use train.optimizer=adamw "
-            "(sharding divides its 8 bytes a parameter by the number of ranks)"
-        )
-    if cfg.model.lora.r:
-        raise ConfigError(
-            "model.lora.r > 0 with train.parallelism=fsdp is not supported yet (LoRA and QLoRA run with "
-            "train.parallelism=ddp: the frozen base is not sharded); use train.parallelism=ddp"
-        )
+
+
+def devices_here() -> str:
+    """The values of ``device`` this machine runs, for a message: ``this machine: auto, cpu``."""
+    import torch
+
+    n = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    cuda = ["cuda", *(f"cuda:{i}" for i in range(n))] if n else []
+    return "this machine: " + ", ".join(["auto", "cpu", *cuda])
 
 
 def _check_machine(cfg: Config, preset: str | None) -> None:
-    """What this machine must have: CUDA for a GPU preset or device, the backend's library."""
-    if preset in GPU_PRESETS or cfg.device.startswith("cuda"):
-        import torch
+    """What this machine must have: CUDA for a GPU preset or device (and the device's index), the
+    backend's library, the Triton kernels' CUDA or interpreter."""
+    import torch
 
-        if not torch.cuda.is_available():
-            what = f"preset {preset!r}" if preset in GPU_PRESETS else f"device={cfg.device!r}"
-            raise ConfigError(f"{what} needs a CUDA GPU and none is available; try --preset tiny on a CPU")
+    if (preset in GPU_PRESETS or cfg.device.startswith("cuda")) and not torch.cuda.is_available():
+        what = f"preset {preset!r}" if preset in GPU_PRESETS else f"device={cfg.device!r}"
+        raise ConfigError(f"{what} needs a CUDA GPU and none is available; try --preset tiny on a CPU")
+    if cfg.device.startswith("cuda:") and int(cfg.device[5:]) >= torch.cuda.device_count():
+        raise ConfigError(f"device={cfg.device!r} is not on this machine ({devices_here()})")
+    device = ("cuda" if torch.cuda.is_available() else "cpu") if cfg.device == AUTO else cfg.device
+    why_not = triton_unavailable(device.split(":")[0])
+    if cfg.loss.kernel_backend == "triton" and why_not is not None:
+        raise ConfigError(f"loss.kernel_backend=triton {why_not}; device={device}")
     missing = rollout_backend(cfg.rollout.backend).missing()
     if missing is not None:
         raise ConfigError(missing)
+    r = cfg.rollout
+    if r.environment != "none" and r.tool_isolation != "unsafe":  # the sandbox: bubblewrap here
+        problem = environment_spec(r.environment).missing()
+        if problem is not None:
+            raise ConfigError(f"rollout.environment={r.environment} cannot run here: {problem}")
     if cfg.model.load_in_4bit:
         why = nf4_unavailable(cfg.device)
         if why is not None:
@@ -246,6 +429,14 @@ def _check_reward(d: DataConfig) -> None:
                 f"data.reward_weights has {len(d.reward_weights)} weights for the {len(names)} rewards "
                 f"of data.reward"
             )
+
+
+def _check_prompt_template(d: DataConfig) -> None:
+    """``data.prompt_template``: a registered name or a string holding ``{question}``."""
+    try:
+        get_template(d.prompt_template)
+    except ConfigError as exc:
+        raise ConfigError(f"data.prompt_template: {exc}") from None
 
 
 def _numeric_leaves(cfg: Any, prefix: str = "") -> list[tuple[str, float]]:

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-from grpo_fast.algo.core import eager_token_logprobs_and_entropy
+from grpo_fast.algo.reference import eager_token_logprobs_and_entropy
 
 __all__ = [
     "GRPOInputs",
@@ -137,7 +137,7 @@ def row_upstream_grads(logits, labels, advantages, loss_weights, upstream: float
     ``|∂/∂log π| + |∂²/∂log π²|`` (summed over the rows a row's gradient depends on): an op
     computes it from its own log-prob, so where its terms cancel (k3's ``1 − e^d`` at ``d ≈ 0``)
     the log-prob's rounding still moves it at that rate."""
-    from grpo_fast.algo.core import eager_grpo_loss_from_logits
+    from grpo_fast.algo.reference import eager_grpo_loss_from_logits
 
     as64 = lambda t: t.detach().to("cpu", torch.float64) if isinstance(t, torch.Tensor) else t
     options = {k: as64(v) if k != "sequence_ids" else v for k, v in options.items()}
@@ -402,10 +402,11 @@ def fused_linear_workload(
     return step
 
 
-def join_cpu_ranks(rank: int, world_size: int, port: int):
+def join_cpu_ranks(rank: int, world_size: int, port: int, sequence_parallel: int = 1):
     """Join a ``world_size``-rank gloo group on this machine as ``rank`` (the environment torchrun
-    would set, one OpenMP thread per rank); returns ``grpo_fast.dist.init``'s ``DistInfo``. What the
-    multi-rank tests' spawned workers call first."""
+    would set, one OpenMP thread per rank); returns ``grpo_fast.dist.init``'s ``DistInfo`` (its mesh
+    with sp groups of ``sequence_parallel`` ranks). What the multi-rank tests' spawned workers call
+    first."""
     import os
 
     from grpo_fast import dist
@@ -419,15 +420,16 @@ def join_cpu_ranks(rank: int, world_size: int, port: int):
         OMP_NUM_THREADS="1",
     )
     torch.set_num_threads(1)
-    info = dist.init("cpu")
+    info = dist.init("cpu", sequence_parallel)
     assert info.world_size == world_size
     return info
 
 
-def tiny_vllm_engine(model, tokenizer, folder):
+def tiny_vllm_engine(model, tokenizer, folder, max_model_len: int = 32):
     """A real ``VLLMEngine`` serving ``model`` (a tiny Qwen2, fp32) from a Hugging Face folder it
     writes to ``folder``, with the tiny preset's ``rollout.vllm_kwargs``: what the ``vllm`` tests
-    and the rollout benchmark start (vLLM must be installed)."""
+    and the rollout benchmark start (vLLM must be installed). ``max_model_len``: at most the
+    model's contexts (``builtin:tiny_tools``: 64)."""
     from grpo_fast.config import load_config
     from grpo_fast.rollout.vllm import VLLMEngine
 
@@ -436,8 +438,51 @@ def tiny_vllm_engine(model, tokenizer, folder):
     return VLLMEngine(
         str(folder),
         gpu_memory_utilization=0.3,
-        max_model_len=32,
+        max_model_len=max_model_len,
         seed=0,
         dtype="float32",
         extra_args=dict(load_config("tiny", check_device=False).rollout.vllm_kwargs),
     )
+
+
+def rollout_phase_run(cfg, task, backend, *, logger=None, beta: float = 0.0):
+    """A stand-in ``Run`` holding just what the rollout phase (producer and finalize) reads, on one
+    rank: the config, the task, a ``RolloutSide`` around ``backend`` with the prompt sampler and
+    pass-rate table setup would build, a health monitor, and a trainer side that only has β (no
+    model: tests of the rollout-side options drive the phase with a scripted backend)."""
+    import contextlib
+    from types import SimpleNamespace
+
+    from grpo_fast import dist
+    from grpo_fast.loop.setup import _prompt_sampler
+    from grpo_fast.loop.state import RolloutSide
+    from grpo_fast.obs.health import HealthMonitor, HealthThresholds
+
+    pass_rates, sampler = _prompt_sampler(cfg, task)
+    side = RolloutSide(backend, sampler, pass_rates, cfg.rollout.batch_size // cfg.rollout.group_size)
+    if logger is None:  # the events the phase logs, kept in .lines
+        logger = SimpleNamespace(lines=[])
+        logger.event = logger.lines.append
+    return SimpleNamespace(
+        cfg=cfg,
+        world=dist.DistInfo(),
+        device=torch.device("cpu"),
+        health=HealthMonitor(HealthThresholds()),
+        task=task,
+        rollout=side,
+        logger=logger,
+        trainer=SimpleNamespace(state=SimpleNamespace(beta=beta)),
+        generation_weights=contextlib.nullcontext,  # unsharded: nothing to gather
+    )
+
+
+def plan_threads_note() -> str:
+    """What the plan line says of the CPU threads in a test's in-process run: conftest's (or the
+    user's) ``OMP_NUM_THREADS``, and the OpenMP wait of the pytest process (not a command: the
+    environment's), e.g. ``1 CPU thread (OMP_NUM_THREADS=1), OpenMP wait spin``."""
+    import os
+
+    from grpo_fast import threads
+
+    n = int(os.environ["OMP_NUM_THREADS"])
+    return f"{n} CPU thread{'s' if n > 1 else ''} (OMP_NUM_THREADS={n}), OpenMP wait {threads.wait_policy_in_effect()}"

@@ -24,41 +24,58 @@ log-prob gap to the trainer is logged (``rollout/logprob_abs_diff``) and correct
 
 Each step reads top to bottom (the phases live in ``grpo_fast.loop``):
 
-    rollout_phase       sample prompts → generate → rewards → advantages      loop/rollout_phase.py
-    optimization_phase  microbatches → fused lm_head + loss → backward →      loop/optimization.py
-                        clip → step → LR step → weight push
-    totals, β, state    one all-reduce of the step's sums; the adaptive β and  loop/stats.py, loop/state.py
-                        entropy coefficient; the step and non-finite-step counters
-    step_metrics        the metrics row                                       loop/stats.py
+    rollout_phase       the producer: prompts → generate → rewards            loop/producer.py
+                        (no collective, nothing of the trainer); then the
+                        finalize: pass rates, dynamic sampling, shaping,      loop/rollout_phase.py
+                        KL in the reward, advantages
+    optimization_phase  trajectories → microbatches → fused lm_head + loss →  loop/optimization.py
+                        backward → clip → step → LR step
+    sync_weights        the trainer's weights to the rollout side (vllm:      loop/state.py
+                        push + weight-sync probe)
+    close_step          one all-reduce of the step's sums; the adaptive β and  loop/stats.py, loop/state.py
+                        entropy coefficient; the step and non-finite-step counters;
+                        the metrics row
     end_of_step         health, eval, samples, log; stops; checkpoint         loop/step_end.py
+
+That is the lockstep outline (``lockstep``, the default). With ``rollout.max_staleness > 0`` (or
+the hf decoder in a process of its own, ``rollout.placement=process``) generation runs apart from
+training (``pipeline.train``, loop/pipeline.py): a producer generates and scores step k + S's
+batch while the trainer trains step k on a batch sampled S optimizer steps earlier, corrected
+against the sampler's log-probs; the same phases, with a queue between them.
 
 Around it: one run per ``output_dir`` (a lock held for the run's life; a used folder needs
 ``resume=true`` or ``overwrite=true``; a resume keeps the run-defining keys:
 ``grpo_fast.obs.run_folder``), and SIGTERM/SIGINT, which stop each phase at the end of its
-current unit with what can be resumed written (``grpo_fast.loop.preempt``).
+current unit with what can be resumed written (``grpo_fast.loop.preempt``). A rollout engine
+apart from the trainer that died or timed out (``EngineError``) stops the run with one line and
+the checkpoint of the last finished step (``grpo_fast.loop.checkpointing``).
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import tempfile
 import time
 from pathlib import Path
 
 import torch
 
-from grpo_fast import dist
-from grpo_fast.config import Config, load_config, presets_and_keys_help
-from grpo_fast.errors import ConfigError, Preempted, cli_errors, exit_process
-from grpo_fast.loop import preempt
-from grpo_fast.loop.checkpointing import stop_within
+from grpo_fast import dist, threads
+from grpo_fast.config import PRESETS, Config, load_config, presets_and_keys_help
+from grpo_fast.config_checks import pipelined
+from grpo_fast.errors import ConfigError, EngineError, Preempted, cli_errors, cwd_on_path, exit_process
+from grpo_fast.loop import pipeline, preempt, sp_group
+from grpo_fast.loop.checkpointing import engine_stopped, stop_within
 from grpo_fast.loop.optimization import optimization_phase
 from grpo_fast.loop.rollout_phase import rollout_phase
 from grpo_fast.loop.setup import setup
-from grpo_fast.loop.stats import step_metrics
+from grpo_fast.loop.state import Run
+from grpo_fast.loop.stats import close_step
 from grpo_fast.loop.step_end import end_of_step, finish
 from grpo_fast.obs import eta, run_folder
 from grpo_fast.obs.metrics import PhaseProgress, reset_peak_memory
+from grpo_fast.policy import sequence_parallel
 from grpo_fast.policy.model import quiet_transformers, resolve_device
 
 
@@ -70,7 +87,7 @@ def parse_args(argv: list[str] | None, prog: str = "python -m grpo_fast.train") 
         epilog=presets_and_keys_help(),
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    p.add_argument("--preset", default="tiny", help="tiny (CPU, default) | smoke | rtx4090 | h100")
+    p.add_argument("--preset", default="tiny", help=f"{' | '.join(PRESETS)} (default: tiny; listed below)")
     p.add_argument("--config", action="append", default=[], metavar="FILE.yaml", help="layered in order")
     p.add_argument(
         "--dry-run",
@@ -89,6 +106,9 @@ def main(argv: list[str] | None = None, prog: str = "python -m grpo_fast.train")
 
         return dry_run(args.preset, args.config, args.overrides)
     cfg = load_config(args.preset, args.config, args.overrides)
+    restart = threads.wait_policy_restart(cfg.threads.wait_policy)
+    if restart is not None and threads.started_by_command:  # libgomp read its wait when torch loaded
+        os.execve(restart[0][0], *restart)  # this command again, OMP_WAIT_POLICY set (once)
     run(cfg)
     return 0
 
@@ -97,15 +117,20 @@ def run(cfg: Config, engine=None) -> Path:
     """Train with ``cfg``; returns the output directory. ``engine``: a rollout engine to use
     instead of building one (tests pass a fake vLLM engine here)."""
     out = Path(cfg.output_dir)
+    if (problem := threads.wait_policy_problem(cfg.threads.wait_policy)) is not None:
+        raise ConfigError(problem)
+    sp = sequence_parallel.group_size(cfg)  # ranks that split each sequence (torchrun's world must divide)
     check_output_dir(out)  # on every rank, before anything loads: a bad path fails in a second
     quiet_transformers()
     device = resolve_device(cfg)
-    world = dist.init(device.type)
+    world = dist.init(device.type, sp)  # the mesh: dp × sp
+    threads_before = torch.get_num_threads()  # setup sets the run's (threads.intra_op)
     try:
         # the folder's lock, for the run's life; SIGTERM/SIGINT: each phase stops at its unit's end
         with run_folder.claim(out, cfg, world), preempt.handle_signals(out, not world.enabled):
             return _train(cfg, device, world, out, engine)
     finally:
+        torch.set_num_threads(threads_before)  # a library caller's process keeps its own
         dist.shutdown()
 
 
@@ -124,31 +149,21 @@ def check_output_dir(out: Path) -> None:
 
 
 def _train(cfg: Config, device: torch.device, world: dist.DistInfo, out: Path, engine) -> Path:
-    """Setup, then per step: rollout phase → optimization phase → totals, β and the step counter
-    → metrics → end of step (health, eval, log, stops, checkpoint); then the final model, and
-    what the run timed into this machine's history for the next plan line (``grpo_fast.obs.eta``;
-    a run stopped by a signal too)."""
+    """Setup, then the steps (``lockstep``, or the pipeline when generation runs apart from
+    training: ``rollout.max_staleness > 0``, ``rollout.placement=process``); then the final model,
+    and what the run timed into this machine's history for the next plan line
+    (``grpo_fast.obs.eta``; a run stopped by a signal too)."""
     t_start, asked, run, first = time.perf_counter(), cfg, None, 0
     try:
         run = setup(cfg, device, world, out, engine)
-        cfg, first = run.cfg, run.state.step  # with the planner's "auto" values resolved
-        with PhaseProgress(cfg.logging.progress and world.is_main, cfg.steps, run.state.step) as progress:
-            for step in range(run.state.step + 1, cfg.steps + 1):
-                t0 = time.perf_counter()
-                reset_peak_memory(device)
-                with stop_within(run, step - 1, f"step {step}'s rollout"):  # a signal: step - 1's checkpoint
-                    batch = rollout_phase(run, step, progress)
-                result = optimization_phase(run, step, batch, progress)
-                totals = result.stats.global_totals(
-                    world, device, batch.raw_rewards, batch.rollout, batch.reward_meta, result.skipped_tokens
-                )
-                if run.kl_ctl is not None:  # β follows the KL it penalizes (in the loss, or in the rewards)
-                    run.state.set_beta(run.kl_ctl.update(totals["kl"], int(result.counts["seqs"])))
-                if cfg.loss.entropy_target is not None:  # the entropy coefficient follows the mean entropy
-                    run.state.update_entropy_coef(totals["entropy"], cfg.loss)  # (all ranks' mean: one value)
-                run.state.finish_step(step, applied=not result.stats.nonfinite)
-                row = step_metrics(run, step, batch, result, totals, time.perf_counter() - t0)
-                end_of_step(run, step, batch, result, row, progress)
+        cfg, first = run.cfg, run.trainer.state.step  # with the planner's "auto" values resolved
+        with PhaseProgress(
+            cfg.logging.progress and world.is_main, cfg.steps, run.trainer.state.step
+        ) as progress:
+            if pipelined(cfg):  # a producer apart, a queue between: grpo_fast.loop.pipeline
+                pipeline.train(run, progress)
+            else:
+                lockstep(run, progress)
     except Preempted:  # a signal: what the run timed until then still counts
         eta.record_run(asked, device, world, out, first, run.sft_steps if run is not None else None)
         raise
@@ -157,8 +172,32 @@ def _train(cfg: Config, device: torch.device, world: dist.DistInfo, out: Path, e
     return out
 
 
+def lockstep(run: Run, progress: PhaseProgress) -> None:
+    """Per step: rollout phase → optimization phase → weight sync → totals, β and the step
+    counter → metrics → end of step (health, eval, log, stops, checkpoint)."""
+    for step in range(run.trainer.state.step + 1, run.cfg.steps + 1):
+        t0 = time.perf_counter()
+        reset_peak_memory(run.device)
+        with stop_within(run, step - 1, f"step {step}'s rollout"):  # a signal: step - 1's checkpoint
+            batch = rollout_phase(run, step, progress)
+        # sp groups train their ranks' batches together (loop/sp_group.py); the metrics are each rank's own
+        result = optimization_phase(run, step, sp_group.share_batch(run, batch), progress)
+        failed = None
+        try:
+            run.rollout.sync_weights(run.model, step)  # trainer → rollout side (vllm: push + probe)
+        except EngineError as exc:  # an engine apart died or timed out: the step is done all the same
+            failed = exc
+        row = close_step(run, step, batch, result, t0)  # totals, β, step counter → metrics row
+        if failed is not None:  # the step's row, its checkpoint (a resume pushes its weights), one line
+            run.logger.log(step, row)
+            raise engine_stopped(run, step, failed, f"step {step}'s weight sync") from None
+        end_of_step(run, step, batch, result, row, progress)
+
+
 def entry() -> None:
-    """The console script (``pyproject.toml``): ``main``'s exit code, at once after a signal."""
+    """The console script (``pyproject.toml``): ``main``'s exit code, at once after a signal; the
+    working directory on the import path, as ``python -m`` has it (``errors.cwd_on_path``)."""
+    cwd_on_path()
     exit_process(main())
 
 

@@ -5,8 +5,9 @@ import torch
 
 from grpo_fast.algo import course
 from grpo_fast.algo.loss_options import LossOptions
-from grpo_fast.policy.batch import build_sequences, make_microbatches
+from grpo_fast.policy.batch import loss_trajectories, make_microbatches
 from grpo_fast.policy.loss import PolicyLoss, response_hidden_states
+from grpo_fast.rollout import Rollout
 from grpo_fast.task import tiny
 
 
@@ -19,26 +20,43 @@ def _rollout():
 
 def test_sequences_and_sequence_mean_weights():
     prompts, responses, adv = _rollout()
-    seqs = build_sequences(prompts, responses, adv, length_norm="sequence_mean", max_length=4)
-    assert [s.tokens for s in seqs] == [[5, 6, 7, 3, 1], [5, 6, 7, 4, 4, 4, 1], [8, 9, 10], [8, 9, 11, 12, 1]]
-    assert [s.n_prompt for s in seqs] == [3, 3, 2, 2]
-    # sequence_mean: 1 / (length · B) with B = 4 → 1/8, 1/16, 1/4, 1/12
-    assert [s.weight for s in seqs] == pytest.approx([1 / 8, 1 / 16, 1 / 4, 1 / 12])
-    tm = build_sequences(prompts, responses, adv, length_norm="token_mean", max_length=4)
-    assert [s.weight for s in tm] == pytest.approx([1 / 10] * 4)  # 10 response tokens
+    seqs = loss_trajectories(
+        Rollout(prompts, responses), advantages=adv, length_norm="sequence_mean", max_length=4
+    )
+    assert [s.prompt_ids + s.token_ids for s in seqs] == [
+        [5, 6, 7, 3, 1],
+        [5, 6, 7, 4, 4, 4, 1],
+        [8, 9, 10],
+        [8, 9, 11, 12, 1],
+    ]
+    assert [len(s.prompt_ids) for s in seqs] == [3, 3, 2, 2]
+    assert [s.advantage for s in seqs] == [1.0, -1.0, 0.5, -0.5]
+    # sequence_mean: 1 / (length · B) with B = 4 → 1/8, 1/16, 1/4, 1/12, on every token
+    expected = [torch.full((n,), w) for w, n in zip([1 / 8, 1 / 16, 1 / 4, 1 / 12], [2, 4, 1, 3])]
+    for s, want in zip(seqs, expected):
+        torch.testing.assert_close(s.loss_weights, want, rtol=0, atol=0)
+    tm = loss_trajectories(
+        Rollout(prompts, responses), advantages=adv, length_norm="token_mean", max_length=4
+    )
+    assert [s.loss_weights[0].item() for s in tm] == pytest.approx([1 / 10] * 4)  # 10 response tokens
 
 
 def test_empty_responses_are_dropped():
-    seqs = build_sequences(
-        [[1, 2]], [[3], []], torch.tensor([1.0, -1.0]), length_norm="token_mean", max_length=4
+    seqs = loss_trajectories(
+        Rollout([[1, 2]], [[3], []]),
+        advantages=torch.tensor([1.0, -1.0]),
+        length_norm="token_mean",
+        max_length=4,
     )
-    assert len(seqs) == 1 and seqs[0].weight == 1.0
+    assert len(seqs) == 1 and seqs[0].loss_weights.tolist() == [1.0]
 
 
 @pytest.mark.parametrize("packing", [False, True], ids=["padded", "packed"])
 def test_microbatch_selects_exactly_the_response_labels(packing):
     prompts, responses, adv = _rollout()
-    seqs = build_sequences(prompts, responses, adv, length_norm="sequence_mean", max_length=4)
+    seqs = loss_trajectories(
+        Rollout(prompts, responses), advantages=adv, length_norm="sequence_mean", max_length=4
+    )
     mbs = make_microbatches(seqs, micro_batch_size=2, pad_id=0, packing=packing)
     labels, weights = [], []
     for mb in mbs:
@@ -59,7 +77,9 @@ def test_packed_forward_equals_padded_forward():
     tok = tiny.build_tokenizer()
     model = tiny.build_model(tok, seed=0).eval()
     prompts, responses, adv = _rollout()
-    seqs = build_sequences(prompts, responses, adv, length_norm="sequence_mean", max_length=4)
+    seqs = loss_trajectories(
+        Rollout(prompts, responses), advantages=adv, length_norm="sequence_mean", max_length=4
+    )
     ref = {}
     for mb in make_microbatches(seqs, 8, 0, packing=False):
         h = response_hidden_states(model, mb)
@@ -81,7 +101,9 @@ def test_policy_loss_equals_the_eager_course_loss():
     tok = tiny.build_tokenizer()
     model = tiny.build_model(tok, seed=0)
     prompts, responses, adv = _rollout()
-    seqs = build_sequences(prompts, responses, adv, length_norm="sequence_mean", max_length=4)
+    seqs = loss_trajectories(
+        Rollout(prompts, responses), advantages=adv, length_norm="sequence_mean", max_length=4
+    )
     mbs = make_microbatches(seqs, 2, 0, packing=False)
     policy = PolicyLoss(model, autocast=None, backend="torch_chunked")
     total = sum(policy(mb, LossOptions(), temperature=1.0).loss for mb in mbs)
@@ -90,13 +112,13 @@ def test_policy_loss_equals_the_eager_course_loss():
     model.zero_grad()
 
     # eager: full logits, CS336 helpers, per-sequence masked mean, batch mean
-    seq_tokens = [s.tokens for s in seqs]
+    seq_tokens = [s.prompt_ids + s.token_ids for s in seqs]
     width = max(map(len, seq_tokens))
     ids = torch.zeros(len(seqs), width, dtype=torch.long)
     mask = torch.zeros(len(seqs), width, dtype=torch.bool)
-    for i, s in enumerate(seqs):
-        ids[i, : len(s.tokens)] = torch.tensor(s.tokens)
-        mask[i, s.n_prompt : len(s.tokens)] = True
+    for i, (s, tokens) in enumerate(zip(seqs, seq_tokens)):
+        ids[i, : len(tokens)] = torch.tensor(tokens)
+        mask[i, len(s.prompt_ids) : len(tokens)] = True
     lp = course.get_response_log_probs(model, ids[:, :-1], ids[:, 1:])["log_probs"]
     a = torch.tensor([s.advantage for s in seqs])[:, None]
     per_token, _ = course.compute_policy_gradient_loss(
@@ -112,26 +134,24 @@ def test_policy_loss_equals_the_eager_course_loss():
 def test_left_out_responses_get_no_sequence_and_are_not_normalized_over():
     """``keep`` (loss.mask_truncated): 2 prompts × 2 responses, the second one left out. Under
     sequence_mean the three kept responses each weigh 1/(3·|o|): lengths 2, 1, 3 → 1/6, 1/3, 1/9."""
-    seqs = build_sequences(
-        [[5, 6], [7]],
-        [[1, 2], [3, 4, 4, 4], [8], [9, 9, 9]],
-        torch.tensor([1.0, -1.0, 0.5, -0.5]),
+    seqs = loss_trajectories(
+        Rollout([[5, 6], [7]], [[1, 2], [3, 4, 4, 4], [8], [9, 9, 9]]),
+        advantages=torch.tensor([1.0, -1.0, 0.5, -0.5]),
         length_norm="sequence_mean",
         max_length=4,
         keep=[True, False, True, True],
     )
-    assert [s.tokens for s in seqs] == [[5, 6, 1, 2], [7, 8], [7, 9, 9, 9]]
-    assert [s.weight for s in seqs] == pytest.approx([1 / 6, 1 / 3, 1 / 9])
+    assert [s.prompt_ids + s.token_ids for s in seqs] == [[5, 6, 1, 2], [7, 8], [7, 9, 9, 9]]
+    assert [s.loss_weights[0].item() for s in seqs] == pytest.approx([1 / 6, 1 / 3, 1 / 9])
     # token_mean: 6 kept tokens (not 10) share the unit weight
-    seqs = build_sequences(
-        [[5, 6], [7]],
-        [[1, 2], [3, 4, 4, 4], [8], [9, 9, 9]],
-        torch.tensor([1.0, -1.0, 0.5, -0.5]),
+    seqs = loss_trajectories(
+        Rollout([[5, 6], [7]], [[1, 2], [3, 4, 4, 4], [8], [9, 9, 9]]),
+        advantages=torch.tensor([1.0, -1.0, 0.5, -0.5]),
         length_norm="token_mean",
         max_length=4,
         keep=[True, False, True, True],
     )
-    assert [s.weight for s in seqs] == pytest.approx([1 / 6] * 3)
+    assert [s.loss_weights[0].item() for s in seqs] == pytest.approx([1 / 6] * 3)
 
 
 def test_packed_microbatches_carry_their_boundaries_and_label_bounds():
@@ -139,7 +159,9 @@ def test_packed_microbatches_carry_their_boundaries_and_label_bounds():
     first-fit: row 0 = 7 + 5 (12; the second 5 does not fit in the 2 left), row 1 = 5 + 3 (8).
     cu_seqlens are the sequence starts, then the row's length; max_seqlen the longest."""
     prompts, responses, adv = _rollout()
-    seqs = build_sequences(prompts, responses, adv, length_norm="sequence_mean", max_length=4)
+    seqs = loss_trajectories(
+        Rollout(prompts, responses), advantages=adv, length_norm="sequence_mean", max_length=4
+    )
     packed = make_microbatches(seqs, micro_batch_size=2, pad_id=0, packing=True)
     assert [mb.cu_seqlens.tolist() for mb in packed] == [[0, 7, 12], [0, 5, 8]]
     assert [mb.max_seqlen for mb in packed] == [7, 5]
@@ -173,7 +195,9 @@ def test_flash_attention_gets_the_precomputed_varlen_arguments(attn):
     from types import SimpleNamespace
 
     prompts, responses, adv = _rollout()
-    seqs = build_sequences(prompts, responses, adv, length_norm="sequence_mean", max_length=4)
+    seqs = loss_trajectories(
+        Rollout(prompts, responses), advantages=adv, length_norm="sequence_mean", max_length=4
+    )
     mb = make_microbatches(seqs, micro_batch_size=2, pad_id=0, packing=True)[0]
     decoder = _RecordingDecoder(4)
     model = SimpleNamespace(config=SimpleNamespace(_attn_implementation=attn), get_decoder=lambda: decoder)

@@ -375,3 +375,114 @@ def test_peer_comparison_section_says_where_grpo_fast_is_not_ahead(tmp_path):
     assert column(rows, "peak / logits") == ["0.42×", "0.20×", "0.40×"]
     # the peer cases stay out of the run's own tables; the other case is still there
     assert "### peers-" not in text and "### op · test_cpu" in text
+    # a run without CPU times or a GEMM floor shows no such columns
+    assert not {"CPU time (median)", "× GEMM floor", "CPU × GEMM floor"} & set(rows[0])
+
+
+def test_pipeline_comparison_section_compares_each_variant_with_lockstep(tmp_path):
+    """bench/test_bench_pipeline.py's rows: their own section, the step ratio to the first row's
+    (0.40 s / 0.25 s = 1.60×), the eval gain, the wait shares, the per-round steps and loads."""
+    impl = lambda name, step, **kw: {
+        "impl": name,
+        "ours": name == "lockstep, colocated",
+        "step_s": step,
+        "grpo_wall_s": step * 500,
+        "eval_before": 0.21,
+        "eval_after": 0.6,
+        "trainer_wait_share": kw.get("tw"),
+        "producer_wait_share": kw.get("pw"),
+        "weight_sync_s": kw.get("sync"),
+        "policy_lag_max": kw.get("lag", 0.0),
+        "logprob_gap_mean": kw.get("gap"),
+        "logprob_gap_max": kw.get("gap_max"),
+        "step_s_rounds": [step, step],
+        "load_1m_rounds": [1.2, 1.4],
+    }
+    entry = bench(
+        "bench/test_bench_pipeline.py::test_pipeline",
+        None,
+        100.0,
+        rounds=1,
+        load_average_1m=1.4,
+        cpu_count=2,
+        torch_threads=2,
+        versions={"torch": "2.13.0"},
+        command="python -m pytest bench/test_bench_pipeline.py",
+        pipeline_comparison={
+            "kind": "pipeline",
+            "case": "tiny preset",
+            "rounds": 2,
+            "impls": [
+                impl("lockstep, colocated", 0.4),
+                impl(
+                    "staleness 1, process",
+                    0.25,
+                    tw=0.1,
+                    pw=0.45,
+                    sync=0.002,
+                    lag=1.0,
+                    gap=0.012,
+                    gap_max=0.05,
+                ),
+            ],
+        },
+    )
+    text = render(report_file(tmp_path, [entry, bench("bench/test_bench_op.py::test_cpu", "eager", 1e-3)]))
+    section = text.split("## Generation apart from training", 1)[1].split("\n## ", 1)[0]
+    rows = peer_table(section, "Whole runs: tiny preset")
+    assert column(rows, "variant") == ["**lockstep, colocated**", "staleness 1, process"]
+    assert column(rows, "× lockstep") == ["1.00×", "1.60×"]
+    assert column(rows, "eval before → after") == ["0.210 → 0.600 (+0.390)"] * 2
+    assert column(rows, "trainer waited") == ["", "10%"] and column(rows, "producer waited") == ["", "45%"]
+    assert column(rows, "weight sync / step") == ["", "2 ms"]
+    assert column(rows, "policy lag (max)") == ["0", "1"]
+    assert column(rows, "log-prob gap, mean (max)") == ["", "0.012 (0.05)"]
+    assert column(rows, "step per round")[1] == "250 ms, 250 ms"
+    assert column(rows, "load per round")[0] == "1.2, 1.4"
+    assert "2 round(s) of every variant, 2 torch threads by default on 2 cores" in section
+    assert "### pipeline" not in text and "### op · test_cpu" in text
+
+
+def test_loss_op_table_shows_cpu_time_and_gemm_floor_where_recorded(tmp_path):
+    # wall time over the floor's 2.0 s: 1.25×, 1.50×; CPU time: liger 4.0 s vs ours 2.0 s → grpo_fast
+    # 2.00× faster, over the floor's 1.6 s: 1.25×, 2.50×;
+    # the floor has no peak of its own (None) and no comparison with grpo_fast (it is grpo_fast's)
+    loss = peer_entry(
+        "loss_op",
+        [
+            {
+                "impl": "grpo_fast",
+                "ours": True,
+                "time_s": 2.5,
+                "cpu_time_s": 2.0,
+                "time_over_gemm_floor": 1.25,
+                "cpu_time_over_gemm_floor": 1.25,
+                "peak_memory_bytes": 1e8,
+            },
+            {
+                "impl": "liger",
+                "time_s": 3.0,
+                "cpu_time_s": 4.0,
+                "time_over_gemm_floor": 1.5,
+                "cpu_time_over_gemm_floor": 2.5,
+                "peak_memory_bytes": 2e8,
+            },
+            {
+                "impl": "grpo_fast_gemm_floor",
+                "time_s": 2.0,
+                "cpu_time_s": 1.6,
+                "time_over_gemm_floor": 1.0,
+                "cpu_time_over_gemm_floor": 1.0,
+                "peak_memory_bytes": None,
+            },
+        ],
+        "loss",
+        logits_bytes=5e8,
+    )
+    section = render(report_file(tmp_path, [loss])).split("## Compared with other tools", 1)[1]
+    rows = peer_table(section, "Fused lm_head + GRPO loss: loss case")
+    assert column(rows, "CPU time (median)") == ["2 s", "4 s (grpo_fast 2.00× faster)", "1.6 s"]
+    assert column(rows, "× GEMM floor") == ["1.25×", "1.50×", "1.00×"]
+    assert column(rows, "CPU × GEMM floor") == ["1.25×", "2.50×", "1.00×"]
+    assert column(rows, "peak memory") == ["100 MB", "200 MB (grpo_fast 0.50× of it)", ""]
+    assert column(rows, "peak / logits") == ["0.20×", "0.40×", ""]

@@ -5,24 +5,21 @@ it the step."""
 
 from __future__ import annotations
 
-import contextlib
 from collections import Counter
 from types import SimpleNamespace
 
 import pytest
-import torch
 
-from grpo_fast import dist
 from grpo_fast.algo.difficulty import PassRateTable, paced_quantile
 from grpo_fast.algo.prompt_sampler import PromptSampler
 from grpo_fast.config import load_config
 from grpo_fast.errors import ConfigError
 from grpo_fast.loop import rollout_phase as phase
 from grpo_fast.loop import setup as setup_mod
-from grpo_fast.obs.health import HealthMonitor, HealthThresholds
 from grpo_fast.rollout import Rollout
 from grpo_fast.task.data import Example
 from grpo_fast.task.rewards import GuardedReward
+from grpo_fast.testing import rollout_phase_run
 
 
 def test_quantile_by_hand():
@@ -131,13 +128,8 @@ def test_the_rollout_phase_paces_by_its_step():
     train = [Example(f"q{p}", "a", difficulty=float(p)) for p in range(8)]
     task = SimpleNamespace(train=train, prompt_ids=lambda ex: [int(ex.question[1:])], stop=[],
                            reward_fn=GuardedReward(lambda r, g: {"reward": 1.0}, "one"), reward_parts=[])  # fmt: skip
-    _, sampler = setup_mod._prompt_sampler(cfg, task)
-    assert sampler.pace == (0.25, 4)
-    run = SimpleNamespace(
-        cfg=cfg, world=dist.DistInfo(), device=torch.device("cpu"), health=HealthMonitor(HealthThresholds()),
-        task=task, backend=_Backend(), logger=None, sampler=sampler, pass_rates=None, local_prompts=2,
-        state=SimpleNamespace(beta=0.0), generation_weights=contextlib.nullcontext,
-    )  # fmt: skip
+    assert setup_mod._prompt_sampler(cfg, task)[1].pace == (0.25, 4)
+    run = rollout_phase_run(cfg, task, _Backend())
     progress = SimpleNamespace(phase=lambda *a: None, advance_phase=lambda *a: None)
     drawn = lambda step: {int(e.question[1:]) for e in phase.rollout_phase(run, step, progress).examples}
     assert set().union(*(drawn(1) for _ in range(5))) == {0, 1}

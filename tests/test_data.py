@@ -6,7 +6,6 @@ import pyarrow.parquet as pq
 import pytest
 
 from grpo_fast.errors import ConfigError, DataError, cli_errors
-from grpo_fast.task import data
 from grpo_fast.task.data import TASKS, Example, load_examples, write_jsonl
 
 # ----------------------------------------------------------------------------------------------
@@ -250,10 +249,10 @@ def test_cli_prints_one_line_and_exits_2(tmp_path, capsys):
 
 
 def test_extraction_uses_the_reward_modules_box_parser():
-    # One box parser for data and rewards: the data module must not grow its own.
-    from grpo_fast.task import rewards
+    # One box parser for data and rewards: the math task's module must not grow its own.
+    from grpo_fast.task import competition_math, rewards
 
-    assert data.extract_boxed is rewards.extract_boxed
+    assert competition_math.extract_boxed is rewards.extract_boxed
 
 
 def test_math_solution_and_level(tmp_path):
@@ -310,3 +309,14 @@ def test_sft_mix_needs_solutions(tmp_path):
     cfg = load_config(overrides=[*overrides, "data.task=gsm8k"])
     with pytest.raises(ConfigError, match=r"^sft\.mix_coef=0\.1 needs ground-truth solutions"):
         load_task(cfg)
+
+
+def test_tasks_are_found_by_their_modules_and_make_the_config_domain():
+    """Each task module of grpo_fast.task declares a TaskSpec; data.task's choices are those."""
+    from grpo_fast.config import DataConfig
+    from grpo_fast.domains import domain_of
+    from grpo_fast.task.registry import tasks
+
+    assert list(tasks()) == ["math", "gsm8k", "tiny", "tiny_tools"]
+    assert domain_of(DataConfig, "task").choices == tuple(tasks())
+    assert TASKS is tasks() or dict(TASKS) == tasks()

@@ -17,8 +17,9 @@ from grpo_fast.config import load_config
 from grpo_fast.loop.optim import build_optimizer
 from grpo_fast.loop.optimization import optimize_on_rollout
 from grpo_fast.loop.state import Trainer
-from grpo_fast.policy.batch import build_sequences, make_microbatches
+from grpo_fast.policy.batch import loss_trajectories, make_microbatches
 from grpo_fast.policy.loss import PolicyLoss
+from grpo_fast.rollout import Rollout
 from grpo_fast.task import tiny
 from grpo_fast.testing import join_cpu_ranks
 
@@ -56,10 +57,9 @@ def _one_step(cfg, rank: int, world_size: int, separated: bool = False) -> dict[
     my_adv = adv[p_lo * GROUP : p_hi * GROUP]
     lengths = [len(r) for r in my_resp]
     n_seq, n_tok = dist.all_reduce_sum([len(lengths), sum(lengths)], torch.device("cpu"))  # as the loop does
-    seqs = build_sequences(
-        my_prompts,
-        my_resp,
-        my_adv,
+    seqs = loss_trajectories(
+        Rollout(my_prompts, my_resp),
+        advantages=my_adv,
         length_norm=cfg.loss.length_norm,
         max_length=cfg.rollout.max_tokens,
         num_sequences=int(n_seq),

@@ -105,3 +105,30 @@ def test_the_checks_catch_a_long_readme_a_broken_link_and_an_unlinked_page(tmp_p
         "docs/a.md: (img/missing.png) -> no such file",
     ]
     assert unlinked_pages(tmp_path) == ["docs/orphan.md"]
+
+
+def _preset_rows(text: str) -> dict[str, list[str]]:
+    """The rows of the markdown table headed ``| preset | ...``: name → its other cells."""
+    lines = text.splitlines()
+    start = next(i for i, line in enumerate(lines) if line.startswith("| preset |"))
+    rows = {}
+    for line in lines[start + 2 :]:
+        if not line.startswith("|"):
+            break
+        m = re.match(r"\| `(\w+)`( \(default\))? \|(.*)\|\s*$", line)
+        rows[m.group(1)] = [c.strip() for c in m.group(3).split("|")]
+    return rows
+
+
+def test_the_preset_tables_say_what_the_config_says():
+    """The presets are declared once (``grpo_fast.config.PRESETS``, each with its summary "for:
+    what it sets"); the README's table and docs/training.md's say the same, preset for preset."""
+    from grpo_fast.config import PRESETS
+
+    readme = _preset_rows((ROOT / "README.md").read_text())
+    training = _preset_rows((ROOT / "docs" / "training.md").read_text())
+    assert list(readme) == list(PRESETS) == list(training)
+    for name, preset in PRESETS.items():
+        who, what = preset.summary.split(": ", 1)
+        assert readme[name] == [preset.summary], name
+        assert training[name] == [who, what], name

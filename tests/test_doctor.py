@@ -12,7 +12,10 @@ from grpo_fast.tools import doctor
 
 def _rows(text: str) -> dict[str, str]:
     """The report's ``key  value`` lines, keyed by their first 14 columns."""
-    return {line[:14].strip(): line[15:] for line in text.splitlines() if len(line) > 15 and line[14] == " "}
+    w = doctor.KEY_WIDTH
+    return {
+        line[:w].strip(): line[w + 1 :] for line in text.splitlines() if len(line) > w + 1 and line[w] == " "
+    }
 
 
 def test_doctor_reports_this_machine(capsys):
@@ -72,3 +75,29 @@ def test_a_cpu_torch_on_a_gpu_machine_names_the_cuda_build(monkeypatch, tmp_path
     out = capsys.readouterr().out
     assert "this machine has an NVIDIA GPU but torch cannot use it" in out
     assert "fix: pip install --force-reinstall torch==" in out
+
+
+def test_doctor_says_the_load_and_threads_and_flags_spinning_on_a_busy_machine(monkeypatch):
+    """The cpu and threads rows (cores, load, torch's threads, the OpenMP wait, the tiny preset's
+    choice); a problem only where the machine is busy and OpenMP spins. Planted: the problem
+    raised whatever the wait → the passive case fails; no load check → the idle case fails."""
+    from grpo_fast import threads
+
+    monkeypatch.setattr(threads, "usable_cores", lambda: 2)
+    monkeypatch.delenv("GOMP_SPINCOUNT", raising=False)
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)  # auto's own choice, not conftest's 1
+    for load, wait, problem in ((3.0, "active", True), (3.0, "PASSIVE", False), (0.5, "active", False)):
+        monkeypatch.setattr(threads, "load_average", lambda load=load: load)
+        monkeypatch.setattr(doctor.os, "getloadavg", lambda load=load: (load, 2.0, 1.0))
+        monkeypatch.setenv("OMP_WAIT_POLICY", wait)
+        rep = doctor.Report()
+        doctor.check_threads(rep)
+        rows = _rows("\n".join(rep.lines))
+        assert rows["cpu"] == f"2 usable cores, load average {load:.2f} 2.00 1.00 (1, 5, 15 min)"
+        assert rows["threads"] == (
+            f"torch {torch.get_num_threads()} intra-op here, OpenMP wait {wait.lower()}; the tiny preset: "
+            f"1 (auto: a small model (hidden 128), 2 cores, load {load:.1f}; threads.intra_op)"
+        )
+        assert bool(rep.problems) == problem, rep.problems
+        if problem:
+            assert "busy (load 3.0 on 2 cores)" in rep.problems[0][0] and "wait active" in rep.problems[0][0]

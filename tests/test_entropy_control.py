@@ -18,7 +18,7 @@ from grpo_fast import train as train_mod
 from grpo_fast.algo.core import adaptive_entropy_coef, applied_entropy_coef
 from grpo_fast.config import load_config
 from grpo_fast.errors import ConfigError
-from grpo_fast.loop.state import Run, TrainState
+from grpo_fast.loop.state import Trainer, TrainState
 from grpo_fast.loop.stats import FIELDS, StepStats
 from grpo_fast.testing import join_cpu_ranks
 
@@ -46,7 +46,7 @@ def test_train_state_steps_the_controller_and_the_run_applies_it():
     cfg = _cfg("loss.entropy_target=0.5", "loss.entropy_coef=0.01", "loss.entropy_coef_step=0.004")
     state = TrainState(entropy_coef=0.01)
     run = SimpleNamespace(cfg=cfg, state=state)
-    options = lambda: Run.loss_options(run)
+    options = lambda: Trainer.loss_options(run)
     assert options().entropy_coef == 0.0  # before any step: no entropy measured yet
     state.update_entropy_coef(0.3, cfg.loss)  # below the target: 0.01 + 0.004, applied next step
     assert state.entropy_coef == pytest.approx(0.014) and options().entropy_coef == pytest.approx(0.014)
@@ -58,7 +58,7 @@ def test_train_state_steps_the_controller_and_the_run_applies_it():
     assert fresh.entropy_last == math.inf
     # without the key the options are loss.* as configured, and no state is kept for it
     off = SimpleNamespace(cfg=_cfg("loss.entropy_coef=0.01"), state=TrainState())
-    assert Run.loss_options(off).entropy_coef == 0.01 and "entropy_coef" not in TrainState().state_dict()
+    assert Trainer.loss_options(off).entropy_coef == 0.01 and "entropy_coef" not in TrainState().state_dict()
 
 
 def test_config_checks():
@@ -87,16 +87,14 @@ def _rank_worker(rank, world_size, port, out_path):
     """Rank 0's tokens have mean entropy 0.2, rank 1's 1.2 (10 tokens each): the global mean 0.7
     is above the target 0.5, so both ranks lower the coefficient, although rank 0 alone would
     raise it. The controller's input is the step's all-reduced totals."""
-    join_cpu_ranks(rank, world_size, port)
+    world = join_cpu_ranks(rank, world_size, port)
     cfg = _cfg("loss.entropy_target=0.5", "loss.entropy_coef=0.02")
     stats = StepStats()
     stats.sums = {k: torch.zeros(()) for k in FIELDS}
     stats.sums["entropy"], stats.sums["tokens"] = torch.tensor([2.0, 12.0][rank]), torch.tensor(10.0)
     rollout = SimpleNamespace(finish_reason=["stop"] * 2, sampler_logprobs=None)
     meta = {"zero_variance_groups": 0.0, "num_groups": 1.0}
-    totals = stats.global_totals(
-        dist.DistInfo(), torch.device("cpu"), torch.tensor([1.0, 0.0]), rollout, meta
-    )
+    totals = stats.global_totals(world, torch.device("cpu"), torch.tensor([1.0, 0.0]), rollout, meta)
     state = TrainState(entropy_coef=0.02)
     state.update_entropy_coef(totals["entropy"], cfg.loss)
     gathered = dist.all_gather_objects((totals["entropy"], state.entropy_coef))

@@ -13,6 +13,7 @@ from grpo_fast import cli
 from grpo_fast.obs import report as report_mod
 from grpo_fast.obs import sweep as sweep_mod
 from grpo_fast.obs.metrics import format_eta
+from grpo_fast.testing import plan_threads_note
 from grpo_fast.train import main
 
 QUICK = [
@@ -56,7 +57,7 @@ def test_a_run_says_its_plan_first_shows_time_left_and_prints_its_result_on_stdo
     assert err[0] == (
         "plan: an SFT warm start of up to 12 steps (it stops once greedy accuracy on 8 training "
         "problems reaches 0.99, checked every 5 steps), then GRPO to step 4, 2 prompts × 8 responses "
-        "each; no time estimate yet: the progress lines give the time left once the first steps are timed"
+        f"each; {plan_threads_note()}; no time estimate yet: the progress lines give the time left once the first steps are timed"
     )
     assert bars == [{"args": (True, 12, 0, "SFT warm start"), "steps": 12}]
     first = next(ln for ln in err if ln.startswith("sft warm start 5/12"))

@@ -1,7 +1,8 @@
 """FSDP2 (``train.parallelism=fsdp``) on CPU with 2 gloo ranks: the same update as DDP from the
 same start, half the bytes on each rank (and the planner's per-rank numbers against them), a
 streamed weight push, sharded checkpoints that resume exactly (and on another number of
-ranks), the final model in Hugging Face format; the config errors and the per-rank plan."""
+ranks), the final model in Hugging Face format; the config errors and the per-rank plan. (LoRA,
+QLoRA and 8-bit AdamW under FSDP: tests/test_fsdp_lora.py.)"""
 
 from __future__ import annotations
 
@@ -26,9 +27,10 @@ from grpo_fast.loop.optim import build_optimizer
 from grpo_fast.loop.optimization import optimize_on_rollout
 from grpo_fast.loop.state import Trainer
 from grpo_fast.policy import fsdp
-from grpo_fast.policy.batch import build_sequences, make_microbatches
+from grpo_fast.policy.batch import loss_trajectories, make_microbatches
 from grpo_fast.policy.loss import PolicyLoss
 from grpo_fast.policy.model import enable_checkpointing
+from grpo_fast.rollout import Rollout
 from grpo_fast.task import tiny
 from grpo_fast.testing import join_cpu_ranks
 from grpo_fast.tools import plan
@@ -59,10 +61,9 @@ def _rank_microbatches(cfg, tok, rank: int, world_size: int, micro_batch: int, s
     mine = responses[lo * GROUP : hi * GROUP]
     lengths = [len(r) for r in mine]
     n_seq, n_tok = dist.all_reduce_sum([len(lengths), sum(lengths)], torch.device("cpu"))
-    seqs = build_sequences(
-        prompts[lo:hi],
-        mine,
-        adv[lo * GROUP : hi * GROUP],
+    seqs = loss_trajectories(
+        Rollout(prompts[lo:hi], mine),
+        advantages=adv[lo * GROUP : hi * GROUP],
         length_norm=cfg.loss.length_norm,
         max_length=cfg.rollout.max_tokens,
         num_sequences=int(n_seq),
@@ -133,7 +134,12 @@ def _bf16_check(tok) -> dict:
     proj = fsdp.decoder_layers(model)[0].self_attn.q_proj
     proj.register_forward_pre_hook(lambda m, _: seen.update(forward=str(m.weight.dtype)))
     mb = make_microbatches(
-        build_sequences([[3, 4, 5]], [[6, 7, 1]], torch.ones(1), length_norm="sequence_mean", max_length=8),
+        loss_trajectories(
+            Rollout([[3, 4, 5]], [[6, 7, 1]]),
+            advantages=torch.ones(1),
+            length_norm="sequence_mean",
+            max_length=8,
+        ),
         1,
         tok.pad_token_id,
         packing=False,
@@ -289,17 +295,18 @@ def _loop_overrides(out: Path, *more: str) -> list[str]:
     ]
 
 
-def _loop_worker(rank, world_size, port, root):
-    """The tiny preset under FSDP on 2 ranks: a straight 4-step run; the same run stopped by a
-    SIGTERM to rank 1 during step 2 (every rank stops after it, a sharded checkpoint of step 2
-    is written); then resumed to step 4 in the same folder."""
+def _loop_worker(rank, world_size, port, root, more=()):
+    """The tiny preset under FSDP on 2 ranks (with the overrides ``more``): a straight 4-step run;
+    the same run stopped by a SIGTERM to rank 1 during step 2 (every rank stops after it, a
+    sharded checkpoint of step 2 is written, copied to ``one_rank``); then resumed to step 4 in the
+    same folder."""
     from grpo_fast import train
     from grpo_fast.errors import Preempted
 
     join_cpu_ranks(rank, world_size, port)
     dist._OWN_GROUP = False  # one process group for the three runs (each run() would destroy it)
     root = Path(root)
-    train.run(load_config("tiny", overrides=_loop_overrides(root / "straight")))
+    train.run(load_config("tiny", overrides=_loop_overrides(root / "straight", *more)))
     real = train.end_of_step
 
     def sigterm_in_step_2(run_, step, *args):
@@ -309,7 +316,7 @@ def _loop_worker(rank, world_size, port, root):
 
     train.end_of_step = sigterm_in_step_2
     try:
-        train.run(load_config("tiny", overrides=_loop_overrides(root / "stopped")))
+        train.run(load_config("tiny", overrides=_loop_overrides(root / "stopped", *more)))
     except Preempted as stop:
         (root / f"preempted_{rank}.txt").write_text(str(stop))
     finally:
@@ -317,7 +324,7 @@ def _loop_worker(rank, world_size, port, root):
     if rank == 0:
         shutil.copytree(root / "stopped", root / "one_rank")  # the step-2 checkpoint, for 1 rank
     dist.barrier()
-    train.run(load_config("tiny", overrides=_loop_overrides(root / "stopped", "resume=true")))
+    train.run(load_config("tiny", overrides=_loop_overrides(root / "stopped", "resume=true", *more)))
     torch.distributed.destroy_process_group()
 
 
@@ -374,8 +381,6 @@ def test_sharded_checkpoints_resume_exactly_and_on_one_rank(tmp_path, capsys):
 @pytest.mark.parametrize(
     "overrides, words",
     [
-        (["train.parallelism=fsdp", "train.optimizer=adamw8bit"], "train.optimizer=adamw8bit with train.parallelism=fsdp"),
-        (["train.parallelism=fsdp", "model.lora.r=8"], "model.lora.r > 0 with train.parallelism=fsdp is not supported yet"),
         (["train.fsdp_cpu_offload=true"], "train.fsdp_cpu_offload=true needs train.parallelism=fsdp"),
         (["train.parallelism=zero3"], "train.parallelism='zero3' is not one of: ddp, fsdp"),
     ],
@@ -466,10 +471,9 @@ def test_a_filler_adds_no_gradient_under_a_kl_penalty():
     cfg = load_config("tiny", overrides=["loss.beta=0.04"])
     params = [p for p in model.parameters() if p.requires_grad]
     trainer = Trainer(policy, build_optimizer(cfg, params), params, cfg)
-    seqs = build_sequences(
-        [tok("1+2=")["input_ids"]],
-        [tok("3")["input_ids"]],
-        torch.ones(1),
+    seqs = loss_trajectories(
+        Rollout([tok("1+2=")["input_ids"]], [tok("3")["input_ids"]]),
+        advantages=torch.ones(1),
         length_norm="token_mean",
         max_length=4,
     )

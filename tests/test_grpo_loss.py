@@ -161,6 +161,42 @@ def test_matches_float64_reference(case, n, v, dtype, backend):
             assert not clipped.any()
 
 
+# The math's domain (LossOptions), wider than a training run's loss.* keys (loss.clip_low < 1,
+# loss.beta >= 0): what the ops accepted before LossOptions existed, and what the course API's
+# cliprange >= 1 needs. Each against the float64 reference, and what it means against the defaults
+# (clip 0.2 on both sides, no dual clip, beta 0) on the same inputs: ratios 0.3 ... 4 of both signs
+# of A, each >= 6 % away from 0.8 and 1.2 (make_grpo_inputs).
+WIDER = {
+    "clip_low=1.5": dict(clip_low=1.5),  # [1 − 1.5, 1.2] = [−0.5, 1.2]: no lower clip (r > 0)
+    "clip_high=inf": dict(clip_high=math.inf),  # [0.8, inf]: no upper clip
+    "dual_clip=inf": dict(dual_clip=math.inf),  # −min(ℓ, inf·|A|) = ℓ: no dual bound
+    "beta=-0.1": dict(beta=-0.1),  # −0.1·KL: a bonus for distance from π_ref
+}
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("case", list(WIDER))
+def test_the_ops_take_the_math_s_domain_not_a_training_run_s(case, backend):
+    options = WIDER[case]
+    inputs = make_grpo_inputs(37, 1000, seed=1000, off_policy=True, with_ref=True)
+    ours = _check_against_reference(inputs, torch.float32, backend, **options)
+    base, _ = _run(grpo_loss_from_logits, inputs, torch.float32, backend_device(backend), backend=backend)
+    ours, base = (GRPOLossOutput(*(t.cpu() if torch.is_tensor(t) else t for t in o)) for o in (ours, base))
+    ratio = torch.exp(base.logprobs - inputs.old_logprobs)
+    if case == "clip_low=1.5":  # the r < 0.8 tokens (clipped for A < 0) are clipped no more
+        assert (base.clipped & (ratio < 0.8)).any()
+        assert torch.equal(ours.clipped, base.clipped & (ratio > 1))
+    elif case == "clip_high=inf":  # the r > 1.2 tokens (clipped for A > 0) are clipped no more
+        assert (base.clipped & (ratio > 1.2)).any()
+        assert torch.equal(ours.clipped, base.clipped & (ratio < 1))
+    elif case == "dual_clip=inf":  # the same call as no dual clip, bit for bit
+        assert torch.equal(ours.loss, base.loss) and torch.equal(ours.clipped, base.clipped)
+    else:  # loss(β) = loss(0) + β·Σ_t w_t·KL_t
+        kl_term = -0.1 * (inputs.loss_weights * ours.kl).sum()
+        assert kl_term.abs() > 1e-3
+        torch.testing.assert_close(ours.loss, base.loss + kl_term)
+
+
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_neg_inf_tail_and_huge_logits(backend, dtype):
@@ -367,8 +403,10 @@ _BAD = [
         "dual_clip applies only to loss_type='grpo_clip'",
         id="dual-clip-no-baseline",
     ),
-    pytest.param(dict(clip_low=1.0), "clip_low must be in", id="clip-low-1"),
+    pytest.param(dict(clip_low=-0.1), "clip_low must be >= 0", id="clip-low-neg"),
     pytest.param(dict(clip_high=-0.1), "clip_high must be", id="clip-high-neg"),
+    pytest.param(dict(clip_high=math.nan), "clip_high=nan is not a number", id="clip-high-nan"),
+    pytest.param(dict(beta=math.inf, ref_logprobs=torch.zeros(6)), "beta=inf is not a finite", id="beta-inf"),
     pytest.param(dict(temperature=0.0), "temperature must be", id="temperature-0"),
     pytest.param(
         dict(labels=torch.full((6,), 50)), r"labels must be in \[0, V\) = \[0, 50\)", id="label-eq-V"

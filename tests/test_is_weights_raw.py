@@ -12,8 +12,9 @@ from grpo_fast.algo.loss_options import LossOptions
 from grpo_fast.algo.sampler_correction import cut_importance_weights, raw_importance_weights
 from grpo_fast.config import load_config
 from grpo_fast.loop.optimization import prepare_old_and_ref
-from grpo_fast.policy.batch import build_sequences, make_microbatches
+from grpo_fast.policy.batch import loss_trajectories, make_microbatches
 from grpo_fast.policy.loss import build_policy_loss
+from grpo_fast.rollout import Rollout
 from grpo_fast.task import tiny
 
 
@@ -70,10 +71,9 @@ def test_metrics_report_the_weights_before_the_cut(mode):
     (truncate) or 1.2214 / 3 = 0.4071 (mask)."""
     tok = tiny.build_tokenizer()
     model = tiny.build_model(tok, seed=0)
-    seqs = build_sequences(
-        [tok("12+34=")["input_ids"]],
-        [tok("46")["input_ids"], tok("5")["input_ids"]],
-        torch.tensor([1.0, -1.0]),
+    seqs = loss_trajectories(
+        Rollout([tok("12+34=")["input_ids"]], [tok("46")["input_ids"], tok("5")["input_ids"]]),
+        advantages=torch.tensor([1.0, -1.0]),
         length_norm="sequence_mean",
         max_length=4,
     )

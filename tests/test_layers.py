@@ -18,10 +18,13 @@ FLOORS: dict[str, int] = {
     "grpo_fast.errors": 0,
     "grpo_fast.dist": 0,
     "grpo_fast.domains": 0,
+    "grpo_fast.threads": 0,  # threads and OpenMP wait (standard library; before torch loads)
     "grpo_fast": 1,  # the package itself re-exports the algorithm (grpo_fast/__init__.py)
     "grpo_fast.algo": 1,  # the algorithm and its eager reference
+    "grpo_fast.sandbox": 1,  # worker processes, the code sandbox, the pool (standard library)
     "csrc_triton": 2,  # Triton kernels
     "grpo_fast.ops": 2,  # the fused ops
+    "grpo_fast.env": 2,  # tool environments (python, calculator): what a turn asks, what comes back
     "grpo_fast.rollout": 3,  # rollout backends (they take the config as a plain object)
     "grpo_fast.task": 3,  # data, prompts, rewards, the tiny task
     "grpo_fast.obs.health": 3,
@@ -174,3 +177,19 @@ def test_no_function_is_over_100_lines(module):
 
 def test_the_outline_is_short():
     assert len((ROOT / "grpo_fast" / "train.py").read_text().splitlines()) <= 700
+
+
+def test_the_readme_layout_lists_the_floors_from_the_bottom():
+    """README's Layout names the package's parts in their floor order (a part listed later never
+    sits on a lower floor), and every floor of ``FLOORS`` but the entry modules is in it."""
+    text = (ROOT / "README.md").read_text()
+    section = text[text.index("## Layout") : text.index("\nOutside the package:")]
+    listed = []
+    for line in section.splitlines():
+        if line.startswith("- "):
+            for path in (p.strip("`") for p in line[2:].split(" — ")[0].split(", ")):
+                name = path.removesuffix(".py").removesuffix("/").replace("/", ".")
+                listed.append(name if name.startswith(("grpo_fast", "csrc_triton")) else f"grpo_fast.{name}")
+    floors = [_floor(name) for name in listed]
+    assert floors == sorted(floors), list(zip(listed, floors))
+    assert {_floor(name) for name in listed} >= {f for f in FLOORS.values() if f != 8}

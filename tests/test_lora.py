@@ -23,13 +23,15 @@ from grpo_fast.algo.loss_options import LossOptions
 from grpo_fast.config import load_config
 from grpo_fast.errors import ConfigError
 from grpo_fast.policy import lora as lora_mod
-from grpo_fast.policy.batch import build_sequences, make_microbatches
+from grpo_fast.policy.batch import loss_trajectories, make_microbatches
 from grpo_fast.policy.loss import PolicyLoss
 from grpo_fast.policy.model import load_policy
+from grpo_fast.rollout import Rollout
 from grpo_fast.task import tiny
 from grpo_fast.testing import join_cpu_ranks
 
 ROOT = Path(__file__).resolve().parents[1]
+LORA_YAML, QLORA_YAML = str(ROOT / "configs" / "lora.yaml"), str(ROOT / "configs" / "qlora.yaml")
 LORA = ["model.lora.r=4", "model.lora.alpha=8"]
 
 
@@ -52,8 +54,11 @@ def _lora_policy(*overrides, seed_adapter: int | None = 1):
 def _microbatch(tok):
     prompts = [tok("12+34=")["input_ids"], tok("7+8=")["input_ids"]]
     responses = [tok(x)["input_ids"] + [tok.eos_token_id] for x in ("46", "4", "15", "151")]
-    seqs = build_sequences(
-        prompts, responses, torch.tensor([1.0, -1.0, 0.5, -0.5]), length_norm="sequence_mean", max_length=4
+    seqs = loss_trajectories(
+        Rollout(prompts, responses),
+        advantages=torch.tensor([1.0, -1.0, 0.5, -0.5]),
+        length_norm="sequence_mean",
+        max_length=4,
     )
     return make_microbatches(seqs, 4, tok.pad_token_id, packing=False)[0]
 
@@ -223,13 +228,13 @@ def test_the_loop_builds_no_second_model_for_the_reference(tmp_path):
         ],
     )
     run = setup(cfg, torch.device("cpu"), dist.DistInfo(), tmp_path, None)
-    assert run.ref_model is None and isinstance(run.ref_loss, lora_mod.AdapterOffLoss)
-    assert run.ref_loss.policy_loss is run.policy_loss
+    assert run.trainer.ref_model is None and isinstance(run.trainer.ref_loss, lora_mod.AdapterOffLoss)
+    assert run.trainer.ref_loss.policy_loss is run.trainer.policy_loss
     optimized = {id(p) for group in run.trainer.optimizer.param_groups for p in group["params"]}
     adapter = {id(p) for n, p in run.model.named_parameters() if ".lora_" in n}
     assert optimized == adapter
     # the schedule's base lr (the first warmup step then runs at a tenth of it)
-    assert run.scheduler.base_lrs == [pytest.approx(cfg.train.lr * cfg.model.lora.lr_scale)]
+    assert run.trainer.scheduler.base_lrs == [pytest.approx(cfg.train.lr * cfg.model.lora.lr_scale)]
     run.logger.close()
 
 
@@ -237,15 +242,16 @@ def test_the_loop_builds_no_second_model_for_the_reference(tmp_path):
 
 
 def _cli(*args, timeout=900, **env):
-    tests = str(ROOT / "tests")  # so that data.reward=test_lora:length_reward imports
-    full_env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": tests, **env}
+    # tests/ first, so that data.reward=test_lora:length_reward imports; then the checkout
+    # (tests/conftest.py: the process runs in the test's own folder, not the checkout)
+    path = os.pathsep.join(p for p in (str(ROOT / "tests"), os.environ.get("PYTHONPATH")) if p)
+    full_env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": path, **env}
     return subprocess.run(
         [sys.executable, "-m", "grpo_fast.train", "--preset", "tiny", *args],
         capture_output=True,
         text=True,
         timeout=timeout,
         env=full_env,
-        cwd=ROOT,
     )
 
 
@@ -280,7 +286,7 @@ def test_a_lora_run_killed_and_resumed_equals_a_straight_one(tmp_path, backend):
     straight, killed = tmp_path / "straight", tmp_path / "killed"
     assert _cli(*common, f"output_dir={straight}").returncode == 0
     cmd = [sys.executable, "-m", "grpo_fast.train", "--preset", "tiny", *common, f"output_dir={killed}"]
-    proc = subprocess.Popen(cmd, cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"},
+    proc = subprocess.Popen(cmd, env={**os.environ, "OMP_NUM_THREADS": "1"},
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # fmt: skip
     target = killed / "checkpoints" / "step_000002" / "trainer_state.pt"
     deadline = time.time() + 900
@@ -338,7 +344,6 @@ def test_final_is_a_peft_adapter_whose_base_resolves(tmp_path):
         capture_output=True,
         text=True,
         timeout=600,
-        cwd=ROOT,
     )
     assert ev.returncode == 0, ev.stderr[-2000:]
     acc = json.loads(ev.stdout)["eval/accuracy"]
@@ -352,9 +357,9 @@ def test_qlora_trains_the_tiny_preset_on_an_nf4_base_on_the_cpu(tmp_path):
     the log and the dry run; the run trains to the end and its adapter moves."""
     import bitsandbytes as bnb
 
-    dry = _cli("--config", "configs/qlora.yaml", "--dry-run")
+    dry = _cli("--config", QLORA_YAML, "--dry-run")
     assert dry.returncode == 0 and "LoRA r=16 on a 4-bit NF4 base" in dry.stdout
-    cfg = load_config("tiny", ["configs/qlora.yaml"], [f"output_dir={tmp_path}"])
+    cfg = load_config("tiny", [QLORA_YAML], [f"output_dir={tmp_path}"])
     tok = tiny.build_tokenizer()
     with pytest.raises(ValueError, match="loads from the folder"):  # nothing to quantize from
         load_policy(cfg, tok, torch.device("cpu"))
@@ -364,7 +369,7 @@ def test_qlora_trains_the_tiny_preset_on_an_nf4_base_on_the_cpu(tmp_path):
     assert len(quantized) == 3 * 7  # 3 layers × q, k, v, o, gate, up, down
     assert all(m.weight.quant_type == "nf4" for m in quantized)
     res = _cli(
-        "--config", "configs/qlora.yaml", *QUICK, "steps=3", "eval_every=0", f"output_dir={tmp_path / 'run'}",
+        "--config", QLORA_YAML, *QUICK, "steps=3", "eval_every=0", f"output_dir={tmp_path / 'run'}",
         "data.reward=test_lora:length_reward",  # a signal in every group: the adapter must move
     )  # fmt: skip
     assert res.returncode == 0, res.stderr[-2000:]
@@ -390,7 +395,7 @@ def load_file_safely(path):
 def test_the_tiny_preset_learns_with_configs_lora(tmp_path):
     """The README's main job with LoRA: greedy eval rises by ≥ 0.15 from the first evaluation
     (after the warm start that makes the base) over 100 GRPO steps."""
-    res = _cli("--config", "configs/lora.yaml", "steps=100", "eval_every=50", "logging.progress=false",
+    res = _cli("--config", LORA_YAML, "steps=100", "eval_every=50", "logging.progress=false",
                f"output_dir={tmp_path}", timeout=1800)  # fmt: skip
     assert res.returncode == 0, res.stderr[-2000:]
     evals = [(r["step"], r["eval/accuracy"]) for r in _rows(tmp_path) if "eval/accuracy" in r]
@@ -416,10 +421,7 @@ def _adapter_step(rank: int, world_size: int) -> dict[str, torch.Tensor]:
     adv = torch.randn(16, generator=g)
     per = 4 // world_size
     mine = slice(rank * per, (rank + 1) * per)
-    seqs = build_sequences(
-        prompts[mine], responses[rank * per * 4 : (rank + 1) * per * 4], adv[rank * per * 4 : (rank + 1) * per * 4],
-        length_norm="sequence_mean", max_length=4, num_sequences=16,
-    )  # fmt: skip
+    seqs = loss_trajectories(Rollout(prompts[mine], responses[rank * per * 4 : (rank + 1) * per * 4]), advantages=adv[rank * per * 4 : (rank + 1) * per * 4], length_norm="sequence_mean", max_length=4, num_sequences=16)  # fmt: skip
     mbs = make_microbatches(seqs, 2, tok.pad_token_id, packing=False)
     policy = PolicyLoss(model, autocast=None)
     world = dist.DistInfo(rank=rank, world_size=world_size)
@@ -465,7 +467,7 @@ def test_the_planner_budgets_qwen_7b_qlora_on_24_gb():
     from grpo_fast.tools import plan
 
     cfg = load_config(
-        "rtx4090", ["configs/qlora.yaml"], ["model.name_or_path=Qwen/Qwen2.5-Math-7B"], check_device=False
+        "rtx4090", [QLORA_YAML], ["model.name_or_path=Qwen/Qwen2.5-Math-7B"], check_device=False
     )
     arch = plan.arch_for(cfg)
     mp_ = plan.plan_memory(cfg, arch, 24 * plan.GB)
@@ -479,9 +481,9 @@ def test_the_planner_budgets_qwen_7b_qlora_on_24_gb():
     full = plan.plan_memory(load_config("rtx4090", check_device=False), plan.arch_for(cfg), 80 * plan.GB)
     assert full.loss_chunk - mp_.loss_chunk == pytest.approx(arch.vocab * arch.hidden * 4)  # the head's grad
     res = subprocess.run(
-        [sys.executable, "-m", "grpo_fast.plan", "--preset", "rtx4090", "--config", "configs/qlora.yaml",
+        [sys.executable, "-m", "grpo_fast.plan", "--preset", "rtx4090", "--config", QLORA_YAML,
          "model.name_or_path=Qwen/Qwen2.5-Math-7B"],
-        capture_output=True, text=True, cwd=ROOT, timeout=300,
+        capture_output=True, text=True, timeout=300,
     )  # fmt: skip
     assert res.returncode == 0, res.stderr
     assert "Qwen/Qwen2.5-Math-7B (7.62 B parameters)" in res.stdout and "(0.53%)" in res.stdout

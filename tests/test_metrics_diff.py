@@ -49,7 +49,9 @@ def test_the_command_exits_1_on_a_difference(tmp_path):
     a = _write(tmp_path / "a", ROWS)
     b = _write(tmp_path / "b", [ROWS[0], {**ROWS[1], "train/loss": 0.0}])
     run = lambda x, y: subprocess.run(
-        [sys.executable, "tools/metrics_diff.py", str(x), str(y)], cwd=ROOT, capture_output=True, text=True
+        [sys.executable, str(ROOT / "tools" / "metrics_diff.py"), str(x), str(y)],
+        capture_output=True,
+        text=True,
     )
     same, different = run(a, a), run(a, b)
     assert same.returncode == 0 and "identical: 2 rows" in same.stdout

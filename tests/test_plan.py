@@ -17,9 +17,10 @@ from grpo_fast.config import load_config
 from grpo_fast.loop.optim import build_optimizer
 from grpo_fast.obs.memory import tracked_peak_bytes
 from grpo_fast.ops import fused_linear_grpo_loss
-from grpo_fast.policy.batch import build_sequences, make_microbatches
+from grpo_fast.policy.batch import loss_trajectories, make_microbatches
 from grpo_fast.policy.loss import build_policy_loss, response_hidden_states
 from grpo_fast.policy.model import load_policy
+from grpo_fast.rollout import Rollout
 from grpo_fast.tools.plan import Arch, plan_memory
 
 HF = Qwen2Config(
@@ -57,8 +58,11 @@ def _microbatch(b: int):
     g = torch.Generator().manual_seed(b)
     prompts = [torch.randint(0, HF.vocab_size, (PROMPT,), generator=g).tolist() for _ in range(b)]
     responses = [torch.randint(0, HF.vocab_size, (RESPONSE,), generator=g).tolist() for _ in range(b)]
-    seqs = build_sequences(
-        prompts, responses, torch.randn(b), length_norm="sequence_mean", max_length=RESPONSE
+    seqs = loss_trajectories(
+        Rollout(prompts, responses),
+        advantages=torch.randn(b),
+        length_norm="sequence_mean",
+        max_length=RESPONSE,
     )
     return make_microbatches(seqs, b, 0, packing=False)[0]
 
@@ -120,3 +124,27 @@ def test_planner_bytes_match_measurement(checkpointing):
     assert all(p.grad is None for p in model.parameters())
     kept = _nbytes(model.parameters()) + _nbytes(state)
     _within("trainer state in rollout", plan.weights + plan.optimizer, kept)
+
+
+def test_a_tool_environment_counts_the_inserted_tokens_in_the_sequence():
+    """With rollout.environment the planned sequence is max_prompt_tokens + max_response_tokens
+    (sampled + inserted: auto = max_tokens + max_tool_calls × max_tool_output_tokens); the
+    activations grow with it."""
+    from grpo_fast.tools.plan import KNOWN_ARCHS, plan_memory
+
+    base = ["train.micro_batch_size=2", "rollout.max_prompt_tokens=512", "rollout.max_tokens=1024"]
+    arch = KNOWN_ARCHS["Qwen/Qwen2.5-Math-1.5B"]
+    plans = {}
+    for name, extra in {
+        "none": [],
+        "auto": [
+            "rollout.environment=calculator",
+            "rollout.max_tool_calls=3",
+            "rollout.max_tool_output_tokens=100",
+        ],
+        "set": ["rollout.environment=calculator", "rollout.max_response_tokens=2000"],
+    }.items():
+        cfg = load_config("rtx4090", overrides=[*base, *extra], check_device=False)
+        plans[name] = plan_memory(cfg, arch, 24e9)
+    assert [plans[k].seq_tokens for k in ("none", "auto", "set")] == [1536, 1836, 2512]
+    assert plans["none"].activations < plans["auto"].activations < plans["set"].activations

@@ -21,7 +21,7 @@ def test_profiles_fused_and_eager_on_the_tiny_model(tmp_path):
     proc = subprocess.run(
         [
             sys.executable,
-            "tools/profile.py",
+            str(ROOT / "tools" / "profile.py"),
             "--preset",
             "tiny",
             "--device",
@@ -31,7 +31,6 @@ def test_profiles_fused_and_eager_on_the_tiny_model(tmp_path):
             "--out",
             str(out),
         ],
-        cwd=ROOT,
         env=env,
         capture_output=True,
         text=True,

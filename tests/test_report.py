@@ -65,6 +65,9 @@ def test_full_report(run_dir):
     out = run_dir / "report"
     assert summary_path == out / "summary.md"
     for spec in PLOTS:
+        if spec.optional:  # a run without a tool logs no tool metrics: no plot, no note
+            assert not (out / f"{spec.name}.png").exists(), spec.name
+            continue
         png = (out / f"{spec.name}.png").read_bytes()
         assert png.startswith(PNG_MAGIC) and len(png) > 10_000, spec.name
     summary = summary_path.read_text(encoding="utf-8")
@@ -79,6 +82,34 @@ def test_full_report(run_dir):
     assert "| `train/kl` | 29 | 0.029 |" in summary  # final value of each metric
     assert "![Reward and accuracy](reward.png)" in summary
     assert "skipped" not in summary
+
+
+def test_a_run_with_a_tool_gets_the_tools_plot_and_a_multi_turn_sample(run_dir):
+    tools = {"rollout/tool_call_rate": 0.5, "rollout/tool_calls_mean": 0.7, "rollout/turns_mean": 1.7}
+    rows = [{**full_row(s), **tools} for s in range(30)]
+    (run_dir / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows), encoding="utf-8")
+    samples = run_dir / "samples"
+    samples.mkdir()
+    one_turn = {"prompt": "1*2=", "reward": 0.0, "turns": [{"sampled": "3", "inserted": ""}]}
+    two = {
+        "prompt": "12*34=",
+        "reward": 1.0,
+        "finish_reason": "stop",
+        "turns": [
+            {"sampled": "<calc>12*34</calc>", "inserted": "<result>408</result>"},
+            {"sampled": "408", "inserted": ""},
+        ],
+    }
+    (samples / "step_2.jsonl").write_text(
+        json.dumps(one_turn) + "\n" + json.dumps(two) + "\n", encoding="utf-8"
+    )
+    (samples / "step_1.jsonl").write_text(json.dumps({**two, "prompt": "older"}) + "\n", encoding="utf-8")
+    summary = write_report(run_dir).read_text(encoding="utf-8")
+    assert (run_dir / "report" / "tools.png").read_bytes().startswith(PNG_MAGIC)
+    assert "## A multi-turn sample" in summary
+    assert "From `samples/step_2.jsonl`: `12*34=` → reward 1, stop." in summary
+    assert "| 1 | `<calc>12*34</calc>` | `<result>408</result>` |" in summary
+    assert "older" not in summary
 
 
 def test_missing_keys_skip_plots_with_a_note(tmp_path):

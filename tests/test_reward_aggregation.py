@@ -4,22 +4,19 @@ hand-worked values, the one-reward identity, and the rollout phase on a scripted
 
 from __future__ import annotations
 
-import contextlib
 from types import SimpleNamespace
 
 import pytest
 import torch
 
-from grpo_fast import dist
 from grpo_fast.algo.core import normalize_each_reward, normalize_group_rewards
 from grpo_fast.config import load_config
 from grpo_fast.errors import ConfigError
 from grpo_fast.loop import rollout_phase as phase
-from grpo_fast.loop import setup as setup_mod
-from grpo_fast.obs.health import HealthMonitor, HealthThresholds
 from grpo_fast.rollout import Rollout
 from grpo_fast.task.data import Example
 from grpo_fast.task.rewards import GuardedReward, WeightedReward
+from grpo_fast.testing import rollout_phase_run
 
 
 def test_hand_worked_group_scaling():
@@ -103,12 +100,7 @@ def _batch(aggregation: str, reward, *overrides):
     task = SimpleNamespace(
         train=[Example("q0", "a")], prompt_ids=lambda ex: [0], reward_fn=reward, stop=[], reward_parts=parts
     )
-    _, sampler = setup_mod._prompt_sampler(cfg, task)
-    run = SimpleNamespace(
-        cfg=cfg, world=dist.DistInfo(), device=torch.device("cpu"), health=HealthMonitor(HealthThresholds()),
-        task=task, backend=_Backend({0: ["a", "b", "bb", "bbb"]}), logger=None, sampler=sampler,
-        pass_rates=None, local_prompts=1, state=SimpleNamespace(beta=0.0), generation_weights=contextlib.nullcontext,
-    )  # fmt: skip
+    run = rollout_phase_run(cfg, task, _Backend({0: ["a", "b", "bb", "bbb"]}))
     progress = SimpleNamespace(phase=lambda *a: None, advance_phase=lambda *a: None)
     return phase.rollout_phase(run, 1, progress)
 

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from grpo_fast.algo.loss_options import LossOptions
-from grpo_fast.policy.batch import build_sequences, make_microbatches
+from grpo_fast.policy.batch import loss_trajectories, make_microbatches
 from grpo_fast.policy.loss import PolicyLoss
 from grpo_fast.rollout.base import SamplingParams
 from grpo_fast.rollout.hf import HFBackend, decode, sample_next
@@ -117,10 +117,7 @@ def test_each_prompt_is_prefilled_once_and_the_log_probs_are_the_trainers():
     assert seen[0] == (5, max(map(len, _prompts(tok))))  # one prefill row per prompt
     assert all(shape == (40, 1) for shape in seen[1:])  # then one token per sample and step
     assert head[0] == (5, 1)  # the prefill's lm_head at each prompt's last position only
-    seqs = build_sequences(
-        rollout.prompt_ids, rollout.response_ids, torch.zeros(40), length_norm="sequence_mean", max_length=4,
-        sampler_logprobs=rollout.sampler_logprobs,
-    )  # fmt: skip
+    seqs = loss_trajectories(rollout, advantages=torch.zeros(40), length_norm="sequence_mean", max_length=4)
     loss = PolicyLoss(model, autocast=None, backend="torch_chunked", top_k=5, top_p=1.0)
     for mb in make_microbatches(seqs, 40, tok.pad_token_id, packing=False):
         with torch.no_grad():

@@ -5,7 +5,6 @@ rewards, group sizes by pass rate, the difficulty filter and the curriculum, KL 
 
 from __future__ import annotations
 
-import contextlib
 from types import SimpleNamespace
 
 import pytest
@@ -17,13 +16,12 @@ from grpo_fast.algo.loss_options import LossOptions
 from grpo_fast.config import load_config
 from grpo_fast.loop import optimization
 from grpo_fast.loop import rollout_phase as phase
-from grpo_fast.loop import setup as setup_mod
 from grpo_fast.loop.stats import StepStats
-from grpo_fast.obs.health import HealthMonitor, HealthThresholds
 from grpo_fast.rollout import Rollout
 from grpo_fast.rollout.sampling import step_seed
 from grpo_fast.task.data import Example
 from grpo_fast.task.rewards import GuardedReward, WeightedReward
+from grpo_fast.testing import rollout_phase_run
 
 
 class ScriptedBackend:
@@ -86,21 +84,9 @@ def _run(script, *overrides, n_prompts=6, answers=None, difficulty=None, reward=
         reward_fn=reward or GuardedReward(exact, "exact"),
         stop=[],
     )
-    pass_rates, sampler = setup_mod._prompt_sampler(cfg, task)
-    return SimpleNamespace(
-        cfg=cfg,
-        world=dist.DistInfo(),
-        device=torch.device("cpu"),
-        health=HealthMonitor(HealthThresholds()),
-        task=task,
-        backend=ScriptedBackend(script),
-        logger=Events(),
-        sampler=sampler,
-        pass_rates=pass_rates,
-        local_prompts=cfg.rollout.batch_size // cfg.rollout.group_size,
-        state=SimpleNamespace(beta=cfg.loss.beta),
-        generation_weights=contextlib.nullcontext,  # unsharded: nothing to gather
-    )
+    run = rollout_phase_run(cfg, task, ScriptedBackend(script), logger=Events(), beta=cfg.loss.beta)
+    run.backend = run.rollout.backend  # the tests read the scripted backend's calls
+    return run
 
 
 def _order(seed: int, n: int, k: int) -> list[int]:
@@ -209,7 +195,7 @@ def test_adaptive_group_size_follows_the_pass_rates_and_keeps_the_total():
     )
     first = phase.rollout_phase(run, 1, _Progress())
     assert first.rollout.sizes == [4, 4]
-    assert [run.pass_rates.pass_rate(p) for p in (0, 1)] == [1.0, 0.0]
+    assert [run.rollout.pass_rates.pass_rate(p) for p in (0, 1)] == [1.0, 0.0]
     second = phase.rollout_phase(run, 2, _Progress())
     by_prompt = {int(e.question[1:]): n for e, n in zip(second.examples, second.rollout.sizes)}
     assert by_prompt == {0: 2, 1: 6}
@@ -279,9 +265,11 @@ def test_kl_in_reward_sums_k1_per_response_whatever_the_microbatch_order(packing
         cfg=cfg,
         device=torch.device("cpu"),
         tokenizer=tok,
-        policy_loss=PolicyLoss(policy, autocast=None, backend="torch_chunked"),
-        ref_loss=PolicyLoss(ref, autocast=None, backend="torch_chunked"),
-        scoring_options=LossOptions,
+        trainer=SimpleNamespace(
+            policy_loss=PolicyLoss(policy, autocast=None, backend="torch_chunked"),
+            ref_loss=PolicyLoss(ref, autocast=None, backend="torch_chunked"),
+            scoring_options=LossOptions,
+        ),
     )
     sums, (total, tokens) = phase.response_kl_k1(run, rollout, temperature=0.7)
     expected = [
@@ -376,7 +364,9 @@ def test_sft_mix_gradient_is_mix_coef_times_the_per_token_mean_nll_gradient():
     task = load_task(cfg)
     task.tokenizer = tok
     examples = [task.train[i] for i in (0, 1, 2)]
-    run = SimpleNamespace(cfg=cfg, tokenizer=tok, task=task, device=torch.device("cpu"))
+    run = SimpleNamespace(
+        cfg=cfg, tokenizer=tok, task=task, device=torch.device("cpu"), world=dist.DistInfo()
+    )
     mbs = optimization._sft_microbatches(run, examples)
     assert len(mbs) == 2
     loss = PolicyLoss(policy, autocast=None, backend="torch_chunked")
@@ -403,7 +393,7 @@ def test_solution_field_names_the_worked_solution_in_a_data_file(tmp_path):
     from grpo_fast.task.loader import load_task
 
     path = tmp_path / "train.jsonl"
-    path.write_text('{"question": "1+2=", "answer": "3", "worked": "1 plus 2 is 3"}\n')
+    path.write_text('{"question": "1+2=", "answer": "3", "worked": "1+2=3"}\n')  # the tokenizer's characters
     task = load_task(load_config("tiny", overrides=[f"data.train_path={path}", "data.solution_field=worked"]))
-    assert task.train[0].solution == "1 plus 2 is 3"
+    assert task.train[0].solution == "1+2=3"
     assert load_task(load_config("tiny", overrides=[f"data.train_path={path}"])).train[0].solution == "3"

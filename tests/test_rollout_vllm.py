@@ -21,8 +21,9 @@ from grpo_fast.algo.sampler_correction import sampler_importance_weights
 from grpo_fast.config import load_config
 from grpo_fast.errors import ConfigError
 from grpo_fast.loop.optimization import prepare_old_and_ref
-from grpo_fast.policy.batch import build_sequences, make_microbatches
+from grpo_fast.policy.batch import loss_trajectories, make_microbatches
 from grpo_fast.policy.loss import build_policy_loss
+from grpo_fast.rollout import Rollout
 from grpo_fast.rollout.base import SamplingParams
 from grpo_fast.rollout.hf import HFBackend
 from grpo_fast.rollout.sampling import step_seed
@@ -46,7 +47,7 @@ class FakeVLLMEngine:
         self.pushed_versions = 0
         self.drop_pushes = False  # simulate an engine that keeps serving stale weights
 
-    def load_weights(self, named_tensors):
+    def load_weights(self, named_tensors, version=None):
         assert self.awake["weights"], "load_weights while the weights are asleep"
         own = self.model.state_dict()
         for name, t in named_tensors:
@@ -68,7 +69,9 @@ class FakeVLLMEngine:
         self.awake = {"weights": False, "kv_cache": False}
         self.calls.append(f"sleep({level})")
 
-    def generate(self, prompt_ids, params: SamplingParams):
+    def generate(self, prompt_ids, params: SamplingParams | list[SamplingParams]):
+        if not isinstance(params, SamplingParams):  # one request each (multi-turn continuations)
+            return [self.generate([p], q)[0] for p, q in zip(prompt_ids, params)]
         assert all(self.awake.values()), f"generate while asleep: {self.awake}"
         assert all(torch.isfinite(p).all() for p in self.model.parameters()), (
             "generate before any weight push"
@@ -251,8 +254,11 @@ def _microbatch_with_sampler_gap(model, tok, delta: float):
     """One microbatch of two responses whose sampler log-probs are the trainer's minus ``delta``."""
     prompts = [tok("12+34=")["input_ids"]]
     responses = [tok("46")["input_ids"], tok("5")["input_ids"]]
-    seqs = build_sequences(
-        prompts, responses, torch.tensor([1.0, -1.0]), length_norm="sequence_mean", max_length=4
+    seqs = loss_trajectories(
+        Rollout(prompts, responses),
+        advantages=torch.tensor([1.0, -1.0]),
+        length_norm="sequence_mean",
+        max_length=4,
     )
     mb = make_microbatches(seqs, 8, tok.pad_token_id, packing=False)[0]
     cfg = load_config("tiny", check_device=False)
@@ -331,8 +337,11 @@ def test_first_epoch_ratio_is_exactly_one(amp):
     tok, model = _tiny()
     prompts = [tok("12+34=")["input_ids"], tok("7+8=")["input_ids"]]
     responses = [tok(x)["input_ids"] for x in ("46", "4", "15", "151")]
-    seqs = build_sequences(
-        prompts, responses, torch.tensor([1.0, -1.0, 0.5, -0.5]), length_norm="sequence_mean", max_length=4
+    seqs = loss_trajectories(
+        Rollout(prompts, responses),
+        advantages=torch.tensor([1.0, -1.0, 0.5, -0.5]),
+        length_norm="sequence_mean",
+        max_length=4,
     )
     mbs = make_microbatches(seqs, 2, tok.pad_token_id, packing=False)
     cfg = load_config("tiny", overrides=["train.epochs_per_rollout_batch=2"], check_device=False)

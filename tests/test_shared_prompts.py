@@ -15,8 +15,9 @@ import torch
 from grpo_fast.algo.loss_options import LossOptions
 from grpo_fast.config import load_config
 from grpo_fast.errors import ConfigError
-from grpo_fast.policy.batch import build_sequences, make_microbatches
+from grpo_fast.policy.batch import loss_trajectories, make_microbatches
 from grpo_fast.policy.loss import PolicyLoss
+from grpo_fast.rollout import Rollout
 from grpo_fast.task import tiny
 
 GROUP = 4
@@ -42,7 +43,9 @@ def _rollout(seed: int = 0):
         for _ in range(len(prompts) * GROUP)
     ]
     adv = torch.randn(len(responses), generator=g)
-    seqs = build_sequences(prompts, responses, adv, length_norm="sequence_mean", max_length=6)
+    seqs = loss_trajectories(
+        Rollout(prompts, responses), advantages=adv, length_norm="sequence_mean", max_length=6
+    )
     return tok, seqs
 
 
@@ -100,11 +103,9 @@ def test_with_gradient_checkpointing_gspo_and_responses_left_out(attention_path)
     model = tiny.build_model(tok, seed=0)
     enable_checkpointing(model)
     model.train()
-    old = {}
-    for s in kept:  # an off-policy π_old, so that GSPO's ratio is not 1
-        old[s.response_index] = torch.randn(
-            s.n_response, generator=torch.Generator().manual_seed(s.response_index)
-        )
+    old = {}  # by position in kept (Microbatch.response_index)
+    for j, s in enumerate(kept):  # an off-policy π_old, so that GSPO's ratio is not 1
+        old[j] = torch.randn(s.num_tokens, generator=torch.Generator().manual_seed(j))
     gspo = LossOptions(importance_sampling_level="sequence", clip_low=0.02, clip_high=0.03)
     results = []
     for share in (False, True):
@@ -215,7 +216,7 @@ def test_attention_work_is_at_most_the_unshared_layouts(monkeypatch, dense_max_w
     model = tiny.build_model(tok, seed=0)
     g = torch.Generator().manual_seed(0)
     seqs = [
-        Sequence([5, 6, 7, 8, *torch.randint(3, 15, (12,), generator=g).tolist()], 4, 1.0 - i / 2, 0.1, response_index=i)
+        Sequence([5, 6, 7, 8, *torch.randint(3, 15, (12,), generator=g).tolist()], 4, 1.0 - i / 2, 0.1)
         for i in range(4)
     ]  # fmt: skip
     real = torch.nn.functional.scaled_dot_product_attention

@@ -279,9 +279,9 @@ def test_hf_backend_hands_top_k_to_its_sampler(monkeypatch):
     seen = []
     original = hf.sample_next
 
-    def spy(logits, params):
+    def spy(logits, params, *rest):  # rest: the backend's generator
         seen.append((params.temperature, params.top_k, params.top_p))
-        return original(logits, params)
+        return original(logits, params, *rest)
 
     monkeypatch.setattr(hf, "sample_next", spy)
     cfg = load_config("tiny", overrides=["rollout.top_k=4", "rollout.top_p=0.8", "rollout.group_size=2"])

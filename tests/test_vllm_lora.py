@@ -146,9 +146,9 @@ def test_the_tiny_preset_learns_with_lora_on_the_real_engine(tmp_path):
 
     root = Path(__file__).resolve().parents[1]
     res = subprocess.run(
-        [sys.executable, "-m", "grpo_fast.train", "--preset", "tiny", "--config", "configs/lora.yaml",
+        [sys.executable, "-m", "grpo_fast.train", "--preset", "tiny", "--config", str(root / "configs" / "lora.yaml"),
          "rollout.backend=vllm", "steps=100", "eval_every=50", "logging.progress=false", f"output_dir={tmp_path}"],
-        capture_output=True, text=True, timeout=2400, cwd=root, env={**os.environ, "OMP_NUM_THREADS": "1"},
+        capture_output=True, text=True, timeout=2400, env={**os.environ, "OMP_NUM_THREADS": "1"},
     )  # fmt: skip
     assert res.returncode == 0, res.stderr[-2000:]
     rows = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]

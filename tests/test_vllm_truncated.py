@@ -69,7 +69,7 @@ def test_processed_logprobs_equal_the_truncated_trainer_logprobs(tmp_path):
     ]
     [mb] = make_microbatches(seqs, len(seqs), tok.pad_token_id, packing=False)
     # the microbatch sorts its sequences longest first: the sampler's log-probs in that order
-    order = sorted(range(len(seqs)), key=lambda i: -seqs[i].n_response)
+    order = sorted(range(len(seqs)), key=lambda i: -seqs[i].num_tokens)
     per_seq = [torch.tensor(r, dtype=torch.float64) for r in rollout.sampler_logprobs if r]
     sampler = torch.cat([per_seq[i] for i in order])
 

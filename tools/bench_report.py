@@ -26,13 +26,21 @@ Liger-Kernel, torch, timed alternately in one test) goes to the "Compared with o
 section instead, one table per case, one row per tool, from ``peer_comparison["impls"]``:
 
 - ``kind: train_step``: median step, rollout and train phase times, peak memory, the reward of the
-  last five steps and greedy eval accuracy before → after; ``kind: loss_op``: median time, peak
-  memory (and over the ``[N, V]`` logits), whether the entropy is computed;
+  last five steps and greedy eval accuracy before → after; ``kind: loss_op``: median time (and
+  CPU time, and both over grpo_fast's GEMM floor, where recorded), peak memory (and over the ``[N, V]``
+  logits), whether the entropy is computed;
 - on every other tool's row, each figure says how grpo_fast compares: "grpo_fast 1.6× faster" /
   "grpo_fast 0.45×" (of its memory), or **not ahead** when grpo_fast is not at least ``AHEAD``
   better (within noise or behind);
 - "where the time goes": each tool's top ops by self time per phase (``top_ops``), from the
   ``torch.profiler`` step the benchmark ran.
+
+A case whose ``extra_info`` holds ``pipeline_comparison`` (``bench/test_bench_pipeline.py``: whole
+runs, lockstep against generation apart from training, alternating fresh processes) goes to the
+"Generation apart from training" section, one table per workload, one row per variant: the median
+step and its ratio to the first row's (``× lockstep``), the run's wall time, eval accuracy before →
+after, the share of time each side waited for the other, the weight sync per step, the largest
+policy lag, the sampler-vs-trainer log-prob gap (mean, max), each round's step time and load.
 """
 
 from __future__ import annotations
@@ -90,6 +98,11 @@ class Row:
     def peer(self) -> dict | None:
         """``extra_info["peer_comparison"]``: a side-by-side with other tools (``bench/peers/``)."""
         return self.info.get("peer_comparison")
+
+    @property
+    def pipeline(self) -> dict | None:
+        """``extra_info["pipeline_comparison"]``: whole runs, lockstep against the pipeline."""
+        return self.info.get("pipeline_comparison")
 
     def logits_bytes(self) -> float | None:
         if self.info.get("logits_bytes"):
@@ -327,7 +340,7 @@ def render_run(run: Run) -> list[str]:
         lines += ["", "Notes:", "", *(f"- {n}" for n in notes)]
     tables: dict[str, list[Row]] = {}
     for r in run.rows:
-        if r.peer is None:  # peer comparisons have their own section (render_peers)
+        if r.peer is None and r.pipeline is None:  # their own sections (render_peers, render_pipelines)
             tables.setdefault(r.table, []).append(r)
     for name, rows in tables.items():
         first_seen = {case: i for i, case in reversed(list(enumerate(r.case for r in rows)))}
@@ -353,8 +366,9 @@ def render(runs: list[Run], command: str) -> str:
         "over its time; `of copy BW`: that over a plain device copy measured in the same session.",
     ]
     lines += render_peers(runs)
+    lines += render_pipelines(runs)
     for run in runs:
-        if any(r.peer is None for r in run.rows):
+        if any(r.peer is None and r.pipeline is None for r in run.rows):
             lines += ["", *render_run(run)]
     return "\n".join(lines) + "\n"
 
@@ -433,39 +447,43 @@ def _train_step_table(p: dict) -> list[str]:
 
 
 def _loss_op_table(p: dict) -> list[str]:
+    """One row per implementation; the CPU-time and GEMM-floor columns only where the run has them
+    (``cpu_time_s``, ``time_over_gemm_floor``, ``cpu_time_over_gemm_floor``: bench/peers'
+    fresh-process runs from 2026-12-03 on). On a shared machine the CPU-time ratio is the one that
+    waits for a core do not distort."""
     impls = p["impls"]
     ours = next((i for i in impls if i.get("ours")), {})
     logits = p.get("logits_bytes")
-    lines = [
-        "| implementation | version | computes | entropy | time (median) | peak memory | peak / logits |",
-        "|---|---|---|---|---:|---:|---:|",
-    ]
+    has_cpu = any(i.get("cpu_time_s") is not None for i in impls)
+    has_floor = any(i.get("time_over_gemm_floor") is not None for i in impls)
+    cpu_floor = has_floor and any(i.get("cpu_time_over_gemm_floor") is not None for i in impls)
+    headers = ["implementation", "version", "computes", "entropy", "time (median)"]
+    headers += (
+        ["CPU time (median)"] * has_cpu + ["× GEMM floor"] * has_floor + ["CPU × GEMM floor"] * cpu_floor
+    )
+    headers += ["peak memory", "peak / logits"]
+    lines = ["| " + " | ".join(headers) + " |", "|---|---|---|---|" + "---:|" * (len(headers) - 4)]
     for i in impls:
         is_ours = _is_ours(i)
         peak = i.get("peak_memory_bytes")
-        lines.append(
-            "| "
-            + " | ".join(
-                [
-                    f"**{i['impl']}**" if i.get("ours") else i["impl"],
-                    str(i.get("version") or ""),
-                    i.get("what", ""),
-                    "yes" if i.get("entropy") else "no",
-                    _with_versus(
-                        _fmt_opt(i.get("time_s"), fmt_time),
-                        ours.get("time_s"),
-                        i.get("time_s"),
-                        is_ours,
-                        "faster",
-                    ),
-                    _with_versus(
-                        _fmt_opt(peak, fmt_bytes), ours.get("peak_memory_bytes"), peak, is_ours, "memory"
-                    ),
-                    fmt_ratio(peak / logits) if peak is not None and logits else "",
-                ]
-            )
-            + " |"
-        )
+
+        def timed(key, i=i, is_ours=is_ours):
+            return _with_versus(_fmt_opt(i.get(key), fmt_time), ours.get(key), i.get(key), is_ours, "faster")
+
+        cells = [
+            f"**{i['impl']}**" if i.get("ours") else i["impl"],
+            str(i.get("version") or ""),
+            i.get("what", ""),
+            "yes" if i.get("entropy") else "no",
+            timed("time_s"),
+        ]
+        cells += [timed("cpu_time_s")] * has_cpu + [fmt_ratio(i.get("time_over_gemm_floor"))] * has_floor
+        cells += [fmt_ratio(i.get("cpu_time_over_gemm_floor"))] * cpu_floor
+        cells += [
+            _with_versus(_fmt_opt(peak, fmt_bytes), ours.get("peak_memory_bytes"), peak, is_ours, "memory"),
+            fmt_ratio(peak / logits) if peak is not None and logits else "",
+        ]
+        lines.append("| " + " | ".join(cells) + " |")
     return lines
 
 
@@ -519,6 +537,87 @@ def render_peers(runs: list[Run]) -> list[str]:
             lines.append(f"- command: `{r.info['command']}`")
         lines += ["", *(_train_step_table(p) if p.get("kind") == "train_step" else _loss_op_table(p))]
         lines += _where_the_time_goes(p)
+    return lines
+
+
+# ----------------------------------------------------------------------------------------------
+# Generation apart from training (bench/test_bench_pipeline.py)
+# ----------------------------------------------------------------------------------------------
+
+
+def _pipeline_table(p: dict) -> list[str]:
+    impls = p["impls"]
+    base = impls[0].get("step_s") if impls else None
+    lines = [
+        "| variant | step (median) | × lockstep | run wall | eval before → after | trainer waited "
+        "| producer waited | weight sync / step | policy lag (max) | log-prob gap, mean (max) "
+        "| step per round | load per round |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for i in impls:
+        acc = ""
+        if i.get("eval_before") is not None and i.get("eval_after") is not None:
+            gain = i["eval_after"] - i["eval_before"]
+            acc = f"{i['eval_before']:.3f} → {i['eval_after']:.3f} ({gain:+.3f})"
+        gap = _fmt_opt(i.get("logprob_gap_mean"), lambda x: f"{x:.2g}")
+        if gap and i.get("logprob_gap_max") is not None:
+            gap += f" ({i['logprob_gap_max']:.2g})"
+        cells = [
+            f"**{i['impl']}**" if i.get("ours") else i["impl"],
+            _fmt_opt(i.get("step_s"), fmt_time),
+            fmt_ratio(base / i["step_s"]) if base and i.get("step_s") else "",
+            _fmt_opt(i.get("grpo_wall_s"), fmt_time),
+            acc,
+            _fmt_opt(i.get("trainer_wait_share"), lambda x: f"{x:.0%}"),
+            _fmt_opt(i.get("producer_wait_share"), lambda x: f"{x:.0%}"),
+            _fmt_opt(i.get("weight_sync_s"), fmt_time),
+            _fmt_opt(i.get("policy_lag_max"), lambda x: f"{x:.0f}"),
+            gap,
+            ", ".join(fmt_time(x) for x in i.get("step_s_rounds", [])),
+            ", ".join(f"{x:.1f}" for x in i.get("load_1m_rounds", [])),
+        ]
+        lines.append("| " + " | ".join(cells) + " |")
+    return lines
+
+
+def render_pipelines(runs: list[Run]) -> list[str]:
+    """The "Generation apart from training" section: one table per workload, newest run first."""
+    cases = [(run, r) for run in runs for r in run.rows if r.pipeline is not None]
+    if not cases:
+        return []
+    lines = [
+        "",
+        "## Generation apart from training",
+        "",
+        "Whole runs of each variant as fresh processes, alternating (`bench/test_bench_pipeline.py`): "
+        "lockstep against the pipeline (`rollout.max_staleness`), the hf decoder in the training "
+        "process against a worker process (`rollout.placement`). `× lockstep`: the first row's median "
+        "step over this row's (> 1: faster). Waited: the trainer's share of its step time spent "
+        "waiting for its batch; the producer's share of its time spent waiting for the trainer's "
+        "weights.",
+    ]
+    for run, r in cases:
+        p = r.pipeline
+        when = run.date.strftime("%Y-%m-%d %H:%M %Z").strip() if run.date else "not recorded"
+        cores = r.info.get("cpu_count") or run.meta["cpu_count"]
+        load = r.info.get("load_average_1m")
+        v = r.info.get("versions") or run.meta["versions"]
+        lines += [
+            "",
+            f"### Whole runs: {p.get('case', r.case)}",
+            "",
+            f"- {r.info.get('device') or run.meta['device'] or 'device not recorded'}, {when}; source "
+            f"`{run.path.as_posix()}`",
+            "- versions: " + ", ".join(f"{k} {v[k]}" for k in sorted(v) if v[k]),
+            f"- {p.get('rounds', '?')} round(s) of every variant, {r.info.get('torch_threads', '?')} torch "
+            f"threads by default on {cores or '?'} cores",
+        ]
+        if load is not None:
+            busy = " (shared with other work)" if cores and load > BUSY_LOAD_PER_CORE * cores else ""
+            lines.append(f"- 1-minute load average up to {load:.1f}{busy}")
+        if r.info.get("command"):
+            lines.append(f"- command: `{r.info['command']}`")
+        lines += ["", *_pipeline_table(p)]
     return lines
 
 

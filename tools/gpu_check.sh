@@ -23,14 +23,20 @@
 #   has the rtx4090 preset on a card capped at 24 GB, skipped without bitsandbytes), the vLLM step
 #   (2 steps of the tiny preset's loop with rollout.backend=vllm, rollout.sleep_level=1, on its
 #   random Qwen2 saved offline; skipped without vllm) 120 s, the same with configs/qlora.yaml (NF4
-#   base, adapter sync to vLLM) 90 s, the FSDP step (2 steps of the tiny preset's loop under torchrun
+#   base, adapter sync to vLLM) 90 s, the tool-use step (2 steps of --preset tiny_tools: multi-turn
+#   rollouts with the calculator on vLLM) 90 s, the FSDP step (2 steps of the tiny preset's loop under torchrun
 #   with configs/fsdp.yaml on 2 GPUs, a sharded checkpoint at step 2; skipped on fewer GPUs) 90 s,
-#   report 30 s. The fused op's file has the frozen_head axis too.
+#   the vLLM NCCL step (2 steps with rollout.placement=process on GPU 1 and weights over NCCL from
+#   GPU 0; skipped on fewer GPUs or without vllm) 90 s,
+#   the sequence-parallel step (2 steps of the tiny preset's loop under torchrun with
+#   train.sequence_parallel=2 on 2 GPUs: Ulysses all-to-alls and the sp group's batch over nccl;
+#   skipped on fewer GPUs) 90 s, report 30 s. The fused op's file has the frozen_head axis too.
 #   Expected on an H200: ≈ 8-9 min; the budget keeps the whole script under 10 min.
 #
-# OUTDIR gets 10 files: env.json (versions, GPU, copy bandwidth, every part's command, status and
+# OUTDIR gets 11 files: env.json (versions, GPU, copy bandwidth, every part's command, status and
 # time), nvidia-smi.txt, check.log (preflight, bandwidth, report), tests.log, bench.log, vllm.log
-# (the vLLM step's training log and metrics), fsdp.log (the FSDP step's), bench.json
+# (the vLLM step's training log and metrics), fsdp.log (the FSDP step's), sp.log (the
+# sequence-parallel step's), bench.json
 # (pytest-benchmark JSON of all benchmark files, with each case's command), BENCHMARKS.md
 # (tools/bench_report.py) and summary.md (printed at the end). A failing part is recorded and the
 # script goes on; it exits 0.
@@ -211,6 +217,11 @@ else
         --config configs/qlora.yaml rollout.backend=vllm rollout.sleep_level=1 \
         rollout.gpu_memory_utilization=0.3 steps=2 sft.steps=0 eval_every=0 checkpoint_every=0 \
         "output_dir=$TMP/qlora-vllm-run"
+    # Tool use: two steps of the tiny_tools preset (multi-turn: generate to the calculator's stop
+    # string, run the stopped rows' calls, continue from the token prompts with the result inserted)
+    run_part tools-vllm-steps 90 "$OUT/vllm.log" "$PY" -m grpo_fast.train --preset tiny_tools device=cuda \
+        rollout.backend=vllm rollout.sleep_level=1 rollout.gpu_memory_utilization=0.3 steps=2 \
+        sft.steps=0 eval_every=0 checkpoint_every=0 "output_dir=$TMP/tools-vllm-run"
 fi
 
 # ---- FSDP2: two steps of the tiny preset's loop under torchrun on 2 GPUs (nccl), configs/fsdp.yaml:
@@ -224,6 +235,31 @@ else
     run_part fsdp-steps 90 "$OUT/fsdp.log" "$PY" -m torch.distributed.run --standalone --nproc_per_node=2 \
         -m grpo_fast.train --preset tiny device=cuda --config configs/fsdp.yaml steps=2 sft.steps=0 \
         eval_every=0 checkpoint_every=2 "output_dir=$TMP/fsdp-run"
+fi
+
+# ---- vLLM apart from the trainer, weights over NCCL (never run on a CPU): two steps of the tiny
+# preset with rollout.placement=process (AsyncLLM on GPU 1, the trainer on GPU 0) and
+# rollout.weight_transfer=nccl (vLLM's NCCLTrainerWeightTransferEngine), the weight-sync probe on
+if [[ "${n_gpus:-0}" -lt 2 || "$has_vllm" != 1 ]] && [[ "$DRY" != 1 ]]; then
+    printf 'vllm-nccl-steps\tskipped: needs 2 GPUs and vllm (found %s GPUs)\t0\t-\n' "${n_gpus:-0}" >>"$PARTS"
+else
+    run_part vllm-nccl-steps 90 "$OUT/vllm.log" "$PY" -m grpo_fast.train --preset tiny device=cuda \
+        rollout.backend=vllm rollout.placement=process rollout.weight_transfer=nccl "rollout.engine_devices=[1]" \
+        rollout.gpu_memory_utilization=0.3 steps=2 sft.steps=0 eval_every=0 checkpoint_every=0 \
+        "output_dir=$TMP/vllm-nccl-run"
+fi
+
+# ---- sequence parallelism: two steps of the tiny preset's loop under torchrun on 2 GPUs (nccl) with
+# train.sequence_parallel=2: each rank generates its prompts, the pair shares its batch and trains it
+# with half of every sequence's tokens each (Ulysses all-to-all over nccl); metrics in sp.log
+if [[ "${n_gpus:-0}" -lt 2 && "$DRY" != 1 ]]; then
+    echo "sp-steps: skipped, it needs 2 GPUs and this machine has ${n_gpus:-0}"
+    printf 'sp-steps\tskipped: needs 2 GPUs, found %s\t0\t-\n' "${n_gpus:-0}" >>"$PARTS"
+else
+    run_part sp-steps 90 "$OUT/sp.log" "$PY" -m torch.distributed.run --standalone --nproc_per_node=2 \
+        -m grpo_fast.train --preset tiny device=cuda train.sequence_parallel=2 steps=2 sft.steps=0 \
+        eval_every=0 checkpoint_every=0 "output_dir=$TMP/sp-run"
+    [[ "$DRY" == 1 ]] || cat "$TMP/sp-run/metrics.jsonl" >>"$OUT/sp.log" 2>/dev/null
 fi
 
 # ---- bench.json (all files, each case with its command), BENCHMARKS.md, env.json, summary.md

@@ -4,7 +4,7 @@
     python tools/profile.py --preset rtx4090 --device cuda --memory-cap-gb 24
 
 The step is ``OptimizationPhase`` from ``bench/test_bench_train_step.py`` (what the benchmark
-times): ``build_sequences`` → ``make_microbatches`` → ``PolicyLoss`` → backward → grad clip →
+times): ``loss_trajectories`` → ``make_microbatches`` → ``PolicyLoss`` → backward → grad clip →
 optimizer step. ``tiny`` uses its built-in model; a GPU preset (``rtx4090``, ``h100``) a random-init
 Qwen2.5-Math-1.5B. The fused path is ``loss.kernel_backend=auto`` (``triton`` on CUDA,
 ``torch_chunked`` on CPU); the reference is ``eager`` (``[n, V]`` logits + ``eager_grpo_loss_from_logits``).

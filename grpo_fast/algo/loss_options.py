@@ -6,6 +6,10 @@ The eager reference (``grpo_fast.algo.core``), both ops (``grpo_loss_from_logits
 ``loss.X`` is the option ``X``, with the default and domain written here. A ``LossOptions`` is
 validated when it is built: an invalid one cannot exist, and nothing downstream checks again.
 
+The domains here are the math's: every value the formulas are defined for, which the public
+functions (the ops, ``grpo_clip_loss``, the course API) accept. Where a training run is narrower
+(``loss.clip_low`` below 1, ``loss.beta`` not negative), ``LossConfig`` narrows the key, with why.
+
 It also answers the questions the loop would otherwise answer by assumption:
 
 - ``zero_advantage_zero_gradient``: whether a response whose advantage is exactly 0 has a
@@ -19,10 +23,12 @@ It also answers the questions the loop would otherwise answer by assumption:
 Example:
     >>> LossOptions(type="cispo", clip_high=0.28).needs_all_rows
     False
-    >>> LossOptions(clip_low=1.5)
+    >>> LossOptions(clip_low=1.5).clip_low  # 1 − clip_low ≤ 0: no lower clip
+    1.5
+    >>> LossOptions(clip_high=-0.1)
     Traceback (most recent call last):
     ...
-    grpo_fast.domains.DomainError: clip_low must be in [0, 1), got 1.5
+    grpo_fast.domains.DomainError: clip_high must be >= 0, got -0.1
 """
 
 from __future__ import annotations
@@ -61,15 +67,20 @@ class LossOptions:
             ``reinforce_with_baseline`` / ``no_baseline`` (``−r·A``, never clipped), ``cispo``
             (``−sg(clip(r))·A·log π``), ``sapo`` (``−(4/τ)·σ(τ·(r − 1))·A``: a smooth gate in
             place of the clip, no clip range).
-        clip_low, clip_high: the clip range ``[1 − clip_low, 1 + clip_high]`` (clip_high >
-            clip_low is DAPO's clip-higher; GSPO's are small, e.g. 3e-4 / 4e-4).
-        dual_clip: ``c > 1`` bounds a negative-advantage token's loss at ``−c·A`` (grpo_clip only).
+        clip_low, clip_high: the clip range ``[1 − clip_low, 1 + clip_high]``, each ≥ 0 (clip_high >
+            clip_low is DAPO's clip-higher; GSPO's are small, e.g. 3e-4 / 4e-4; ``clip_low ≥ 1``
+            leaves the ratio, always > 0, no lower clip: the course API's ``cliprange=10``; ``inf``
+            no clip on that side).
+        dual_clip: ``c > 1`` bounds a negative-advantage token's loss at ``−c·A`` (grpo_clip only;
+            ``inf``: no bound, as None).
         delta: ``δ > 1`` caps the unclipped term's ratio at δ, every type but ``sapo``, whose
             gate is bounded already (INTELLECT-2).
         importance_sampling_level: ``token`` (``r_t``) or ``sequence`` (GSPO: the response's
             ``exp(mean_t(log π − log π_old))`` for each of its tokens).
         top_entropy_quantile: ``ρ ∈ (0, 1]``: ``pg`` only on the top-ρ-entropy tokens (80/20).
-        beta: the KL coefficient β (≥ 0; the adaptive controller changes it from step to step).
+        beta: the KL coefficient β, any finite number (a negative β rewards distance from
+            π_ref; a training run's ``loss.beta`` is ≥ 0; the adaptive controller changes it from
+            step to step).
         kl_estimator: ``k1``, ``k2`` or ``k3`` (``grpo_fast.algo.core.kl_penalty``).
         entropy_coef: the entropy bonus ``c`` (negative: an entropy penalty; the adaptive
             controller, ``loss.entropy_target``, changes it from step to step).
@@ -78,13 +89,13 @@ class LossOptions:
     """
 
     type: str = option("grpo_clip", OneOf(LOSS_TYPES))
-    clip_low: float = option(0.2, Range(0, 1, hi_open=True))
-    clip_high: float = option(0.2, Range(0))
-    dual_clip: float | None = option(None, Range(1, lo_open=True, none_ok=True))
+    clip_low: float = option(0.2, Range(0, inf_ok=True))
+    clip_high: float = option(0.2, Range(0, inf_ok=True))
+    dual_clip: float | None = option(None, Range(1, lo_open=True, none_ok=True, inf_ok=True))
     delta: float | None = option(None, Range(1, lo_open=True, none_ok=True))
     importance_sampling_level: str = option("token", OneOf(IMPORTANCE_SAMPLING_LEVELS))
     top_entropy_quantile: float = option(1.0, Range(0, 1, lo_open=True))
-    beta: float = option(0.0, Range(0))
+    beta: float = option(0.0, Range())
     kl_estimator: str = option("k3", OneOf(KL_ESTIMATORS))
     entropy_coef: float = option(0.0, Range())
     sapo_tau_pos: float = option(1.0, Range(0, lo_open=True))

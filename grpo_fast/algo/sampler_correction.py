@@ -34,6 +34,7 @@ def raw_importance_weights(
     sequence_ids: torch.Tensor,
     *,
     level: str,
+    across=None,
 ) -> torch.Tensor:
     """Per-token importance weights ``ρ`` ``[n]`` fp64 (detached), before any cut: what the
     module docstring's formulas give (``rollout/is_weight_raw_mean`` and ``_max`` are over these).
@@ -43,6 +44,8 @@ def raw_importance_weights(
         sequence_ids: ``[n]`` int64, which response each token belongs to (any labels; tokens of
             one response share one).
         level: ``token`` or ``sequence`` (one ρ per response, on each of its tokens).
+        across: sequence parallelism (``grpo_fast.algo.core.sequence_mean``'s): the tokens are one
+            rank's share of their responses; each response's Σ Δ is summed over the group.
 
     Example: Δ = [0, ln 3, −ln 2] at the token level → ρ = [1, 3, 0.5]; at the sequence level
     with ids [0, 0, 1] → [3, 3, 0.5].
@@ -58,7 +61,10 @@ def raw_importance_weights(
             f"{tuple(sampler_logprobs.shape)} and sequence_ids {tuple(sequence_ids.shape)} must all be [n]"
         )
     delta = (trainer_logprobs.detach() - sampler_logprobs.detach()).double()
-    if level == "sequence":
+    if level == "sequence" and across is not None:  # ids 0 … S−1 on every rank; one collective
+        per_seq = delta.new_zeros(across.num_sequences).index_add_(0, sequence_ids, delta)
+        delta = across.sum(per_seq)[sequence_ids]
+    elif level == "sequence":
         _, inverse = torch.unique(sequence_ids, return_inverse=True)
         per_seq = torch.zeros(
             int(inverse.max()) + 1 if inverse.numel() else 0, dtype=delta.dtype, device=delta.device

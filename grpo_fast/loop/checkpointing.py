@@ -11,7 +11,11 @@ and a resume on another number of ranks loads them resharded.
 And what a stop writes (``grpo_fast.loop.preempt``): ``stop_within`` turns a signal in a phase
 that changes no weights (a rollout, the evaluation before GRPO) into the checkpoint of the step
 before it, written from the state the phase began with, so that a resume is exact; the warm
-start's progress goes to ``checkpoints/sft_warm_start`` (``save_sft_progress``).
+start's progress goes to ``checkpoints/sft_warm_start`` (``save_sft_progress``). A rollout engine
+apart from the trainer that dies or does not answer in time (``EngineError``) stops the run the
+same way: in such a phase (the engine's start too) through ``stop_within``; at a step's weight
+sync or evaluation, after the step finished, with that step's row and checkpoint
+(``engine_stopped``). A resume pushes the checkpoint's weights before its first rollout.
 """
 
 from __future__ import annotations
@@ -22,7 +26,7 @@ import shutil
 from pathlib import Path
 
 from grpo_fast import dist
-from grpo_fast.errors import ConfigError, Preempted
+from grpo_fast.errors import ConfigError, EngineError, Preempted, TrainingStopped
 from grpo_fast.loop import preempt
 from grpo_fast.loop.state import Run, TrainState
 from grpo_fast.obs.run_folder import SFT_PROGRESS
@@ -37,42 +41,49 @@ def save_checkpoint(run: Run, step: int) -> None:
     under ``train.parallelism=fsdp`` every rank writes its own shards (``sharded_checkpoint``)."""
     rngs = dist.all_gather_objects(ckpt.rng_state())
     if run.cfg.train.parallelism == "fsdp":
-        trainer_state = _trainer_state(run, rngs) if run.world.is_main else None
+        trainer_state = _trainer_state(run, step, rngs) if run.world.is_main else None
         models, optimizer = _sharded_models(run), run.trainer.optimizer
         keep = run.cfg.keep_checkpoints
         sharded_checkpoint.save(run.ckpt_root, step, models, optimizer, run.tokenizer, trainer_state, keep)
         return
     if run.world.is_main:
-        extra = {**_trainer_state(run, rngs), "optimizer": run.trainer.optimizer.state_dict()}
-        if run.ref_model is not None:
-            extra["ref_model"] = run.ref_model.state_dict()
+        extra = {**_trainer_state(run, step, rngs), "optimizer": run.trainer.optimizer.state_dict()}
+        if run.trainer.ref_model is not None:
+            extra["ref_model"] = run.trainer.ref_model.state_dict()
         ckpt.save_checkpoint(
             run.ckpt_root, step, run.model, run.tokenizer, extra, keep=run.cfg.keep_checkpoints
         )
     dist.barrier()
 
 
-def _trainer_state(run: Run, rngs: list) -> dict:
-    """What a checkpoint holds besides the weights and the optimizer state."""
+def _trainer_state(run: Run, step: int, rngs: list) -> dict:
+    """What a checkpoint of step ``step`` holds besides the weights and the optimizer state; in
+    a pipelined run, the in-flight work and the prompt sampler before it drew
+    (``Pipeline.checkpoint_state``)."""
     extra = {
-        "train_state": run.state.state_dict(),
-        "scheduler": run.scheduler.state_dict(),
-        "sampler": run.sampler.state_dict(),
+        "train_state": run.trainer.state.state_dict(),
+        "scheduler": run.trainer.scheduler.state_dict(),
+        "sampler": run.rollout.sampler.state_dict(),
         "health": run.health.state_dict(),
         "rng": rngs,
         "world_size": run.world.world_size,
         "sft_steps": run.sft_steps,
     }
-    if run.kl_ctl is not None:
-        extra["kl_controller"] = run.kl_ctl.state_dict()
-    if run.pass_rates is not None:
-        extra["pass_rates"] = run.pass_rates.state_dict()
+    if run.trainer.kl_ctl is not None:
+        extra["kl_controller"] = run.trainer.kl_ctl.state_dict()
+    if run.rollout.pass_rates is not None:
+        extra["pass_rates"] = run.rollout.pass_rates.state_dict()
+    if run.pipeline is not None:
+        extra.update(run.pipeline.checkpoint_state(step))
     return extra
 
 
 def _sharded_models(run: Run) -> dict:
     """The modules a sharded checkpoint holds, by name."""
-    return {"model": run.model, **({"ref_model": run.ref_model} if run.ref_model is not None else {})}
+    return {
+        "model": run.model,
+        **({"ref_model": run.trainer.ref_model} if run.trainer.ref_model is not None else {}),
+    }
 
 
 def restore(run: Run, path: Path) -> None:
@@ -94,17 +105,18 @@ def restore(run: Run, path: Path) -> None:
         )
     else:
         ckpt.load_model_weights(run.model, path)
-        if run.ref_model is not None:
-            run.ref_model.load_state_dict(saved["ref_model"])
+        if run.trainer.ref_model is not None:
+            run.trainer.ref_model.load_state_dict(saved["ref_model"])
         run.trainer.optimizer.load_state_dict(saved["optimizer"])
-    run.scheduler.load_state_dict(saved["scheduler"])
-    run.sampler.load_state_dict(saved["sampler"])
+    run.trainer.scheduler.load_state_dict(saved["scheduler"])
+    run.rollout.sampler.load_state_dict(saved["sampler"])
     run.health.load_state_dict(saved["health"])
-    if run.kl_ctl is not None:
-        run.kl_ctl.load_state_dict(saved["kl_controller"])
-    if run.pass_rates is not None and "pass_rates" in saved:
-        run.pass_rates.load_state_dict(saved["pass_rates"])
-    run.state = TrainState.from_state_dict(saved["train_state"])
+    if run.trainer.kl_ctl is not None:
+        run.trainer.kl_ctl.load_state_dict(saved["kl_controller"])
+    if run.rollout.pass_rates is not None and "pass_rates" in saved:
+        run.rollout.pass_rates.load_state_dict(saved["pass_rates"])
+    run.rollout.in_flight = saved.get("pipeline")  # a pipelined run's jobs after this step
+    run.trainer.state = TrainState.from_state_dict(saved["train_state"])
     run.sft_steps = int(saved.get("sft_steps", run.sft_steps))
     if saved["world_size"] != run.world.world_size:
         run.logger.event(
@@ -120,27 +132,38 @@ def restore(run: Run, path: Path) -> None:
 def stop_within(run: Run, step: int, what: str):
     """A phase after step ``step`` that changes no weights (``what``: "step 8's rollout", "the
     evaluation before GRPO"), stopped by a signal at the end of its current unit
-    (``preempt.Interrupt``, one process only): the sampler's position, the RNG streams and the
-    pass rates — all such a phase changes — are put back as they were when it began, the
-    checkpoint of ``step`` is written if it is not there, and ``Preempted`` says which."""
+    (``preempt.Interrupt``, one process only) or by a rollout engine apart from the trainer that
+    died or did not answer in time (``EngineError``): the sampler's position, the RNG streams and
+    the pass rates — all such a phase changes — are put back as they were when it began, the
+    checkpoint of ``step`` is written if it is not there, and ``Preempted`` (``TrainingStopped``)
+    says which."""
     if run.world.enabled:  # data parallel: the step runs to its end (grpo_fast.loop.preempt)
         yield
         return
-    sampler, rng = run.sampler.state_dict(), ckpt.rng_state()
-    rates = run.pass_rates.state_dict() if run.pass_rates is not None else None
+    sampler, rng = run.rollout.sampler.state_dict(), ckpt.rng_state()
+    rates = run.rollout.pass_rates.state_dict() if run.rollout.pass_rates is not None else None
     try:
         preempt.check_unit()  # a signal before the phase began: not a unit of it
         yield
-    except preempt.Interrupt as stop:
-        run.sampler.load_state_dict(sampler)
+    except (preempt.Interrupt, EngineError) as stop:
+        run.rollout.sampler.load_state_dict(sampler)
         ckpt.set_rng_state(rng)
         if rates is not None:
-            run.pass_rates.load_state_dict(rates)
-        words = _resume_point(run, step)
+            run.rollout.pass_rates.load_state_dict(rates)
+        if isinstance(stop, EngineError):
+            raise engine_stopped(run, step, stop, what) from None
+        words = resume_point(run, step)
         raise Preempted(f"{preempt.signal_name(stop.signum)} during {what}: {words}", stop.signum) from None
 
 
-def _resume_point(run: Run, step: int) -> str:
+def engine_stopped(run: Run, step: int, exc: EngineError, what: str) -> TrainingStopped:
+    """A rollout engine apart from the trainer died or did not answer in time (``exc``) during
+    ``what`` ("step 8's weight sync"), after step ``step`` finished: the checkpoint of ``step`` is
+    written unless it is there, and the one line that stops the run (to raise) says both."""
+    return TrainingStopped(f"{exc} (during {what}): {resume_point(run, step)}")
+
+
+def resume_point(run: Run, step: int) -> str:
     """Write the checkpoint of ``step`` unless it is there (or there is nothing to keep: step 0
     without a warm start); what resume=true will do, in words."""
     where = run.ckpt_root / ckpt.step_dir_name(step)

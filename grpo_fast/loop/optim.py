@@ -14,14 +14,21 @@ def build_optimizer(cfg: Config, params) -> torch.optim.Optimizer:
     over the parameters that train (under LoRA, the adapter's, at ``train.lr × model.lora.lr_scale``).
 
     8-bit AdamW keeps both moments in blockwise-quantized uint8: 2 B/parameter instead of 8 B
-    (Qwen2.5-1.5B: 3.1 GB instead of 12.4 GB).
+    (Qwen2.5-1.5B: 3.1 GB instead of 12.4 GB). Over FSDP2's sharded parameters (DTensors) it is
+    ``ShardedAdamW8bit``: the same bitsandbytes update on each rank's local shards, 2/N B/parameter
+    a rank (grpo_fast/policy/sharded_optim.py).
     """
     t = cfg.train
     params = [p for p in params if p.requires_grad]
     lr = t.lr * lora_lr_scale(cfg)
     if t.optimizer == "adamw8bit":
         import bitsandbytes as bnb
+        from torch.distributed.tensor import DTensor
 
+        if any(isinstance(p, DTensor) for p in params):
+            from grpo_fast.policy.sharded_optim import ShardedAdamW8bit
+
+            return ShardedAdamW8bit(params, lr=lr, betas=t.betas, weight_decay=t.weight_decay)
         return bnb.optim.AdamW8bit(params, lr=lr, betas=t.betas, weight_decay=t.weight_decay)
     return torch.optim.AdamW(params, lr=lr, betas=t.betas, weight_decay=t.weight_decay)
 

@@ -17,16 +17,16 @@ from dataclasses import dataclass
 import torch
 
 from grpo_fast import dist
-from grpo_fast.algo.core import kl_early_stop
+from grpo_fast.algo.control import kl_early_stop
 from grpo_fast.algo.loss_options import LossOptions
 from grpo_fast.algo.sampler_correction import cut_importance_weights, raw_importance_weights
 from grpo_fast.config import Config, shares_prompts
-from grpo_fast.loop.rollout_phase import RolloutBatch
 from grpo_fast.loop.state import Run, Trainer
 from grpo_fast.loop.stats import StepStats
 from grpo_fast.obs.metrics import MetricsLogger, PhaseProgress
-from grpo_fast.policy import fsdp
-from grpo_fast.policy.batch import Microbatch, Sequence, build_sequences, make_microbatches
+from grpo_fast.policy import fsdp, sequence_parallel
+from grpo_fast.policy.batch import Microbatch, Sequence, loss_trajectories, make_microbatches
+from grpo_fast.rollout import Rollout, Trajectory
 
 
 @dataclass
@@ -41,40 +41,50 @@ class OptimizationResult:
     seconds: float = 0.0
 
 
-def optimization_phase(
-    run: Run, step: int, batch: RolloutBatch, progress: PhaseProgress
-) -> OptimizationResult:
-    """Sequences → microbatches → π_old/π_ref → the epochs of optimizer steps → LR step → weight
-    push to the rollout engine."""
+def optimization_phase(run: Run, step: int, batch, progress: PhaseProgress) -> OptimizationResult:
+    """``batch`` (the rollout phase's ``RolloutBatch``): its trajectories → loss weights →
+    microbatches → π_old/π_ref → the epochs of optimizer steps → LR step. The weights reach the
+    rollout side afterwards, in the outline (``RolloutSide.sync_weights``)."""
     t0 = time.perf_counter()
-    cfg, rollout = run.cfg, batch.rollout
-    # loss.mask_truncated: responses that hit max_tokens leave the loss and its normalizers
-    keep = [not (cfg.loss.mask_truncated and f == "length") for f in rollout.finish_reason]
-    lengths = [len(x) for x, k in zip(rollout.response_ids, keep) if k]
-    # one collective for the global counts (token_mean needs Σ tokens over all ranks)
-    g_seqs, g_tokens, g_all_seqs, g_all_tokens = dist.all_reduce_sum(
-        [len(lengths), sum(lengths), len(keep), rollout.num_response_tokens], run.device
+    cfg, rollout, trainer = run.cfg, batch.rollout, run.trainer
+    trajectories = rollout.trajectories
+    # loss.mask_truncated: responses that hit max_tokens leave the loss and its normalizers;
+    # loss.mask_void_turns: so do responses with a turn that yielded neither a call nor an answer
+    keep = [
+        not (cfg.loss.mask_truncated and t.finish_reason == "length")
+        and not (cfg.loss.mask_void_turns and t.void_turns > 0)
+        for t in trajectories
+    ]
+    sampled = [t.num_sampled for t, k in zip(trajectories, keep) if k]
+    prompt_tokens = sum(len(t.prompt_ids) for t in trajectories)
+    # one collective for the global counts (token_mean needs Σ sampled tokens over all ranks); an sp
+    # group trains one batch (loop/sp_group.py): counted once, over the dp ranks
+    g_seqs, g_tokens, g_all_seqs, g_all_tokens, g_prompt_tokens = dist.all_reduce_sum(
+        [len(sampled), sum(sampled), len(keep), rollout.num_response_tokens, prompt_tokens],
+        run.device,
+        axis=run.world.dp,
     )
-    seqs = build_sequences(
-        rollout.prompt_ids,
-        rollout.response_ids,
-        batch.advantages,
+    trained_rows = loss_trajectories(
+        rollout,
         length_norm=cfg.loss.length_norm,
         max_length=cfg.rollout.max_tokens,
         num_sequences=int(g_seqs),
         num_tokens=g_tokens,
-        sampler_logprobs=rollout.sampler_logprobs,
         keep=keep,
     )
-    if not seqs:  # all left out (loss.mask_truncated): one zero-weight response keeps the step's shape
-        i = next(i for i, x in enumerate(rollout.response_ids) if x)
-        p = rollout.prompt_ids[i // rollout.group_size]
-        seqs = [Sequence(list(p) + list(rollout.response_ids[i]), len(p), 0.0, 0.0)]
-    options = run.loss_options()  # β now (0 with loss.kl_in_reward: the KL is in the rewards)
-    trained = sequences_with_gradient(cfg, seqs, options)
-    skipped_tokens = sum(s.n_response for s in seqs) - sum(s.n_response for s in trained)
+    if (
+        not trained_rows
+    ):  # all left out (loss.mask_truncated): one zero-weight response keeps the step's shape
+        t = next(t for t in trajectories if t.num_sampled)
+        trained_rows = [
+            Trajectory(t.prompt_ids, t.token_ids, roles=t.roles, loss_weights=torch.zeros(t.num_sampled))
+        ]
+    options = trainer.loss_options()  # β now (0 with loss.kl_in_reward: the KL is in the rewards)
+    trained = sequences_with_gradient(cfg, trained_rows, options)
+    skipped_tokens = sum(t.num_sampled for t in trained_rows) - sum(t.num_sampled for t in trained)
+    skipped_tokens *= run.world.sp.rank == 0  # the group's batch, counted by one rank (totals sum all)
     mbs = [
-        mb.to(run.device)
+        sequence_parallel.shard(mb, run.world.sp).to(run.device)  # sp: this rank's 1/N of the tokens
         for mb in make_microbatches(
             trained,
             int(cfg.train.micro_batch_size),
@@ -83,20 +93,20 @@ def optimization_phase(
             share_prompts=shares_prompts(cfg),
         )
     ]
-    ref_loss = None if cfg.loss.kl_in_reward else run.ref_loss
+    ref_loss = None if cfg.loss.kl_in_reward else trainer.ref_loss
     sft_mbs = _sft_microbatches(run, batch.examples) if cfg.sft.mix_coef > 0 else []
     # FSDP gathers every unit in every forward: each rank runs as many passes as the most any
     # rank runs (zero-weight fillers; one collective). Nothing under DDP.
-    pad_id, sharded = run.tokenizer.pad_token_id, fsdp.is_sharded(run.policy_loss)
+    pad_id, sharded = run.tokenizer.pad_token_id, fsdp.is_sharded(trainer.policy_loss)
     n_scoring, n_train = fsdp.padding_count([len(mbs), len(mbs) + len(sft_mbs)], run.device, sharded)
     fillers = fsdp.fillers(n_scoring, mbs[0], pad_id, run.device)
     mbs, extra = prepare_old_and_ref(
-        cfg, mbs, run.policy_loss, ref_loss, batch.temperature, run.scoring_options(), fillers
+        cfg, mbs, trainer.policy_loss, ref_loss, batch.temperature, trainer.scoring_options(), fillers
     )
     fillers = fsdp.fillers(n_train, mbs[0], pad_id, run.device)
     progress.phase("train", cfg.train.epochs_per_rollout_batch * (len(mbs) + len(sft_mbs)))
     stats = optimize_on_rollout(
-        run.trainer,
+        trainer,
         mbs,
         sft_mbs=sft_mbs,
         options=options,
@@ -106,14 +116,19 @@ def optimization_phase(
         on_microbatch=progress.advance_phase,
         fillers=fillers,
     )
-    lr = run.scheduler.get_last_lr()[0]
-    run.scheduler.step()
-    run.backend.update_weights(run.model, step=step)  # vllm: push + weight-sync probe (may stop the run)
-    counts = {"seqs": g_seqs, "tokens": g_tokens, "all_seqs": g_all_seqs, "all_tokens": g_all_tokens}
+    lr = trainer.scheduler.get_last_lr()[0]
+    trainer.scheduler.step()
+    counts = {
+        "seqs": g_seqs,
+        "tokens": g_tokens,
+        "all_seqs": g_all_seqs,
+        "all_tokens": g_all_tokens,
+        "prompt_tokens": g_prompt_tokens,
+    }
     return OptimizationResult(stats, counts, skipped_tokens, extra, lr, seconds=time.perf_counter() - t0)
 
 
-def sequences_with_gradient(cfg: Config, seqs: list[Sequence], options: LossOptions) -> list[Sequence]:
+def sequences_with_gradient(cfg: Config, seqs: list[Trajectory], options: LossOptions) -> list[Trajectory]:
     """The sequences the optimization phase must run (``train.skip_zero_advantage``).
 
     Where the loss says a zero advantage means a zero gradient
@@ -131,7 +146,7 @@ def sequences_with_gradient(cfg: Config, seqs: list[Sequence], options: LossOpti
     if not (cfg.train.skip_zero_advantage and options.zero_advantage_zero_gradient):
         return seqs
     kept = [s for s in seqs if s.advantage != 0.0]
-    return kept or sorted(seqs, key=lambda s: s.n_response)[:1]
+    return kept or sorted(seqs, key=lambda s: s.num_tokens)[:1]
 
 
 def prepare_old_and_ref(
@@ -150,23 +165,33 @@ def prepare_old_and_ref(
     (``policy_loss``: ``PolicyLoss``, not its DDP wrapper; ``options`` with β = 0: they read
     log-probs only), so the first epoch's ratio exp(log π − log π_old) is exactly 1 on every
     token. With ``rollout.old_logprobs=sampler``, π_old is the engine's log-probs instead (one
-    forward pass saved per rollout batch). On-policy with one epoch and no correction (the
+    forward pass saved per rollout batch; with ``rollout.max_staleness > 0`` from the first epoch,
+    where the sampler's policy is behind the trainer's). On-policy with one epoch and no correction (the
     default) nothing runs here: π_old is π itself. ``fillers`` (FSDP): zero-weight microbatches
     that get the same passes, their results dropped, so that every rank runs as many.
     """
     r = cfg.rollout
     several_epochs = cfg.loss.needs_old_logprobs(cfg.train.epochs_per_rollout_batch)
     trainer_old = r.is_correction or (several_epochs and r.old_logprobs == "trainer")
+    # rollout.max_staleness > 0: the sampler's policy is behind the trainer's even in the first
+    # epoch, so π_old = the sampler's log-probs clips the ratio from the first step on
+    sampler_old = r.old_logprobs == "sampler" and (several_epochs or r.max_staleness > 0)
     weights, raw_weights, out = [], [], []
     for mb in mbs:
         old, loss_weights, ref = mb.old_logprobs, mb.loss_weights, mb.ref_logprobs
-        if several_epochs and r.old_logprobs == "sampler":
+        if sampler_old:
             old = mb.sampler_logprobs
         elif trainer_old:
             with torch.no_grad():
                 old = policy_loss(mb, options, temperature).logprobs
         if r.is_correction:
-            raw = raw_importance_weights(old, mb.sampler_logprobs, mb.sequence_ids, level=r.is_level)
+            raw = raw_importance_weights(
+                old,
+                mb.sampler_logprobs,
+                mb.sequence_ids,
+                level=r.is_level,
+                across=sequence_parallel.across(mb),
+            )
             rho = cut_importance_weights(raw, mode=r.is_mode, cap=r.is_cap)
             loss_weights = loss_weights * rho
             weights.append(rho)
@@ -205,11 +230,12 @@ def _sft_microbatches(run: Run, examples: list) -> list[Microbatch]:
         if text is not None:
             ids = tok(text, add_special_tokens=False)["input_ids"][: cfg.rollout.max_tokens - 1]
             pairs.append((run.task.prompt_ids(ex), [*ids, tok.eos_token_id]))
-    (total,) = dist.all_reduce_sum([float(sum(len(s) for _, s in pairs))], run.device)
+    (total,) = dist.all_reduce_sum([float(sum(len(s) for _, s in pairs))], run.device, axis=run.world.dp)
     w = cfg.sft.mix_coef / max(total, 1.0)
     seqs = [Sequence(list(p) + list(s), len(p), advantage=1.0, weight=w) for p, s in pairs]
     mb_size = int(cfg.train.micro_batch_size)
-    return [mb.to(run.device) for mb in make_microbatches(seqs, mb_size, tok.pad_token_id, cfg.train.packing)]
+    mbs = make_microbatches(seqs, mb_size, tok.pad_token_id, cfg.train.packing)
+    return [sequence_parallel.shard(mb, run.world.sp).to(run.device) for mb in mbs]
 
 
 def _step_cast_cache(trainer: Trainer):
@@ -311,7 +337,7 @@ def optimize_on_rollout(
         loss_v, norm_v = torch.stack([epoch_stats.sums["loss"], grad_norm.float()]).tolist()
         bad = [not math.isfinite(loss_v), not math.isfinite(norm_v)]
         if world.enabled:  # a rank's loss is its own: every rank skips together
-            bad = [b > 0 for b in dist.all_reduce_sum([float(b) for b in bad], device)]
+            bad = [b > 0 for b in dist.all_reduce_sum([float(b) for b in bad], device, axis=None)]
         nonfinite = " and ".join(q for q, b in zip(("loss", "grad_norm"), bad) if b)
         if nonfinite:
             if logger is not None:
@@ -340,3 +366,40 @@ def optimize_on_rollout(
                     )
                 break
     return stats
+
+
+def response_kl_k1(
+    run: Run, rollout: Rollout, temperature: float
+) -> tuple[torch.Tensor, tuple[float, float]]:
+    """``loss.kl_in_reward``: each response's Σ_t k1_t = Σ_t (log π − log π_ref) over its sampled
+    tokens, ``[R]`` fp32 on the CPU, from no-grad passes of the fused op (the policy's and the
+    reference's: the trainer side's modules, which the step's finalize asks for); and (Σ k1,
+    sampled tokens) over this rank, for the metrics. Each token carries its trajectory's index
+    (``Microbatch.response_index``), so the sums land on the right response whatever the
+    microbatch order or packing."""
+    cfg, trainer = run.cfg, run.trainer
+    trajectories = rollout.trajectories
+    sums = torch.zeros(len(trajectories), dtype=torch.float64, device=run.device)
+    scored = [t for t in trajectories if t.num_sampled]
+    index = torch.tensor([i for i, t in enumerate(trajectories) if t.num_sampled], dtype=torch.long)
+    mbs = make_microbatches(
+        scored,
+        int(cfg.train.micro_batch_size),
+        run.tokenizer.pad_token_id,
+        cfg.train.packing,
+        share_prompts=shares_prompts(cfg),
+    )
+    options = trainer.scoring_options()
+    # FSDP: as many passes on every rank (zero-weight fillers); none under DDP
+    (missing,) = fsdp.padding_count([len(mbs)], run.device, fsdp.is_sharded(trainer.policy_loss))
+    with torch.no_grad():
+        for mb in mbs:
+            mb = mb.to(run.device)
+            policy = trainer.policy_loss(mb, options, temperature).logprobs
+            k1 = policy - trainer.ref_loss(mb, options, temperature).logprobs
+            sums.index_add_(0, index.to(run.device)[mb.response_index], k1.double())
+        for filler in fsdp.fillers(missing, None, run.tokenizer.pad_token_id, run.device):
+            trainer.policy_loss(filler, options, temperature)
+            trainer.ref_loss(filler, options, temperature)
+    sums = sums.float().cpu()  # host-device sync, once per step
+    return sums, (sums.sum().item(), float(sum(t.num_sampled for t in scored)))

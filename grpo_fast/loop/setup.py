@@ -11,14 +11,15 @@ import copy
 import dataclasses
 import functools
 import json
+import os
 import random
 from pathlib import Path
 
 import numpy as np
 import torch
 
-from grpo_fast import dist
-from grpo_fast.algo.core import AdaptiveKLController
+from grpo_fast import dist, threads
+from grpo_fast.algo.control import AdaptiveKLController
 from grpo_fast.algo.difficulty import PassRateTable
 from grpo_fast.algo.prompt_sampler import PromptSampler
 from grpo_fast.config import Config
@@ -26,13 +27,13 @@ from grpo_fast.errors import ConfigError
 from grpo_fast.loop.checkpointing import restore, stop_within
 from grpo_fast.loop.optim import build_optimizer, build_scheduler
 from grpo_fast.loop.sft import sft_warm_start
-from grpo_fast.loop.state import Run, Trainer, TrainState
+from grpo_fast.loop.state import RolloutSide, Run, Trainer, TrainState
 from grpo_fast.loop.step_end import evaluate_run
 from grpo_fast.obs import eta, run_folder
 from grpo_fast.obs.health import HealthMonitor, HealthThresholds
 from grpo_fast.obs.metrics import MetricsLogger
 from grpo_fast.policy import checkpoint as ckpt
-from grpo_fast.policy import fsdp
+from grpo_fast.policy import fsdp, ulysses
 from grpo_fast.policy.batch import Sequence, make_microbatches
 from grpo_fast.policy.lora import AdapterOffLoss, is_lora, trainable_counts
 from grpo_fast.policy.loss import PolicyLoss, build_policy_loss
@@ -40,6 +41,7 @@ from grpo_fast.policy.model import autocast_dtype, load_policy, load_tokenizer, 
 from grpo_fast.rollout import BackendContext, backend, make_backend
 from grpo_fast.task import tiny
 from grpo_fast.task.loader import Task, load_task
+from grpo_fast.task.registry import task as task_spec
 from grpo_fast.tools import plan
 
 
@@ -66,25 +68,30 @@ def setup(cfg: Config, device: torch.device, world: dist.DistInfo, out: Path, en
     tokenizer = load_tokenizer(cfg.model.name_or_path)
     task.tokenizer = tokenizer
     model, warm_base = _load_model(cfg, out, tokenizer, device, world)
+    if world.sp.enabled:  # heads that do not divide, a model outside the attention interface: one line now
+        ulysses.check_model(model, world.sp.size)
     amp = autocast_dtype(cfg, device)
-    _announce_plan(cfg, world, logger, device)  # what the run will do, once its inputs have loaded
-    asked, cfg = cfg, plan.resolve_auto(cfg, model.config, device, world.world_size)
-    cfg, clamped = plan.clamp_micro_batch(cfg, world.world_size)
+    cpu_threads = _set_threads(cfg, model, device)  # before the plan: its time estimate counts them
+    _announce_plan(cfg, world, logger, device, cpu_threads)  # what the run will do, its inputs loaded
+    asked, cfg = cfg, plan.resolve_auto(cfg, model.config, device, world.dp.size)
+    cfg, clamped = plan.clamp_micro_batch(cfg, world.dp.size)  # an sp group trains its dp rank's batch
     if clamped:
         logger.event(clamped)
     n_prompts = cfg.rollout.batch_size // cfg.rollout.group_size
-    if n_prompts % world.world_size:
+    if n_prompts % world.ranks.size:  # each rank generates its share (under sequence parallelism too)
         raise ConfigError(
             f"rollout.batch_size / rollout.group_size = {n_prompts} prompts per step do not split "
-            f"evenly over {world.world_size} ranks"
+            f"evenly over {world.ranks.size} ranks"
         )
     resume_from = ckpt.latest_checkpoint(out / "checkpoints") if cfg.resume else None
     sft_from = run_folder.resumable(out) if cfg.resume and resume_from is None else None  # a warm start's
-    if world.is_main:  # config.yaml: the run's config; a resume adds a dated line of what it changed
+    autos = None
+    if world.is_main:  # config.yaml: the run's config; a resume adds a dated line once it has loaded
         seen = {"device": str(device), "model.dtype": str(next(model.parameters()).dtype).split(".")[-1]}
         seen["train.mixed_precision"] = {torch.bfloat16: "bf16", torch.float16: "fp16"}.get(amp, "no")
         autos = run_folder.resolved_from_auto(asked, cfg, seen)
-        run_folder.record_config(out, cfg, resume_from or sft_from, autos)
+        if resume_from is None:
+            run_folder.record_config(out, cfg, sft_from, autos)
     if cfg.resume and resume_from is None and sft_from is None:
         logger.event(f"resume=true but {out / 'checkpoints'} holds no checkpoint: starting from scratch")
     sft_steps = 0
@@ -95,16 +102,19 @@ def setup(cfg: Config, device: torch.device, world: dist.DistInfo, out: Path, en
     if warm_base:  # the warm start made the base (sft.target=base): it is frozen, the adapter goes on it
         model = _adapter_on_warm_base(cfg, model, out, tokenizer, device, world, sft_steps)
     run = _build_run(cfg, device, world, out, logger, task, tokenizer, model, amp)
-    run.sft_steps, run.local_prompts = sft_steps, n_prompts // world.world_size
+    run.sft_steps, run.rollout.prompts_per_rank = sft_steps, n_prompts // world.ranks.size
     if resume_from is not None:
-        restore(run, resume_from)
-        logger.truncate_after(run.state.step)
-        logger.event(f"resumed from {resume_from} at step {run.state.step}")
+        restore(run, resume_from)  # a refusal here (another world size, ...) leaves config.yaml as it was
+        if world.is_main:
+            run_folder.record_config(out, cfg, resume_from, autos)
+        logger.truncate_after(run.trainer.state.step)
+        logger.event(f"resumed from {resume_from} at step {run.trainer.state.step}")
         sft_steps = run.sft_steps  # the run's warm start, for a step-0 row not written yet
-    run.backend = _make_backend(run, engine)
+    with stop_within(run, run.trainer.state.step, "the rollout engine's start"):  # the warm start kept
+        run.rollout.backend = _make_backend(run, engine)
 
     model_row = _announce_trainable(run)
-    if run.state.step == 0 and cfg.eval_every and run.eval_subset and not logger.has_row(0):
+    if run.trainer.state.step == 0 and cfg.eval_every and run.eval_subset and not logger.has_row(0):
         with stop_within(run, 0, "the evaluation before GRPO"):  # a signal: the warm start kept
             row = evaluate_run(run, 0, full=False)
         logger.log(0, {**row, "sft/steps": sft_steps, "world_size": world.world_size, **model_row})
@@ -169,7 +179,7 @@ def _lora_base(cfg: Config, out: Path, tokenizer, world: dist.DistInfo) -> str |
     folder = out / "base"
     if cfg.model.lora.r and (folder / "config.json").is_file():  # made by this run's warm start, or before
         return str(folder.resolve())
-    if not (cfg.model.lora.r and cfg.model.name_or_path == tiny.BUILTIN_NAME):
+    if not (cfg.model.lora.r and cfg.model.name_or_path in tiny.BUILTINS):
         return None
     if world.is_main and not (folder / "config.json").is_file():
         base = tiny.build_model(tokenizer, seed=cfg.seed)
@@ -186,6 +196,8 @@ def _build_run(cfg, device, world, out, logger, task, tokenizer, model, amp) -> 
     # LoRA it is the same model with the adapter off: no second copy.
     ref_model = ref_loss = None
     lora = is_lora(model)
+    if world.sp.enabled:  # attention by all-to-all over the sp group (the KL reference's too)
+        ulysses.enable(model, world.sp.size)
     policy_loss = build_policy_loss(cfg, model, amp)
     if (cfg.loss.beta > 0 or kl_ctl is not None) and lora:
         ref_loss = AdapterOffLoss(policy_loss)
@@ -224,26 +236,51 @@ def _build_run(cfg, device, world, out, logger, task, tokenizer, model, amp) -> 
         tokenizer=tokenizer,
         model=model,
         amp=amp,
-        trainer=Trainer(policy, optimizer, params, cfg, world, device, sft_loss),
-        scheduler=build_scheduler(cfg, optimizer),
-        policy_loss=policy_loss,
-        ref_model=ref_model,
-        ref_loss=ref_loss,
-        sampler=sampler,
+        trainer=Trainer(
+            policy,
+            optimizer,
+            params,
+            cfg,
+            world,
+            device,
+            sft_loss,
+            scheduler=build_scheduler(cfg, optimizer),
+            policy_loss=policy_loss,
+            ref_model=ref_model,
+            ref_loss=ref_loss,
+            kl_ctl=kl_ctl,
+            state=TrainState(beta=cfg.loss.beta, entropy_coef=_entropy_coef_start(cfg)),
+        ),
+        rollout=RolloutSide(backend=None, sampler=sampler, pass_rates=pass_rates),
         health=HealthMonitor(HealthThresholds(**thresholds)),
-        kl_ctl=kl_ctl,
-        state=TrainState(beta=cfg.loss.beta, entropy_coef=_entropy_coef_start(cfg)),
         eval_subset=task.eval_subset(cfg.data.eval_subset_size, cfg.seed),
-        pass_rates=pass_rates,
     )
 
 
-def _announce_plan(cfg: Config, world: dist.DistInfo, logger, device: torch.device) -> None:
+def _set_threads(cfg: Config, model: torch.nn.Module, device: torch.device) -> str:
+    """torch's intra-op threads for this run (``grpo_fast.threads.choose_threads``: the machine's
+    cores shared among this machine's ranks, its load, the model's hidden size); returns what the
+    plan line says of them, e.g. ``1 CPU thread (auto: a small model (hidden 128), 2 cores, load
+    0.3), OpenMP wait passive``."""
+    local_ranks = max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))  # torchrun's, on this machine
+    cores = max(1, threads.usable_cores() // local_ranks)
+    hidden = getattr(getattr(model, "config", None), "hidden_size", None)
+    choice = threads.choose_threads(cfg.threads.intra_op, device.type, hidden, cores, threads.load_average())
+    if choice is not None:
+        torch.set_num_threads(choice.threads)
+    n = torch.get_num_threads()
+    why = choice.why if choice is not None else "torch's default"
+    return f"{n} CPU thread{'s' if n > 1 else ''} ({why}), OpenMP wait {threads.wait_policy_in_effect()}"
+
+
+def _announce_plan(
+    cfg: Config, world: dist.DistInfo, logger, device: torch.device, cpu_threads: str = ""
+) -> None:
     """One line, before the run starts: the warm start, the GRPO steps, the evaluations, and
-    about how long it takes on this machine (``grpo_fast.obs.eta``)."""
+    about how long it takes on this machine (``grpo_fast.obs.eta``); then ``cpu_threads``."""
     s, r = cfg.sft, cfg.rollout
     first = ""
-    if cfg.resume:
+    if cfg.resume and run_folder.resumable(Path(cfg.output_dir)) is not None:  # else: a fresh start
         first = f"continue the run in {cfg.output_dir} from its latest checkpoint, then "
     elif s.steps > 0:
         until = ""
@@ -254,10 +291,26 @@ def _announce_plan(cfg: Config, world: dist.DistInfo, logger, device: torch.devi
             )
         first = f"an SFT warm start of up to {s.steps} steps{until}, then "
     grpo = f"GRPO to step {cfg.steps}, {r.batch_size // r.group_size} prompts × {r.group_size} responses each"
-    evals = f", an evaluation every {cfg.eval_every} steps" if cfg.eval_every else ""
+    evals = f", an evaluation every {cfg.eval_every} steps{_eval_source(cfg)}" if cfg.eval_every else ""
     ranks = f", on {world.world_size} ranks" if world.enabled else ""
     if world.is_main:  # the other ranks print nothing
-        logger.event(f"plan: {first}{grpo}{evals}{ranks}; {eta.plan_estimate(cfg, device, world.world_size)}")
+        threads_note = f"; {cpu_threads}" if cpu_threads else ""  # before the estimate, which ends the line
+        logger.event(
+            f"plan: {first}{grpo}{evals}{ranks}{threads_note}; {eta.plan_estimate(cfg, device, world.world_size)}"
+        )
+
+
+def _eval_source(cfg: Config) -> str:
+    """Where the evaluations' problems come from, when the training problems are the user's own
+    file (``data.train_path``) and ``data.eval_path`` is not set: easy to miss, so the plan says it."""
+    d = cfg.data
+    if not d.train_path or d.eval_path:
+        return ""
+    spec = task_spec(d.task)
+    where = (
+        "the built-in eval problems" if spec.builtin else f"{d.hub_name or spec.hub_name} [{spec.eval_split}]"
+    )
+    return f" on {where} (data.eval_path is not set)"
 
 
 def _entropy_coef_start(cfg: Config) -> float | None:
@@ -316,7 +369,7 @@ def _make_backend(run: Run, engine):
         ctx.model_path = getattr(model, "module", model).peft_config["default"].base_model_name_or_path
     elif engine is None and (cfg.model.name_or_path.startswith("builtin:") or run.sft_steps > 0):
         model_path = run.out / "rollout_init"
-        if fsdp.is_sharded(run.policy_loss):
+        if fsdp.is_sharded(run.trainer.policy_loss):
             fsdp.save_full_model(model, tokenizer, model_path, world.is_main, vllm_dtype(model, run.amp))
         elif world.is_main:
             ckpt.save_pretrained_atomic(model, tokenizer, model_path, dtype=vllm_dtype(model, run.amp))
@@ -325,14 +378,14 @@ def _make_backend(run: Run, engine):
     # The probe: a fixed, real sequence of this task (the first eval problem and its answer).
     ex = (run.task.eval or run.task.train)[0]
     probe_ids = run.task.prompt_ids(ex) + tokenizer(ex.answer, add_special_tokens=False)["input_ids"]
-    options = run.scoring_options()
+    options = run.trainer.scoring_options()
 
     def trainer_logprobs(token_ids: list[int]) -> torch.Tensor:
         seq = Sequence(tokens=list(token_ids), n_prompt=1, advantage=0.0, weight=0.0)
         mb = make_microbatches([seq], 1, tokenizer.pad_token_id, packing=False)[0].to(run.device)
         with torch.no_grad():
             # the fused op, as the loss computes them; the full vocabulary's, as vLLM's prompt log-probs
-            return run.policy_loss(mb, options, 1.0, truncated=False).logprobs
+            return run.trainer.policy_loss(mb, options, 1.0, truncated=False).logprobs
 
     ctx.probe = WeightSyncProbe(probe_ids, trainer_logprobs, weight_sync_tolerance(cfg, model, run.amp))
     return make_backend(ctx)

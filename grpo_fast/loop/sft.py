@@ -1,4 +1,6 @@
-"""A supervised warm start before GRPO: NLL of ``answer + EOS`` given the prompt.
+"""A supervised warm start before GRPO: NLL of ``answer + EOS`` given the prompt (a task may ask
+for its worked solutions instead, ``TaskSpec.warm_start``; with ``rollout.environment`` they are
+demonstrations whose tool outputs are inserted as in a rollout, context and never targets).
 
 Like a real run starts from a pretrained base model, the tiny task starts from a model that
 solves some of its problems: GRPO needs groups with mixed rewards to learn anything.
@@ -37,9 +39,10 @@ from grpo_fast.loop import preempt
 from grpo_fast.loop.checkpointing import load_sft_progress, remove_sft_progress, save_sft_progress
 from grpo_fast.loop.optim import lora_lr_scale
 from grpo_fast.obs.metrics import PhaseProgress, format_eta
-from grpo_fast.policy.batch import build_sequences, make_microbatches
+from grpo_fast.policy.batch import assign_loss_weights, make_microbatches
 from grpo_fast.policy.lora import is_lora
 from grpo_fast.policy.loss import PolicyLoss
+from grpo_fast.rollout import Trajectory, multi_turn
 
 
 def sft_warm_start(
@@ -62,7 +65,10 @@ def sft_warm_start(
     s = cfg.sft
     rng = random.Random(cfg.seed + 1)
     check_set = random.Random(cfg.seed + 2).sample(task.train, min(s.check_size, len(task.train)))
-    checker = HFBackend(model, tokenizer, generation_batch_size=max(len(check_set), 1), autocast_dtype=amp)
+    tools = multi_turn.from_config(cfg, tokenizer)  # rollout.environment: demonstrations and checks use it
+    checker = HFBackend(
+        model, tokenizer, generation_batch_size=max(len(check_set), 1), autocast_dtype=amp, tools=tools
+    )
     lr = s.lr * (lora_lr_scale(cfg) if is_lora(model) else 1.0)  # a warm start on the adapter: its lr
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=lr, weight_decay=0.0)
     policy = PolicyLoss(model, autocast=amp, backend=cfg.loss.kernel_backend)
@@ -78,11 +84,8 @@ def sft_warm_start(
         for step in range(start + 1, s.steps + 1):
             batch = [task.train[rng.randrange(len(task.train))] for _ in range(s.batch_size)]
             prompts = [task.prompt_ids(e) for e in batch]
-            eos = [tokenizer.eos_token_id]
-            answers = [tokenizer(e.answer, add_special_tokens=False)["input_ids"] + eos for e in batch]
-            seqs = build_sequences(
-                prompts, answers, torch.ones(len(batch)), length_norm="sequence_mean", max_length=1
-            )
+            seqs = _targets(task, batch, prompts, tokenizer, tools, cfg.rollout.max_tokens)
+            assign_loss_weights(seqs, length_norm="sequence_mean", max_length=1)
             nll = 0.0
             for mb in make_microbatches(seqs, len(seqs), tokenizer.pad_token_id, packing=False):
                 mb = mb.to(device)
@@ -121,6 +124,21 @@ def sft_warm_start(
     if out_dir is not None:
         remove_sft_progress(out_dir)  # done: a resume now starts from GRPO's checkpoints
     return step
+
+
+def _targets(task, batch, prompts, tokenizer, tools, max_tokens: int) -> list[Trajectory]:
+    """The warm start's sequences: ``task.warm_start_text`` + EOS after each prompt, every token a
+    label; with a tool environment the text is a demonstration, run through it
+    (``multi_turn.demonstrations``): the tool's outputs are inserted tokens, context only."""
+    texts = [task.warm_start_text(e) for e in batch]
+    if tools is not None:
+        seqs = multi_turn.demonstrations(tools, prompts, texts, max_tokens)
+        for t in seqs:
+            t.advantage = 1.0
+        return seqs
+    eos = [tokenizer.eos_token_id]
+    answers = [tokenizer(text, add_special_tokens=False)["input_ids"] + eos for text in texts]
+    return [Trajectory.single_turn(p, a, advantage=1.0) for p, a in zip(prompts, answers)]
 
 
 def _sft_log(out_dir: Path | None, start: int):

@@ -1,10 +1,13 @@
-"""The run's state: what setup built (``Run``, fixed after it), the optimizer side (``Trainer``),
-and what changes from step to step (``TrainState``, changed only by its methods).
+"""The run's state, in two sides: the trainer side (``Trainer``: the loss module, optimizer,
+schedule, reference, KL controller, and ``TrainState``, what changes from step to step) and the
+rollout side (``RolloutSide``: the backend, the prompt sampler, the pass-rate table); ``Run``
+holds both and what setup loaded (fixed after it).
 
-The stateful helpers a run holds (the prompt sampler, the health monitor, the KL controller, the
-pass-rate table) change through their own methods, in the phase that owns them: the rollout
-phase draws prompts and updates the pass rates, the loop's outline updates β, the end of the
-step updates the health monitor.
+Each side changes only through named transitions: the producer draws prompts
+(``RolloutSide.draw``), the step's finalize records pass rates (``record_pass_rates``), the
+outline pushes weights between the sides (``sync_weights``) and updates β, the entropy
+coefficient and the step counter (``TrainState``'s methods); the end of the step updates the
+health monitor.
 """
 
 from __future__ import annotations
@@ -16,7 +19,7 @@ from pathlib import Path
 import torch
 
 from grpo_fast import dist
-from grpo_fast.algo.core import AdaptiveKLController, adaptive_entropy_coef, applied_entropy_coef
+from grpo_fast.algo.control import AdaptiveKLController, adaptive_entropy_coef, applied_entropy_coef
 from grpo_fast.algo.difficulty import PassRateTable
 from grpo_fast.algo.loss_options import LossOptions
 from grpo_fast.algo.prompt_sampler import PromptSampler
@@ -81,8 +84,12 @@ class TrainState:
 
 @dataclass
 class Trainer:
-    """What the optimization phase works with: the loss module (``PolicyLoss``, DDP-wrapped when
-    data parallel), the optimizer and its trainable parameters, and where it runs."""
+    """The trainer side of a run: what the optimization phase works with and the state only it
+    changes. The loss module (``PolicyLoss``, DDP-wrapped when data parallel), the optimizer and
+    its trainable parameters, where it runs; the LR schedule, the reference policy, the KL
+    controller and ``state`` (``TrainState``: changed by its methods, at the end of each step).
+
+    Tests and benchmarks that drive ``optimize_on_rollout`` give the first six fields only."""
 
     policy: torch.nn.Module
     optimizer: torch.optim.Optimizer
@@ -92,12 +99,70 @@ class Trainer:
     device: torch.device = field(default_factory=lambda: torch.device("cpu"))
     # sft.mix_coef > 0: the plain NLL module on the same model (the supervised microbatches)
     sft_loss: torch.nn.Module | None = None
+    scheduler: torch.optim.lr_scheduler.LRScheduler | None = None
+    policy_loss: torch.nn.Module | None = None  # PolicyLoss itself (no DDP): no-grad passes, the probe
+    ref_model: torch.nn.Module | None = None
+    ref_loss: torch.nn.Module | None = None
+    kl_ctl: AdaptiveKLController | None = None
+    state: TrainState = field(default_factory=TrainState)
+
+    def loss_options(self) -> LossOptions:
+        """This step's loss options: ``loss.*`` with the current β (0 with ``loss.kl_in_reward``:
+        the KL is in the rewards then) and, with ``loss.entropy_target``, the adaptive entropy
+        coefficient (0 while the last step's entropy was above the target)."""
+        lo, s = self.cfg.loss, self.state
+        options = lo.loss_options().with_beta(0.0 if lo.kl_in_reward else s.beta)
+        if s.entropy_coef is None:
+            return options
+        return options.with_entropy_coef(
+            applied_entropy_coef(s.entropy_coef, s.entropy_last, lo.entropy_target)
+        )
+
+    def scoring_options(self) -> LossOptions:
+        """The options of the no-grad passes that only read log-probs (π_old, π_ref, the KL in
+        the reward, the weight-sync probe): ``loss.*`` with β = 0, so that no reference is needed."""
+        return self.cfg.loss.loss_options().with_beta(0.0)
+
+
+@dataclass
+class RolloutSide:
+    """The rollout side of a run: what the producer owns and changes. The backend (and the
+    weights it was last given), the prompt sampler's position and the per-prompt pass rates,
+    each changed only by the transitions below; nothing here reaches the trainer."""
+
+    backend: object
+    sampler: PromptSampler
+    pass_rates: PassRateTable | None = None  # per-prompt pass rates, when an option uses them
+    prompts_per_rank: int = 0  # prompts per step each rank generates (dist.DistInfo.ranks)
+    # a pipelined run's in-flight work as its checkpoint recorded it (grpo_fast.loop.pipeline:
+    # the jobs after the checkpoint's step, the weights of the versions they sample with); None
+    # for a fresh run or a lockstep checkpoint
+    in_flight: dict | None = None
+
+    def draw(self, step: int, dp: dist.Axis) -> list[int]:
+        """This rank's prompts of ``step`` (indices into the training set), ``dp`` the axis they
+        split over (``DistInfo.ranks``: every rank): every rank draws the whole step's prompts from
+        its copy of the sampler (the same on all), then takes its share; no communication."""
+        n = self.prompts_per_rank
+        return self.sampler.next(n * dp.size, step=step)[dp.rank * n : (dp.rank + 1) * n]
+
+    def record_pass_rates(self, groups: list[tuple[list[int], list[list[float]]]]) -> None:
+        """The pass-rate table sees every rank's scored groups (``(indices,
+        per-group correctness)`` per rank, gathered by the step): the tables stay equal."""
+        if self.pass_rates is not None:
+            for indices, correct in groups:
+                self.pass_rates.update(indices, correct)
+
+    def sync_weights(self, model: torch.nn.Module, step: int) -> None:
+        """The backend gets the weights of optimizer step ``step`` (vllm: push + weight-sync
+        probe, which may stop the run; hf: nothing to move, it samples from ``model``)."""
+        self.backend.update_weights(model, step=step)
 
 
 @dataclass
 class Run:
     """One training run from setup to the final model: what setup loaded and built (fixed after
-    it), the stateful helpers, and ``state``."""
+    it), the two sides (``trainer``, ``rollout``) and the run-wide helpers."""
 
     cfg: Config
     device: torch.device
@@ -109,19 +174,13 @@ class Run:
     model: torch.nn.Module
     amp: torch.dtype | None
     trainer: Trainer
-    scheduler: torch.optim.lr_scheduler.LRScheduler
-    policy_loss: torch.nn.Module  # PolicyLoss itself (no DDP): the no-grad passes and the probe
-    ref_model: torch.nn.Module | None
-    ref_loss: torch.nn.Module | None
-    sampler: PromptSampler
+    rollout: RolloutSide
     health: HealthMonitor
-    kl_ctl: AdaptiveKLController | None
-    state: TrainState
     eval_subset: list
-    backend: object = None  # the rollout backend (set last by setup: it needs the rest)
-    pass_rates: PassRateTable | None = None  # per-prompt pass rates, when an option uses them
     sft_steps: int = 0
-    local_prompts: int = 0  # prompts per step on this rank
+    # the pipeline while a pipelined run trains (grpo_fast.loop.pipeline.Pipeline): what its
+    # checkpoints record of the producer's side; None in lockstep
+    pipeline: object | None = None
 
     @property
     def ckpt_root(self) -> Path:
@@ -133,22 +192,4 @@ class Run:
         no-op otherwise (a backend with its own weights, vllm, needs none of the trainer's)."""
         if backend(self.cfg.rollout.backend).needs_weight_push:
             return fsdp.gathered(None)
-        return fsdp.gathered(self.policy_loss)
-
-    def loss_options(self) -> LossOptions:
-        """This step's loss options: ``loss.*`` with the current β (0 with ``loss.kl_in_reward``:
-        the KL is in the rewards then) and, with ``loss.entropy_target``, the adaptive entropy
-        coefficient (0 while the last step's entropy was above the target)."""
-        lo = self.cfg.loss
-        options = lo.loss_options().with_beta(0.0 if lo.kl_in_reward else self.state.beta)
-        if self.state.entropy_coef is None:
-            return options
-        s = self.state
-        return options.with_entropy_coef(
-            applied_entropy_coef(s.entropy_coef, s.entropy_last, lo.entropy_target)
-        )
-
-    def scoring_options(self) -> LossOptions:
-        """The options of the no-grad passes that only read log-probs (π_old, π_ref, the KL in
-        the reward, the weight-sync probe): ``loss.*`` with β = 0, so that no reference is needed."""
-        return self.cfg.loss.loss_options().with_beta(0.0)
+        return fsdp.gathered(self.trainer.policy_loss)

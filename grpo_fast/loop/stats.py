@@ -9,11 +9,12 @@ recomputes what the op computed. The sums stay on the device until the end of th
 from __future__ import annotations
 
 import math
+import time
 
 import torch
 
 from grpo_fast import dist
-from grpo_fast.algo.core import GRPOLossOutput, kl_penalty
+from grpo_fast.algo.token_loss import GRPOLossOutput, kl_penalty
 from grpo_fast.obs.metrics import gpu_stats, peak_memory_gb
 from grpo_fast.policy.batch import Microbatch
 
@@ -92,13 +93,15 @@ class StepStats:
         return dict(zip(FIELDS, torch.stack([self.sums[k] for k in FIELDS]).tolist()))  # sync
 
     def kl_to_old(self, world: dist.DistInfo, device: torch.device) -> float:
-        s = dict(zip(FIELDS, dist.all_reduce_sum(list(self._values().values()), device)))
+        s = dict(zip(FIELDS, dist.all_reduce_sum(list(self._values().values()), device, axis=world.ranks)))
         return s["kl_old"] / max(s["tokens"], 1.0)
 
     def global_totals(
         self, world, device, raw_rewards, rollout, reward_meta, skipped_tokens: int = 0
     ) -> dict:
-        """The step's totals over all ranks (one all-reduce), as means where they are means."""
+        """The step's totals over all ranks (one all-reduce), as means where they are means. Every
+        rank's figures are its own: its rollout (under sequence parallelism too, ``loop/sp_group.py``)
+        and the training tokens it held (an sp rank: its slice of each sequence)."""
         r = raw_rewards.double()
         n = len(raw_rewards)
         acc = reward_meta.get("answer_reward_mean", float((raw_rewards == 1).float().mean().item()))
@@ -121,7 +124,7 @@ class StepStats:
             k[: -len("_mean")] for k in reward_meta if k.startswith("reward/") and k.endswith("_mean")
         )
         local.update({f"part:{p}": reward_meta[f"{p}_mean"] * n for p in parts})
-        g = dict(zip(local, dist.all_reduce_sum(list(local.values()), device)))
+        g = dict(zip(local, dist.all_reduce_sum(list(local.values()), device, axis=world.ranks)))
         return _means(
             g, parts, self.has_ref, "kl_reward_sum" in reward_meta, rollout.sampler_logprobs is not None
         )
@@ -165,12 +168,28 @@ def _means(g: dict, parts: list[str], has_ref: bool, kl_in_reward: bool, has_sam
     }
 
 
+def close_step(run, step: int, batch, result, started: float) -> dict[str, float]:
+    """After step ``step``'s optimizer step (``batch`` the rollout phase's ``RolloutBatch``,
+    ``result`` the optimization phase's): its totals over all ranks (one all-reduce), the adaptive
+    β and entropy coefficient, the step counter; returns the metrics row (``started``: the step's
+    ``perf_counter`` start, for ``time/step_s``)."""
+    cfg, state = run.cfg, run.trainer.state
+    totals = result.stats.global_totals(
+        run.world, run.device, batch.raw_rewards, batch.rollout, batch.reward_meta, result.skipped_tokens
+    )
+    if run.trainer.kl_ctl is not None:  # β follows the KL it penalizes (in the loss, or in the rewards)
+        state.set_beta(run.trainer.kl_ctl.update(totals["kl"], int(result.counts["seqs"])))
+    if cfg.loss.entropy_target is not None:  # the entropy coefficient follows the mean entropy
+        state.update_entropy_coef(totals["entropy"], cfg.loss)  # (all ranks' mean: one value)
+    state.finish_step(step, applied=not result.stats.nonfinite)
+    return step_metrics(run, step, batch, result, totals, time.perf_counter() - started)
+
+
 def step_metrics(run, step: int, batch, result, totals: dict, step_s: float) -> dict[str, float]:
     """The step's metrics row from its totals (``StepStats.global_totals``); reads the run's state
     (β after this step's update), changes nothing."""
-    cfg, world, device = run.cfg, run.world, run.device
+    cfg, world, device, state = run.cfg, run.world, run.device, run.trainer.state
     c = result.counts
-    prompt_tokens = sum(map(len, batch.rollout.prompt_ids)) * batch.rollout.group_size * world.world_size
     return {
         "train/loss": totals["loss"],
         "train/reward_mean": totals["reward_mean"],
@@ -182,7 +201,7 @@ def step_metrics(run, step: int, batch, result, totals: dict, step_s: float) -> 
         "train/truncated_fraction": totals["truncated"],
         "train/zero_variance_fraction": totals["zero_variance"],
         "train/skipped_fraction": totals["skipped"],
-        **_reward_errors(cfg, batch.reward_fn, device),
+        **_reward_errors(cfg, batch.reward_fn, device, world.ranks),
         "train/grad_norm": result.stats.grad_norm,
         "train/clip_fraction": totals["clip_fraction"],
         "train/clip_fraction_low": totals["clip_fraction_low"],  # clipped with r < 1
@@ -193,32 +212,34 @@ def step_metrics(run, step: int, batch, result, totals: dict, step_s: float) -> 
         # the top_entropy_quantile threshold, mean over microbatches (0 when off)
         "train/entropy_threshold": totals["entropy_threshold"],
         "train/kl": totals["kl"],
-        "train/beta": run.state.beta,
+        "train/beta": run.trainer.state.beta,
         # loss.entropy_target: the adaptive coefficient after this step's update
-        **({"train/entropy_coef": run.state.entropy_coef} if run.state.entropy_coef is not None else {}),
+        **({"train/entropy_coef": state.entropy_coef} if state.entropy_coef is not None else {}),
         "train/lr": result.lr,
         "train/temperature": batch.temperature,
         "time/rollout_s": batch.seconds,
         "time/train_s": result.seconds,
         "time/step_s": step_s,
         "memory/peak_gb": peak_memory_gb(device),
-        "throughput/tokens_per_s": (c["all_tokens"] + prompt_tokens) / step_s,
+        "throughput/tokens_per_s": (c["all_tokens"] + c["prompt_tokens"]) / step_s,
         "world_size": world.world_size,
         **totals["reward_parts"],
         **totals["sft"],  # sft.mix_coef: the supervised term's per-token NLL (not in train/loss)
-        **_rollout_metrics(run.backend, totals),
+        **_rollout_metrics(run.rollout.backend, totals),
         **batch.extra,
         **result.extra,
         **gpu_stats(device),
     }
 
 
-def _reward_errors(cfg, reward_fn, device: torch.device) -> dict[str, float]:
+def _reward_errors(cfg, reward_fn, device: torch.device, axis: dist.Axis) -> dict[str, float]:
     """``train/reward_errors``: responses scored 0 because the reward function failed, over all
     ranks (with ``data.reward_errors=zero`` only: otherwise the first failure stopped the run)."""
     if cfg.data.reward_errors != "zero":
         return {}
-    return {"train/reward_errors": dist.all_reduce_sum([reward_fn.errors], device)[0]}  # host-device sync
+    return {
+        "train/reward_errors": dist.all_reduce_sum([reward_fn.errors], device, axis=axis)[0]
+    }  # host-device sync
 
 
 def _rollout_metrics(backend, totals: dict) -> dict[str, float]:

@@ -17,15 +17,15 @@ from pathlib import Path
 import torch
 
 from grpo_fast import dist
-from grpo_fast.errors import Preempted, TrainingStopped
+from grpo_fast.errors import EngineError, Preempted, TrainingStopped
 from grpo_fast.loop import preempt
-from grpo_fast.loop.checkpointing import save_checkpoint
+from grpo_fast.loop.checkpointing import engine_stopped, save_checkpoint
 from grpo_fast.loop.state import Run
 from grpo_fast.obs.metrics import PhaseProgress
 from grpo_fast.policy import checkpoint as ckpt
 from grpo_fast.policy import fsdp
 from grpo_fast.policy.lora import is_lora, merged_model
-from grpo_fast.tools.evaluate import evaluate
+from grpo_fast.tools.evaluate import evaluate, tool_record
 
 
 def evaluate_run(run: Run, step: int, full: bool, progress: PhaseProgress | None = None) -> dict[str, float]:
@@ -34,11 +34,11 @@ def evaluate_run(run: Run, step: int, full: bool, progress: PhaseProgress | None
     examples = run.task.eval if full else run.eval_subset
     preempt.check_unit()  # a signal before it began: not a chunk of it
     if progress is not None:
-        progress.phase("eval", len(examples[run.world.rank :: run.world.world_size]))
+        progress.phase("eval", len(examples[run.world.dp.rank :: run.world.dp.size]))
     advance = preempt.unit_callback(progress.advance_phase if progress is not None else None)
-    with run.generation_weights():
+    with run.generation_weights(), preempt.rewards_abandonable():  # a reward that hangs: Interrupt
         metrics, records = evaluate(
-            run.backend, run.task, examples, run.cfg, run.device, world=run.world, progress=advance
+            run.rollout.backend, run.task, examples, run.cfg, run.device, world=run.world, progress=advance
         )
     if run.world.is_main:
         n = run.cfg.logging.samples_per_dump
@@ -71,8 +71,14 @@ def end_of_step(run: Run, step: int, batch, result, row: dict, progress: PhasePr
             row["time/eval_full_s"] = time.perf_counter() - t0
     except preempt.Interrupt as stop:
         cut = stop.signum
+    except EngineError as exc:  # the engine apart died during the evaluation: the row without it
+        run.logger.log(step, row)
+        progress.step_done()
+        raise engine_stopped(run, step, exc, f"step {step}'s evaluation (the step's row has none)") from None
     if run.world.is_main and cfg.logging.sample_every and step % cfg.logging.sample_every == 0:
-        records = _sample_records(run.task, batch.examples, batch.rollout, cfg)
+        records = _sample_records(
+            run.task, batch.rollout, cfg.logging.samples_per_dump, tools=cfg.rollout.environment != "none"
+        )
         _dump_samples(out / "samples" / f"step_{step}.jsonl", records)
     run.logger.log(step, row)
     run.logger.summary(step, cfg.steps, row)
@@ -98,7 +104,7 @@ def end_of_step(run: Run, step: int, batch, result, row: dict, progress: PhasePr
 def _stop_after_nonfinite_steps(run: Run, step: int, what: str) -> None:
     """``TrainingStopped`` after ``train.max_nonfinite_steps`` steps in a row whose update was
     not applied (``TrainState.nonfinite_run``); ``what``: this step's non-finite quantities."""
-    limit, n = run.cfg.train.max_nonfinite_steps, run.state.nonfinite_run
+    limit, n = run.cfg.train.max_nonfinite_steps, run.trainer.state.nonfinite_run
     if n < limit:
         return
     latest = ckpt.latest_checkpoint(run.ckpt_root)
@@ -118,15 +124,16 @@ def finish(run: Run, t_start: float, first: int = 0) -> None:
     ``first``: the step this process started after (a resume's), for the summary."""
     cfg = run.cfg
     last = ckpt.latest_checkpoint(run.ckpt_root)
-    if cfg.checkpoint_every and (last is None or last.name != ckpt.step_dir_name(run.state.step)):
-        save_checkpoint(run, run.state.step)
+    if cfg.checkpoint_every and (last is None or last.name != ckpt.step_dir_name(run.trainer.state.step)):
+        save_checkpoint(run, run.trainer.state.step)
     save_dtype = None if cfg.train.save_dtype == "auto" else getattr(torch, cfg.train.save_dtype)
-    sharded = fsdp.is_sharded(run.policy_loss)
-    if sharded:  # gathered once, by every rank; written by rank 0
+    sharded = fsdp.is_sharded(run.trainer.policy_loss)
+    if sharded:  # gathered once, by every rank; written by rank 0 (under LoRA: the adapter)
         fsdp.save_full_model(run.model, run.tokenizer, run.out / "final", run.world.is_main, save_dtype)
     if run.world.is_main:
         if is_lora(run.model):  # the adapter in peft's format; merged for serving on request
-            ckpt.save_pretrained_atomic(run.model, run.tokenizer, run.out / "final")
+            if not sharded:
+                ckpt.save_pretrained_atomic(run.model, run.tokenizer, run.out / "final")
             if cfg.train.save_merged:
                 merged = merged_model(run.out / "final", save_dtype)
                 ckpt.save_pretrained_atomic(merged, run.tokenizer, run.out / "final_merged")
@@ -140,7 +147,7 @@ def finish(run: Run, t_start: float, first: int = 0) -> None:
 def _summary(run: Run, seconds: float, first: int) -> str:
     """The run's result, for stdout: the steps this process ran and the step reached, the final
     model's folder, the last evaluation, the report's command."""
-    step, n = run.state.step, run.state.step - first
+    step, n = run.trainer.state.step, run.trainer.state.step - first
     ran = f"{n} step{'s' * (n != 1)} in {seconds:.1f}s"
     if first:
         ran += f" (resumed at step {first}; now at step {step})"
@@ -152,21 +159,27 @@ def _summary(run: Run, seconds: float, first: int) -> str:
     return "\n".join(lines)
 
 
-def _sample_records(task, examples, rollout, cfg) -> list[dict]:
-    g = cfg.rollout.group_size
+def _sample_records(task, rollout, limit: int, tools: bool = False) -> list[dict]:
+    """The first ``limit`` responses of the batch as sample records: prompt, response, ground
+    truth, what the reward function scored (in the rollout phase: scored once), length, finish;
+    ``tools`` (``rollout.environment``): the tool calls' count and the turns (``tool_record``)."""
     recs = []
-    for i, text in enumerate(rollout.response_text[: cfg.logging.samples_per_dump]):
-        ex = examples[i // g]
-        recs.append(
-            {
-                "prompt": task.prompt_text(ex),
-                "response": text,
-                "ground_truth": ex.answer,
-                **task.reward_fn(text, ex.answer),
-                "length": len(rollout.response_ids[i]),
-                "finish_reason": rollout.finish_reason[i],
-            }
-        )
+    for group in rollout.groups:
+        for t in group.trajectories:
+            if len(recs) == limit:
+                return recs
+            ex = group.example
+            recs.append(
+                {
+                    "prompt": task.prompt_text(ex),
+                    "response": t.text,
+                    "ground_truth": ex.answer,
+                    **t.scores,
+                    "length": t.num_tokens,
+                    "finish_reason": t.finish_reason,
+                    **(tool_record(t, task.tokenizer) if tools else {}),
+                }
+            )
     return recs
 
 

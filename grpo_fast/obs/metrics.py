@@ -85,6 +85,17 @@ def wandb_run_id(output_dir: Path, resume: bool) -> str:
     return run_id
 
 
+def _row(line: str) -> dict[str, Any] | None:
+    """A ``metrics.jsonl`` line as its row, or None for a line that is not one (cut short)."""
+    try:
+        row = json.loads(line)
+    except ValueError:
+        return None
+    if not isinstance(row, dict) or not isinstance(row.get("step", -1), (int, float)):
+        return None
+    return row
+
+
 def format_eta(seconds: float) -> str:
     """A duration as a person reads it: ``"45s"``, ``"3m05s"``, ``"2h07m"``.
 
@@ -132,17 +143,30 @@ class MetricsLogger:
             )
 
     def truncate_after(self, step: int) -> None:
-        """On resume: drop rows logged after the checkpoint (a killed run may have written some)."""
+        """On resume: drop rows logged after the checkpoint (a killed run may have written some),
+        and lines that are not a row: a line cut short, what a SIGKILL or a full disk leaves
+        mid-write (not JSON, or not an object with a numeric step). Says what it dropped."""
         if not (self.enabled and self.path.exists()):
             return
-        kept = [
-            ln
-            for ln in self.path.read_text().splitlines()
-            if ln.strip() and json.loads(ln).get("step", -1) <= step
-        ]
+        kept, unreadable = [], []
+        text = self.path.read_bytes().decode("utf-8", errors="replace")  # a cut may split a character
+        for number, line in enumerate(text.splitlines(), 1):
+            if not line.strip():
+                continue
+            row = _row(line)
+            if row is None:
+                unreadable.append(number)
+            elif row.get("step", -1) <= step:
+                kept.append(line)
         tmp = self.path.with_suffix(".jsonl.tmp")
         tmp.write_text("".join(ln + "\n" for ln in kept))
         os.replace(tmp, self.path)
+        if unreadable:
+            lines = ", ".join(str(n) for n in unreadable[:5]) + (" ..." if len(unreadable) > 5 else "")
+            self.event(
+                f"resume: dropped {len(unreadable)} unreadable line(s) of {self.path} (line {lines}: cut "
+                "short, as a run killed mid-write leaves it)"
+            )
 
     def has_row(self, step: int) -> bool:
         """Whether ``metrics.jsonl`` holds a row of ``step`` (after a resume: step 0's evaluation)."""

@@ -9,8 +9,8 @@ sparse: eval keys only on eval steps), ``RUN_DIR/config.yaml`` and ``RUN_DIR/hea
 when present, and writes into ``DIR`` (default ``RUN_DIR/report``) one PNG per entry of
 ``PLOTS`` whose keys appear in the metrics (the others are skipped with a note) and
 ``summary.md``: config highlights (a value the run resolved from ``auto`` shown with what was
-asked), first/last/best eval accuracy, health events, the final value of every metric, and the
-plots.
+asked), first/last/best eval accuracy, for a run with a tool one multi-turn sample turn by turn,
+health events, the final value of every metric, and the plots.
 
 The memory plot is titled by what ``memory/peak_gb`` measured: peak GPU memory allocated on
 CUDA, the process's peak RSS on a CPU (the run's device, from ``config.yaml``). The reward band
@@ -73,6 +73,7 @@ class PlotSpec:
     name: str
     title: str
     panels: tuple[Panel, ...]
+    optional: bool = False  # drawn for the runs that log its keys, not noted as skipped elsewhere
 
 
 PLOTS: tuple[PlotSpec, ...] = (
@@ -105,6 +106,16 @@ PLOTS: tuple[PlotSpec, ...] = (
         ),
     ),
     PlotSpec("memory", "Peak memory", (Panel("GB", ("memory/peak_gb",)),)),  # titled by device
+    PlotSpec(
+        "tools",
+        "Tool use (rollout.environment)",
+        (
+            Panel("share of responses", ("rollout/tool_call_rate", "eval/tool_call_rate")),
+            Panel("per response", ("rollout/tool_calls_mean", "rollout/turns_mean")),
+            Panel("share", ("rollout/tool_error_fraction", "rollout/inserted_token_fraction")),
+        ),
+        optional=True,
+    ),
 )
 MEMORY_TITLES = {
     "cuda": "Peak GPU memory (allocated by torch)",
@@ -147,6 +158,7 @@ class RunData:
     notes: list[str] = field(default_factory=list)
     resolved: dict[str, str] = field(default_factory=dict)  # key → what an ``auto`` resolved to
     reward_range: tuple[float, float] | None = None  # the lowest and highest sampled reward
+    turns_sample: dict[str, Any] | None = None  # a multi-turn sample record of the latest dump
 
     @property
     def device(self) -> str | None:
@@ -210,6 +222,7 @@ def load_run(run_dir: Path) -> RunData:
             run.notes.append(f"{CONFIG_FILE} could not be read ({type(exc).__name__}: {exc})")
     run.events = _collect_events(run)
     run.reward_range = _sampled_reward_range(run_dir / "samples")
+    run.turns_sample = _turns_sample(run_dir / "samples")
     return run
 
 
@@ -220,6 +233,43 @@ def _resolved(config_text: str) -> dict[str, str]:
             pairs = (p.partition("=") for p in line.removeprefix(RESOLVED_PREFIX).split(", "))
             return {k.strip(): v.strip() for k, eq, v in pairs if eq}
     return {}
+
+
+def _turns_sample(folder: Path) -> dict[str, Any] | None:
+    """The first record with more than one turn (a tool was called) in the latest training
+    sample dump (``samples/step_N.jsonl``, the highest N that has one), or None."""
+    dumps = folder.glob("step_*.jsonl") if folder.is_dir() else []
+    numbered = [(int(p.stem[5:]), p) for p in dumps if p.stem[5:].isdigit()]
+    for _, path in sorted(numbered, reverse=True):
+        for line in path.read_text(encoding="utf-8", errors="replace").splitlines():
+            try:
+                rec = json.loads(line)
+            except ValueError:
+                continue
+            if isinstance(rec, dict) and isinstance(rec.get("turns"), list) and len(rec["turns"]) > 1:
+                return {**rec, "file": path.name}
+    return None
+
+
+def _turns_lines(rec: Mapping[str, Any] | None) -> list[str]:
+    """The ``## A multi-turn sample`` section: each turn, what the model wrote and what the tool
+    put back."""
+    if rec is None:
+        return []
+    rows = [
+        (str(k + 1), f"`{t.get('sampled', '')!s}`", f"`{t.get('inserted', '')!s}`")
+        for k, t in enumerate(rec["turns"])
+        if isinstance(t, dict)
+    ]
+    head = [
+        "",
+        "## A multi-turn sample",
+        "",
+        f"From `samples/{rec['file']}`: `{rec.get('prompt', '')}` → reward {_fmt(rec.get('reward'))}, "
+        f"{rec.get('finish_reason', '?')}.",
+        "",
+    ]
+    return head + _table(("turn", "the model wrote", "the tool put back"), rows)
 
 
 def _sampled_reward_range(folder: Path) -> tuple[float, float] | None:
@@ -247,7 +297,7 @@ def write_report(run_dir: str | Path, out_dir: str | Path | None = None) -> Path
             spec = PlotSpec(spec.name, MEMORY_TITLES[run.device], spec.panels)
         if _render(spec, run.rows, out / f"{spec.name}.png", run.reward_range):
             written.append(spec)
-        else:
+        elif not spec.optional:
             keys = ", ".join(k for p in spec.panels for k in p.keys)
             skipped.append(f"{spec.name}.png: none of {keys} in the metrics")
     summary = out / SUMMARY_FILE
@@ -362,6 +412,7 @@ def _summary_markdown(run: RunData, written: list[PlotSpec], skipped: list[str])
         )
     else:
         lines.append("No `eval/accuracy` in the metrics.")
+    lines += _turns_lines(run.turns_sample)
     lines += ["", "## Health", "", *_health_lines(run.events), "", "## Final metrics", ""]
     lines += _table(("metric", "step", "last value"), _final_values(run.rows))
     lines += ["", "## Plots", ""]

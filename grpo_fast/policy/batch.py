@@ -1,8 +1,13 @@
-"""From a rollout to microbatches: sequences, response positions, advantages and loss weights.
+"""From trajectories to microbatches: sequences, label positions, advantages and loss weights.
 
-The loss weights carry the length normalization (``core.length_norm_weights``), computed once
-for the whole rollout batch (with global counts across data-parallel ranks), so that the
-microbatch losses ``Σ w·ℓ`` add up to the batch loss however the batch is split or packed.
+The unit is the rollout's own ``Trajectory`` (``grpo_fast.rollout.trajectory``): its prompt, its
+response tokens with a role each, its advantage. Only sampled tokens are labels (a loss, a
+gradient, an entropy); inserted tokens (a tool's output) are context, like the prompt.
+
+The loss weights carry the length normalization (``core.length_norm_weights`` over the sampled
+tokens), computed once for the whole rollout batch (with global counts across data-parallel
+ranks), so that the microbatch losses ``Σ w·ℓ`` add up to the batch loss however the batch is
+split or packed.
 """
 
 from __future__ import annotations
@@ -11,31 +16,47 @@ from dataclasses import dataclass
 
 import torch
 
-from grpo_fast.algo.core import length_norm_weights
+from grpo_fast.algo.length_norm import length_norm_weights
 from grpo_fast.policy.shared_attention import SharedLayout
+from grpo_fast.rollout.base import Rollout
+from grpo_fast.rollout.trajectory import Trajectory
+
+# Microbatch's [N] per-selected-token fields (labels first): one list for every check and slice
+PER_TOKEN_FIELDS = (
+    "labels",
+    "advantages",
+    "loss_weights",
+    "old_logprobs",
+    "ref_logprobs",
+    "sampler_logprobs",
+    "sequence_ids",
+    "response_index",
+)
 
 
 @dataclass
 class Microbatch:
     """One microbatch of sequences, right-padded, with the per-token quantities of its responses.
 
-    Shapes: b sequences of padded length L; n = number of response tokens in the microbatch.
+    Shapes: b sequences of padded length L; n = number of labels (sampled response tokens) in
+    the microbatch.
 
     Fields:
         input_ids: ``[b, L]`` int64; attention_mask: ``[b, L]`` (1 = real token), None for
             packed rows and for shared prompts (``shared`` says who attends to whom).
         position_ids: ``[b, L]`` or None (packed rows restart positions per sequence).
-        select: ``[b, L]`` bool, the positions whose *next* token is a response token (the
-            hidden state at t predicts token t+1); with shared prompts a prompt's last position
-            predicts the first token of each of its responses (``select_index`` repeats it).
-        labels: ``[n]`` int64, the response tokens, in row-major order of ``select``.
+        select: ``[b, L]`` bool, the positions whose *next* token is a sampled response token
+            (the hidden state at t predicts token t+1); with shared prompts a prompt's last
+            position predicts the first token of each of its responses (``select_index``
+            repeats it). An inserted token is never selected.
+        labels: ``[n]`` int64, the sampled tokens, in row-major order of ``select``.
         advantages, loss_weights: ``[n]`` fp32.
         old_logprobs, ref_logprobs: ``[n]`` fp32 or None (filled by no-grad passes).
         sampler_logprobs: ``[n]`` fp32 log-probs from the rollout engine, or None.
-        sequence_ids: ``[n]`` int64, which sequence of the microbatch each response token
-            belongs to (0 … sequences − 1), or None.
-        response_index: ``[n]`` int64, which response of the rollout each token belongs to (the
-            sequences' ``response_index``), or None when a sequence has none.
+        sequence_ids: ``[n]`` int64, which sequence of the microbatch each label belongs to
+            (0 … sequences − 1), or None.
+        response_index: ``[n]`` int64, which trajectory of ``make_microbatches``' input each
+            label belongs to, or None.
         select_index: ``[n]`` int64, the flat indices (into ``b·L``) of ``select``'s positions;
             derived from ``select`` at construction (on the CPU, where the batch is built), so the
             forward gathers with ``index_select`` instead of boolean-mask indexing, which is a
@@ -82,15 +103,7 @@ class Microbatch:
 
     def __post_init__(self) -> None:
         n = int(self.labels.shape[0])
-        for name in (
-            "advantages",
-            "loss_weights",
-            "old_logprobs",
-            "ref_logprobs",
-            "sampler_logprobs",
-            "sequence_ids",
-            "response_index",
-        ):
+        for name in PER_TOKEN_FIELDS[1:]:
             t = getattr(self, name)
             if t is not None and tuple(t.shape) != (n,):
                 raise ValueError(f"Microbatch.{name} has shape {tuple(t.shape)}, expected ({n},)")
@@ -117,83 +130,118 @@ class Microbatch:
         return Microbatch(**{k: move(v) for k, v in self.__dict__.items()})
 
 
-@dataclass
-class Sequence:
-    """One prompt + response. ``tokens = prompt + response``; ``n_prompt = len(prompt)``."""
+def Sequence(  # named like a type: the shorthand this module always had
+    tokens: list[int],
+    n_prompt: int,
+    advantage: float,
+    weight: float,
+    sampler_logprobs: list[float] | None = None,
+) -> Trajectory:
+    """A single-turn ``Trajectory`` from one token list: the prompt ``tokens[:n_prompt]``, then a
+    response every token of which is trained with loss weight ``weight`` (the SFT targets, probes
+    and hand-built test batches).
 
-    tokens: list[int]
-    n_prompt: int
-    advantage: float
-    weight: float  # the per-token loss weight of this sequence's response tokens
-    sampler_logprobs: list[float] | None = None  # [len(response)], from the rollout engine
-    response_index: int | None = None  # which response of the rollout this is, when the caller tracks it
+        >>> t = Sequence([5, 6, 8, 9], 2, 1.0, 0.5)
+        >>> t.prompt_ids, t.sampled_ids, t.loss_weights.tolist()
+        ([5, 6], [8, 9], [0.5, 0.5])
+    """
+    return Trajectory.single_turn(
+        list(tokens[:n_prompt]),
+        list(tokens[n_prompt:]),
+        advantage=advantage,
+        loss_weight=weight,
+        sampler_logprobs=None if sampler_logprobs is None else list(sampler_logprobs),
+    )
 
-    @property
-    def n_response(self) -> int:
-        return len(self.tokens) - self.n_prompt
 
-
-def build_sequences(
-    prompt_ids: list[list[int]],
-    response_ids: list[list[int]],
-    advantages: torch.Tensor,
+def assign_loss_weights(
+    trajectories: list[Trajectory],
     *,
     length_norm: str,
     max_length: int,
     num_sequences: int | None = None,
     num_tokens: float | None = None,
-    sampler_logprobs: list[list[float]] | None = None,
-    keep: list[bool] | None = None,
-) -> list[Sequence]:
-    """One ``Sequence`` per response; response ``i`` answers prompt ``i // group_size``.
+) -> None:
+    """Set each trajectory's ``loss_weights`` ``[S_i]``: the length normalization of its sampled
+    tokens (``core.length_norm_weights`` over the ``[R, max S]`` mask of sampled tokens; inserted
+    tokens count nowhere). ``num_sequences``, ``num_tokens``: the global counts when this is one
+    rank's share (defaults: these trajectories, their sampled tokens).
 
-    Args:
-        prompt_ids: ``[P]`` token lists; response_ids: ``[R]`` token lists, R = P·group_size.
-        advantages: ``[R]``.
-        length_norm, max_length: see ``core.length_norm_weights``.
-        num_sequences, num_tokens: the global counts when this is one rank's share.
-        sampler_logprobs: ``[R]`` per-token log-probs from the rollout engine, or None.
-        keep: ``[R]`` bool, False for responses left out of the loss altogether (no sequence,
-            not counted in the default normalizers; ``loss.mask_truncated``). Pass global counts
-            of the kept responses as ``num_sequences`` / ``num_tokens``.
+    Example (sequence_mean over 2 responses of 2 and 1 sampled tokens: 1/(2·2), 1/(1·2)):
+        >>> ts = [Trajectory([1], [3, 4]), Trajectory([1], [5])]
+        >>> assign_loss_weights(ts, length_norm="sequence_mean", max_length=4)
+        >>> [t.loss_weights.tolist() for t in ts]
+        [[0.25, 0.25], [0.5]]
     """
-    r = len(response_ids)
-    if r % len(prompt_ids) or advantages.shape != (r,):
-        raise ValueError(f"{len(prompt_ids)} prompts, {r} responses, advantages {tuple(advantages.shape)}")
-    g = r // len(prompt_ids)
-    keep = [True] * r if keep is None else list(keep)
-    if len(keep) != r:
-        raise ValueError(f"keep has {len(keep)} entries for {r} responses")
-    lengths = torch.tensor([len(x) for x in response_ids])
-    width = max(int(lengths.max().item()), 1) if r else 1
-    mask = (torch.arange(width)[None, :] < lengths[:, None]) & torch.tensor(keep, dtype=torch.bool)[:, None]
+    counts = torch.tensor([t.num_sampled for t in trajectories], dtype=torch.long)
+    width = max(int(counts.max().item()), 1) if trajectories else 1
+    mask = torch.arange(width)[None, :] < counts[:, None]
     w = length_norm_weights(
         mask,
         length_norm,
         max_length=max_length,
-        num_sequences=sum(keep) if num_sequences is None else num_sequences,
+        num_sequences=len(trajectories) if num_sequences is None else num_sequences,
         num_tokens=num_tokens,
     )
-    per_seq_w = w.max(dim=1).values.tolist()  # constant along each response
-    adv = advantages.tolist()
-    return [
-        Sequence(
-            tokens=list(prompt_ids[i // g]) + list(resp),
-            n_prompt=len(prompt_ids[i // g]),
-            advantage=adv[i],
-            weight=per_seq_w[i],
-            sampler_logprobs=None if sampler_logprobs is None else list(sampler_logprobs[i]),
-            response_index=i,
+    for t, row, n in zip(trajectories, w, counts.tolist()):
+        t.loss_weights = row[:n]
+
+
+def loss_trajectories(
+    rollout: Rollout,
+    *,
+    length_norm: str,
+    max_length: int,
+    num_sequences: int | None = None,
+    num_tokens: float | None = None,
+    keep: list[bool] | None = None,
+    advantages: torch.Tensor | None = None,
+) -> list[Trajectory]:
+    """The rollout's trajectories that enter the loss, in rollout order, each with its loss weights
+    (``assign_loss_weights``): those with a sampled token and not left out by ``keep``.
+
+    Args:
+        rollout: the batch; each trajectory's ``advantage`` is used as it is, unless
+            ``advantages`` ``[R]`` is given (then set from it first).
+        length_norm, max_length: see ``core.length_norm_weights``.
+        num_sequences, num_tokens: the global counts of the kept responses and their sampled
+            tokens when this is one rank's share.
+        keep: ``[R]`` bool, False for responses left out of the loss altogether (no loss, not
+            counted in the default normalizers; ``loss.mask_truncated``).
+    """
+    trajectories = rollout.trajectories
+    r = len(trajectories)
+    keep = [True] * r if keep is None else list(keep)
+    if len(keep) != r or (advantages is not None and tuple(advantages.shape) != (r,)):
+        raise ValueError(
+            f"{r} responses, keep of {len(keep)}, advantages of shape "
+            f"{None if advantages is None else tuple(advantages.shape)}"
         )
-        for i, resp in enumerate(response_ids)
-        if len(resp) > 0 and keep[i]
-    ]
+    if advantages is not None:
+        for t, a in zip(trajectories, advantages.tolist()):
+            t.advantage = a
+    kept = [t for t, k in zip(trajectories, keep) if k]
+    assign_loss_weights(
+        kept,
+        length_norm=length_norm,
+        max_length=max_length,
+        num_sequences=num_sequences,
+        num_tokens=num_tokens,
+    )
+    return [t for t in kept if t.num_sampled > 0]
 
 
 def make_microbatches(
-    seqs: list[Sequence], micro_batch_size: int, pad_id: int, packing: bool, share_prompts: bool = False
+    trajectories: list[Trajectory],
+    micro_batch_size: int,
+    pad_id: int,
+    packing: bool,
+    share_prompts: bool = False,
 ) -> list[Microbatch]:
-    """Microbatches of the rollout's sequences, longest first.
+    """Microbatches of ``trajectories``, longest first; each token of a microbatch knows its
+    trajectory's index in ``trajectories`` (``Microbatch.response_index``). Only sampled tokens
+    are labels; inserted tokens (a tool's output) and prompts are context. A trajectory without
+    ``loss_weights`` gets weight 0 (scoring passes).
 
     ``share_prompts`` (``train.share_prompts``): the responses of one prompt share one copy of it
     (``shared_prompt_microbatches``).
@@ -207,55 +255,86 @@ def make_microbatches(
     block-causal mask from the position ids (flash-attention 2 runs varlen). Same peak
     activations as the padded worst case, no compute spent on padding.
     """
+    rows = list(enumerate(trajectories))
     if share_prompts:
-        return shared_prompt_microbatches(seqs, micro_batch_size, pad_id, packing)
-    order = sorted(seqs, key=lambda s: len(s.tokens), reverse=True)
+        return shared_prompt_microbatches(rows, micro_batch_size, pad_id, packing)
+    length = lambda row: len(row[1].prompt_ids) + row[1].num_tokens
+    order = sorted(rows, key=length, reverse=True)
     if not packing:
-        rows = [[s] for s in order]
         return [
-            _collate(rows[i : i + micro_batch_size], pad_id, packing=False)
-            for i in range(0, len(rows), micro_batch_size)
+            _collate([[row] for row in order[i : i + micro_batch_size]], pad_id, packing=False)
+            for i in range(0, len(order), micro_batch_size)
         ]
-    cap = micro_batch_size * len(order[0].tokens) if order else 0
-    bins: list[list[Sequence]] = []
+    cap = micro_batch_size * length(order[0]) if order else 0
+    bins: list[list[tuple[int, Trajectory]]] = []
     room: list[int] = []
-    for s in order:
+    for row in order:
         for i, free in enumerate(room):
-            if len(s.tokens) <= free:
-                bins[i].append(s)
-                room[i] -= len(s.tokens)
+            if length(row) <= free:
+                bins[i].append(row)
+                room[i] -= length(row)
                 break
         else:
-            bins.append([s])
-            room.append(cap - len(s.tokens))
+            bins.append([row])
+            room.append(cap - length(row))
     return [_collate([b], pad_id, packing=True) for b in bins]
 
 
-def _collate(rows: list[list[Sequence]], pad_id: int, packing: bool) -> Microbatch:
-    width = max(sum(len(s.tokens) for s in row) for row in rows)
+class _Tokens:
+    """The per-label lists of one microbatch, in the order its labels are selected."""
+
+    def __init__(self):
+        self.labels, self.adv, self.w, self.slp, self.seq_ids, self.resp_idx = [], [], [], [], [], []
+
+    def add(self, index: int, t: Trajectory) -> None:
+        n = t.num_sampled
+        self.labels.extend(t.sampled_ids)
+        self.adv.extend([t.advantage] * n)
+        self.w.append(t.loss_weights if t.loss_weights is not None else torch.zeros(n))
+        self.seq_ids.extend([len(self.slp)] * n)
+        self.resp_idx.extend([index] * n)
+        self.slp.append(t.sampler_logprobs)
+
+    def fields(self) -> dict[str, torch.Tensor | None]:
+        """labels, advantages, loss weights, the sampler's log-probs (when every trajectory has
+        them), the sequence ids and the response indices, as tensors."""
+        sampler = None
+        if self.slp and all(x is not None for x in self.slp):
+            sampler = torch.tensor([v for x in self.slp for v in x], dtype=torch.float32)
+        return dict(
+            labels=torch.tensor(self.labels, dtype=torch.long),
+            advantages=torch.tensor(self.adv, dtype=torch.float32),
+            loss_weights=torch.cat(self.w).float() if self.w else torch.zeros(0),
+            sampler_logprobs=sampler,
+            sequence_ids=torch.tensor(self.seq_ids, dtype=torch.long),
+            response_index=torch.tensor(self.resp_idx, dtype=torch.long),
+        )
+
+
+def _collate(rows: list[list[tuple[int, Trajectory]]], pad_id: int, packing: bool) -> Microbatch:
+    width = max(sum(len(t.prompt_ids) + t.num_tokens for _, t in row) for row in rows)
     b = len(rows)
     ids = torch.full((b, width), pad_id, dtype=torch.long)
     attn = torch.zeros((b, width), dtype=torch.long)
     pos = torch.zeros((b, width), dtype=torch.long)
     select = torch.zeros((b, width), dtype=torch.bool)
-    labels, adv, w, slp, seq_ids, resp_idx = [], [], [], [], [], []
+    tokens = _Tokens()
     starts = []  # packed: where each sequence of the one row starts
     for r, row in enumerate(rows):
         at = 0
-        for s in row:
-            n = len(s.tokens)
+        for index, t in row:
+            n_p, n = len(t.prompt_ids), len(t.prompt_ids) + t.num_tokens
             starts.append(at)
-            ids[r, at : at + n] = torch.tensor(s.tokens)
+            ids[r, at : at + n_p] = torch.tensor(t.prompt_ids, dtype=torch.long)
+            ids[r, at + n_p : at + n] = torch.tensor(t.token_ids, dtype=torch.long)
             attn[r, at : at + n] = 1
             pos[r, at : at + n] = torch.arange(n)
-            # the hidden state at t predicts token t+1: select t = n_prompt−1 … n−2
-            select[r, at + s.n_prompt - 1 : at + n - 1] = True
-            labels.extend(s.tokens[s.n_prompt :])
-            adv.extend([s.advantage] * s.n_response)
-            w.extend([s.weight] * s.n_response)
-            seq_ids.extend([len(slp)] * s.n_response)
-            resp_idx.extend([s.response_index] * s.n_response)
-            slp.append(s.sampler_logprobs)
+            # the hidden state at p predicts token p+1: each sampled token's position minus one
+            if t.roles is None:
+                select[r, at + n_p - 1 : at + n - 1] = True
+            else:
+                select[r, [at + n_p - 1 + p for p in t.label_positions]] = True
+            tokens.add(index, t)
             at += n
         if packing and at < width:  # the tail is its own "sequence" so nothing attends across
             pos[r, at:] = torch.arange(width - at)
@@ -269,42 +348,28 @@ def _collate(rows: list[list[Sequence]], pad_id: int, packing: bool) -> Microbat
         attention_mask=None if packing else attn,
         position_ids=pos if packing else None,
         select=select,
-        **_per_token_fields(labels, adv, w, slp, seq_ids, resp_idx),
+        **tokens.fields(),
         cu_seqlens=cu_seqlens,
         max_seqlen=max_seqlen,
     )
 
 
-def _per_token_fields(labels, adv, w, slp, seq_ids, resp_idx) -> dict[str, torch.Tensor | None]:
-    """The per-response-token tensors of a microbatch from its lists, in either layout: labels,
-    advantages, loss weights, the sampler's log-probs (when every sequence has them), the
-    sequence ids and the response indices (when every sequence has one)."""
-    sampler = None
-    if slp and all(x is not None for x in slp):
-        sampler = torch.tensor([v for x in slp for v in x], dtype=torch.float32)
-    return dict(
-        labels=torch.tensor(labels, dtype=torch.long),
-        advantages=torch.tensor(adv, dtype=torch.float32),
-        loss_weights=torch.tensor(w, dtype=torch.float32),
-        sampler_logprobs=sampler,
-        sequence_ids=torch.tensor(seq_ids, dtype=torch.long),
-        response_index=None if None in resp_idx else torch.tensor(resp_idx, dtype=torch.long),
-    )
-
-
 def shared_prompt_microbatches(
-    seqs: list[Sequence], micro_batch_size: int, pad_id: int, packing: bool
+    rows: list[tuple[int, Trajectory]], micro_batch_size: int, pad_id: int, packing: bool
 ) -> list[Microbatch]:
-    """Microbatches in which each prompt is computed once for all its responses.
+    """Microbatches in which each prompt is computed once for all its responses; ``rows``: the
+    trajectories with their response indices (``make_microbatches`` passes them).
 
-    The sequences of one prompt (the same prompt tokens) are laid out as ``[prompt, r_1 … r_k]``
+    The responses of one prompt (the same prompt tokens) are laid out as ``[prompt, r_1 … r_k]``
     in one segment: every response attends to the prompt and, causally, to itself only (the
     ``SharedLayout`` in ``shared``, which ``shared_attention`` gathers by: no ``[L, L]`` mask, and
-    the attention work of the unshared layout), with the positions it would have alone (``P … P + |r| − 1``). A prompt token is then computed once per segment instead of
-    once per response, in the forward and in the backward (its keys and values get the sum of the
+    the attention work of the unshared layout), with the positions it would have alone
+    (``P … P + |r| − 1``). A prompt token is then computed once per segment instead of once per
+    response, in the forward and in the backward (its keys and values get the sum of the
     responses' gradients): the same loss and gradients as one row per sequence, to fp32 summation
     order. Each response's first label is predicted from the prompt's last position, which all
-    its segment's responses select (``select_index`` repeats it).
+    its segment's responses select (``select_index`` repeats it); an inserted token is context,
+    never selected.
 
     A microbatch holds at most ``micro_batch_size`` responses: a prompt whose responses do not fit
     is split, carrying the prompt once in each microbatch it reaches. Without ``packing`` each
@@ -312,20 +377,20 @@ def shared_prompt_microbatches(
     one row (the layout keeps them apart). Prompts with the longest segments first.
 
     Example (prompt [5, 6] with responses [8, 9] and [7]; one row of 5):
-        >>> mb = shared_prompt_microbatches([Sequence([5, 6, 8, 9], 2, 1.0, 0.5), Sequence([5, 6, 7], 2, -1.0, 0.5)],
+        >>> mb = shared_prompt_microbatches([(0, Sequence([5, 6, 8, 9], 2, 1.0, 0.5)), (1, Sequence([5, 6, 7], 2, -1.0, 0.5))],
         ...                                 micro_batch_size=2, pad_id=0, packing=False)[0]
         >>> mb.input_ids.tolist(), mb.position_ids.tolist(), mb.select_index.tolist(), mb.labels.tolist()
         ([[5, 6, 8, 9, 7]], [[0, 1, 2, 3, 2]], [1, 2, 1], [8, 9, 7])
     """
-    groups: dict[tuple[int, ...], list[Sequence]] = {}
-    for s in seqs:
-        groups.setdefault(tuple(s.tokens[: s.n_prompt]), []).append(s)
+    groups: dict[tuple[int, ...], list[tuple[int, Trajectory]]] = {}
+    for row in rows:
+        groups.setdefault(tuple(row[1].prompt_ids), []).append(row)
     segments = []  # (prompt, responses) with at most micro_batch_size responses each
     for prompt, members in groups.items():
-        members = sorted(members, key=lambda s: s.n_response, reverse=True)
+        members = sorted(members, key=lambda row: row[1].num_tokens, reverse=True)
         for i in range(0, len(members), micro_batch_size):
             segments.append((list(prompt), members[i : i + micro_batch_size]))
-    segments.sort(key=lambda seg: len(seg[0]) + sum(s.n_response for s in seg[1]), reverse=True)
+    segments.sort(key=lambda seg: len(seg[0]) + sum(t.num_tokens for _, t in seg[1]), reverse=True)
     batches, current, count = [], [], 0
     for seg in segments:
         if current and count + len(seg[1]) > micro_batch_size:
@@ -339,47 +404,44 @@ def shared_prompt_microbatches(
     return [_collate_shared(rows_of(b), pad_id) for b in batches]
 
 
-def _collate_shared(rows: list[list[tuple[list[int], list[Sequence]]]], pad_id: int) -> Microbatch:
+def _collate_shared(
+    rows: list[list[tuple[list[int], list[tuple[int, Trajectory]]]]], pad_id: int
+) -> Microbatch:
     """One microbatch of rows, each a list of ``(prompt, responses)`` segments."""
-    width = max(sum(len(p) + sum(s.n_response for s in resp) for p, resp in row) for row in rows)
+    width = max(sum(len(p) + sum(t.num_tokens for _, t in resp) for p, resp in row) for row in rows)
     b = len(rows)
     ids = torch.full((b, width), pad_id, dtype=torch.long)
     pos = torch.zeros((b, width), dtype=torch.long)
     select = torch.zeros((b, width), dtype=torch.bool)
     prompt_spans, response_spans = [], []  # (start, length) / (segment, start, length), flat in b·L
-    index, labels, adv, w, slp, seq_ids, resp_idx = [], [], [], [], [], [], []
+    index = []
+    tokens = _Tokens()
     for r, row in enumerate(rows):
         at = 0
         for prompt, responses in row:
             n_p, p0 = len(prompt), at
-            ids[r, at : at + n_p] = torch.tensor(prompt)
+            ids[r, at : at + n_p] = torch.tensor(prompt, dtype=torch.long)
             pos[r, at : at + n_p] = torch.arange(n_p)
             prompt_spans.append((r * width + p0, n_p))
             at += n_p
-            for s in responses:
-                n = s.n_response
-                ids[r, at : at + n] = torch.tensor(s.tokens[s.n_prompt :])
+            for i, t in responses:
+                n = t.num_tokens
+                ids[r, at : at + n] = torch.tensor(t.token_ids, dtype=torch.long)
                 pos[r, at : at + n] = torch.arange(n_p, n_p + n)
                 response_spans.append((len(prompt_spans) - 1, r * width + at, n))
-                # label t of the response is predicted at the position before it: the prompt's
-                # last token for the first, then the response's own tokens
-                before = [r * width + p0 + n_p - 1] + [r * width + at + t for t in range(n - 1)]
-                index.extend(before)
-                select[r, p0 + n_p - 1] = True
-                select[r, at : at + n - 1] = True
-                labels.extend(s.tokens[s.n_prompt :])
-                adv.extend([s.advantage] * n)
-                w.extend([s.weight] * n)
-                seq_ids.extend([len(slp)] * n)
-                resp_idx.extend([s.response_index] * n)
-                slp.append(s.sampler_logprobs)
+                # a sampled token at response position p is predicted at the position before it:
+                # the prompt's last token for p = 0, else the response's own token p − 1
+                before = [p0 + n_p - 1 if p == 0 else at + p - 1 for p in t.label_positions]
+                index.extend(r * width + x for x in before)
+                select[r, before] = True
+                tokens.add(i, t)
                 at += n
     return Microbatch(
         input_ids=ids,
         attention_mask=None,
         position_ids=pos,
         select=select,
-        **_per_token_fields(labels, adv, w, slp, seq_ids, resp_idx),
+        **tokens.fields(),
         select_index=torch.tensor(index, dtype=torch.long),
         shared=SharedLayout.build(b, width, prompt_spans, response_spans),
     )

@@ -17,6 +17,7 @@ import pickle
 import random
 import re
 import shutil
+import zipfile
 from pathlib import Path
 from typing import Any
 
@@ -203,26 +204,79 @@ def latest_checkpoint(root: Path) -> Path | None:
     return ckpts[-1] if ckpts else None
 
 
-def load_state(path: Path) -> dict[str, Any]:
+def step_folders(root: Path) -> list[Path]:
+    """Every ``step_*`` folder under ``root``, complete or not, oldest first (``*.tmp`` leftovers
+    of an interrupted write are not among them): what ``check_checkpoint`` is asked about."""
+    root = Path(root)
+    if not root.is_dir():
+        return []
+    found = [(int(m.group(1)), p) for p in root.iterdir() if (m := _STEP_DIR.match(p.name)) and p.is_dir()]
+    return [p for _, p in sorted(found)]
+
+
+def check_checkpoint(path: Path, fix: str) -> None:
+    """Refuse a checkpoint folder a resume cannot continue from, before anything loads it:
+    ``CheckpointError`` naming what is missing or damaged, with ``fix``, what to do about it.
+
+    Checked, cheaply (no tensor is read): ``trainer_state.pt`` is there and is a whole
+    ``torch.save`` archive whose records unpickle with ``weights_only=True`` (memory-mapped:
+    a truncated copy, a planted pickle or another program's file is refused here); the weights
+    are there (``*.safetensors``, or the ``dcp/.metadata`` of a sharded checkpoint); and every
+    model file passes ``check_model_folder``.
+
+    Example: ``check_checkpoint(Path("runs/x/checkpoints/step_000002"), "delete it")`` →
+    ``CheckpointError("checkpoint runs/x/checkpoints/step_000002 has no trainer_state.pt (the
+    optimizer, schedule and step a resume needs); delete it")``.
+    """
+    path = Path(path)
+    if not (path / STATE_FILE).is_file():
+        raise CheckpointError(
+            f"checkpoint {path} has no {STATE_FILE} (the optimizer, schedule and step a resume needs); {fix}"
+        )
+    if not (any(path.glob("*.safetensors")) or (path / "dcp" / ".metadata").is_file()):
+        raise CheckpointError(f"checkpoint {path} has no model weights (*.safetensors); {fix}")
+    check_model_folder(path, fix)
+    load_state(path, mmap=True, fix=fix)
+
+
+def checkpoint_problem(path: Path) -> str | None:
+    """``check_checkpoint``'s line without a fix (``"checkpoint P has no trainer_state.pt (...)"``),
+    or None for a complete checkpoint: for lines that say what a folder holds."""
+    try:
+        check_checkpoint(path, "")
+    except CheckpointError as exc:
+        return str(exc).removesuffix("; ")
+    return None
+
+
+def load_state(path: Path, mmap: bool = False, fix: str | None = None) -> dict[str, Any]:
     """``path/trainer_state.pt``, read with ``torch.load(weights_only=True)``: tensors and plain
     Python types only, so a tampered or foreign file cannot run code; anything else is refused
-    (``CheckpointError``, naming the file) before a single object of it is built."""
+    (``CheckpointError``, naming the file) before a single object of it is built.
+
+    ``mmap``: map the tensors' bytes instead of reading them (a check of the file's structure
+    that costs no memory); ``fix``: what the error says to do (default: resume from the
+    checkpoint before)."""
     file = Path(path) / STATE_FILE
+    fix = "delete the folder to resume from the one before" if fix is None else fix
+    if mmap and file.is_file() and not zipfile.is_zipfile(file):  # what mmap needs, said plainly
+        raise CheckpointError(
+            f"checkpoint file {file} cannot be read (not a whole torch.save archive: "
+            f"{file.stat().st_size} bytes, truncated or written by another program); {fix}"
+        )
     try:
-        return torch.load(file, map_location="cpu", weights_only=True)
+        return torch.load(file, map_location="cpu", weights_only=True, mmap=mmap)
     except pickle.UnpicklingError as exc:
         lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
         reason = next((line for line in lines if "GLOBAL" in line or "nsupported" in line), lines[0])
         raise CheckpointError(
             f"checkpoint file {file} is refused: it holds more than tensors and plain types "
             f"({reason}); trainer state is loaded with torch.load(weights_only=True), so a file "
-            "tampered with or written by another program is never run — delete the folder to "
-            "resume from the one before"
+            f"tampered with or written by another program is never run — {fix}"
         ) from None
-    except (OSError, RuntimeError, EOFError) as exc:
-        raise CheckpointError(
-            f"checkpoint file {file} cannot be read ({exc}); delete the folder to resume from the one before"
-        ) from None
+    except (OSError, RuntimeError, EOFError, ValueError) as exc:
+        why = " ".join(str(exc).split()).split(". ")[0][:200]  # torch's first sentence
+        raise CheckpointError(f"checkpoint file {file} cannot be read ({why}); {fix}") from None
 
 
 def load_model_weights(model: torch.nn.Module, path: Path) -> None:

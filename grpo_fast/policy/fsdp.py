@@ -38,16 +38,20 @@ from torch import nn
 from grpo_fast import dist
 from grpo_fast.policy import checkpoint as ckpt
 from grpo_fast.policy.batch import Microbatch, Sequence, make_microbatches
+from grpo_fast.policy.lora import is_adapter_name, is_lora
 
 __all__ = [
+    "adapter_files",
     "decoder_layers",
     "fillers",
     "full_state_dict",
     "gathered",
+    "gathered_adapter",
     "is_sharded",
     "local_bytes",
     "padding_count",
     "plain_model",
+    "save_adapter",
     "save_full_model",
     "shard_policy",
     "to_local_value",
@@ -174,10 +178,9 @@ def fillers(count: int, like: Microbatch | None, pad_id: int, device: torch.devi
 
 
 def to_local_value(t: torch.Tensor) -> torch.Tensor:
-    """A DTensor's global value as a plain tensor (``full_tensor``: a collective), or ``t``."""
-    from torch.distributed.tensor import DTensor
-
-    return t.full_tensor() if isinstance(t, DTensor) else t
+    """A DTensor's global value as a plain tensor (``full_tensor``: a collective; an offloaded
+    shard is moved to the mesh's device first: ``dist.whole_tensor``), or ``t``."""
+    return dist.whole_tensor(t)
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
@@ -188,20 +191,40 @@ def _local(t: torch.Tensor) -> torch.Tensor:
 
 def local_bytes(model: nn.Module, optimizer: torch.optim.Optimizer | None = None) -> dict[str, int]:
     """Bytes this rank holds of the weights, their gradients and the optimizer state (the
-    local shards of DTensors; whole tensors otherwise). Tied weights count once."""
+    local shards of DTensors; whole tensors otherwise). The weights include a 4-bit base's
+    quantization state (bitsandbytes keeps each NF4 weight's block absmaxes and code table on
+    its ``Linear4bit`` module, whole on every rank). A tensor shared by several entries counts
+    once: tied weights, and 8-bit AdamW's code tables (one per state, shared by every parameter)."""
     params = {id(p): p for p in model.parameters()}.values()
-    nbytes = lambda t: t.numel() * t.element_size()
     out = {
-        "weights": sum(nbytes(_local(p)) for p in params),
-        "grads": sum(nbytes(_local(p.grad)) for p in params if p.grad is not None),
+        "weights": _unique_bytes([*(_local(p) for p in params), *_quant_state_tensors(model)]),
+        "grads": _unique_bytes(_local(p.grad) for p in params if p.grad is not None),
         "optimizer": 0,
     }
     if optimizer is not None:
-        for state in optimizer.state.values():
-            for v in state.values():
-                if isinstance(v, torch.Tensor) and v.dim() > 0:
-                    out["optimizer"] += nbytes(_local(v))
+        values = (v for state in optimizer.state.values() for v in state.values())
+        out["optimizer"] = _unique_bytes(
+            _local(v) for v in values if isinstance(v, torch.Tensor) and v.dim() > 0
+        )
     return out
+
+
+def _quant_state_tensors(model: nn.Module) -> list[torch.Tensor]:
+    """The tensors of the bitsandbytes ``QuantState`` s on ``model``'s modules (absmax, code, and
+    a nested state's), or none."""
+    out = []
+    for module in model.modules():
+        state = getattr(module, "quant_state", None)
+        while state is not None and hasattr(state, "absmax"):
+            out += [t for t in (state.absmax, getattr(state, "code", None)) if isinstance(t, torch.Tensor)]
+            state = getattr(state, "state2", None)
+    return out
+
+
+def _unique_bytes(tensors) -> int:
+    """The bytes of ``tensors``, each (storage, offset, size) counted once."""
+    seen = {(t.untyped_storage().data_ptr(), t.storage_offset(), t.numel()): t for t in tensors}
+    return sum(t.numel() * t.element_size() for t in seen.values())
 
 
 def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
@@ -231,7 +254,46 @@ def save_full_model(
 ) -> None:
     """The sharded ``model`` in Hugging Face format (``save_pretrained``, atomically, in ``dtype``
     when given) to ``folder``: gathered once to rank 0's CPU (every rank calls it), written by
-    rank 0; loadable by transformers and vLLM like an unsharded run's."""
+    rank 0; loadable by transformers and vLLM like an unsharded run's. A LoRA policy: its adapter
+    alone, in peft's format (``save_adapter``; ``dtype`` does not apply, as under DDP)."""
+    if is_lora(model):
+        save_adapter(model, tokenizer, folder, is_main)
+        return
     state = full_state_dict(model)
     if is_main:
         ckpt.save_pretrained_atomic(plain_model(model, state), tokenizer, folder, dtype=dtype)
+
+
+def gathered_adapter(model: nn.Module) -> dict[str, torch.Tensor]:
+    """A peft policy's adapter, ``{state-dict name: whole tensor}`` (``...q_proj.lora_A.default.weight``:
+    ``[r, in]``, ``lora_B``: ``[out, r]``): under FSDP each shard gathered (a collective: every
+    rank calls it and gets them all), otherwise the parameters themselves."""
+    peft_model = getattr(model, "module", model)
+    return {n: to_local_value(p.detach()) for n, p in peft_model.named_parameters() if is_adapter_name(n)}
+
+
+class _AdapterFiles:
+    """What ``save_pretrained_atomic`` writes for a peft model whose adapter was gathered: peft's
+    ``save_pretrained`` (adapter_config.json, adapter_model.safetensors) from those tensors."""
+
+    def __init__(self, peft_model: nn.Module, tensors: dict[str, torch.Tensor]):
+        self.peft_model, self.tensors = peft_model, tensors
+
+    def save_pretrained(self, folder, safe_serialization: bool = True) -> None:
+        self.peft_model.save_pretrained(
+            folder, safe_serialization=safe_serialization, state_dict=self.tensors
+        )
+
+
+def adapter_files(model: nn.Module, tensors: dict[str, torch.Tensor]) -> _AdapterFiles:
+    """``model``'s adapter, as ``gathered_adapter`` returned it, for ``save_pretrained_atomic``."""
+    return _AdapterFiles(getattr(model, "module", model), tensors)
+
+
+def save_adapter(model: nn.Module, tokenizer, folder, is_main: bool) -> None:
+    """A (sharded or not) peft policy's adapter and the tokenizer to ``folder``, atomically, in
+    peft's format: what a DDP LoRA run writes. Gathered on every rank (a collective), written by
+    rank 0."""
+    tensors = gathered_adapter(model)
+    if is_main:
+        ckpt.save_pretrained_atomic(adapter_files(model, tensors), tokenizer, folder)

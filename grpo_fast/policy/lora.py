@@ -18,24 +18,32 @@ exists only in this run (the built-in model) is written once to ``output_dir/bas
 from __future__ import annotations
 
 import contextlib
+import sys
 import warnings
 from pathlib import Path
 
 import torch
 from torch import nn
 
-from grpo_fast.algo.core import GRPOLossOutput
 from grpo_fast.algo.loss_options import LossOptions
+from grpo_fast.algo.token_loss import GRPOLossOutput
 from grpo_fast.errors import ConfigError
 
 __all__ = [
     "AdapterOffLoss",
     "adapter_off",
     "apply_lora",
+    "is_adapter_name",
     "is_lora",
     "load_adapter_weights",
     "trainable_counts",
 ]
+
+
+def is_adapter_name(name: str) -> bool:
+    """Whether the parameter or state-dict entry ``name`` is the adapter's (peft names its
+    matrices ``<layer>.lora_A.<adapter>.weight`` and ``<layer>.lora_B.<adapter>.weight``)."""
+    return ".lora_" in name
 
 
 def is_lora(model: nn.Module) -> bool:
@@ -116,10 +124,15 @@ class AdapterOffLoss(nn.Module):
 
 
 def trainable_counts(model: nn.Module) -> tuple[int, int]:
-    """``(trainable, all)`` parameter counts (a 4-bit weight counts as its number of values)."""
+    """``(trainable, all)`` parameter counts (a 4-bit weight counts as its number of values,
+    sharded or not: under FSDP its parameter is a DTensor of the packed bytes)."""
+    model = getattr(model, "module", model)
+    bnb = sys.modules.get("bitsandbytes")  # not imported: no 4-bit layer
+    nf4 = {id(m.weight) for m in model.modules() if bnb is not None and isinstance(m, bnb.nn.Linear4bit)}
     trainable = total = 0
-    for p in getattr(model, "module", model).parameters():
-        n = p.numel() * (2 if getattr(p, "quant_type", None) else 1)  # NF4 packs two values a byte
+    for p in model.parameters():
+        packed = id(p) in nf4 or getattr(p, "quant_type", None)
+        n = p.numel() * (2 if packed else 1)  # NF4 packs two values a byte
         total += n
         trainable += n if p.requires_grad else 0
     return trainable, total

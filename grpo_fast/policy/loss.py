@@ -15,11 +15,11 @@ import torch
 from torch import nn
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
-from grpo_fast.algo.core import GRPOLossOutput
 from grpo_fast.algo.loss_options import LossOptions
+from grpo_fast.algo.token_loss import GRPOLossOutput
 from grpo_fast.domains import AUTO
 from grpo_fast.ops import fused_linear_grpo_loss
-from grpo_fast.policy import shared_attention
+from grpo_fast.policy import sequence_parallel, shared_attention
 from grpo_fast.policy.batch import Microbatch
 
 
@@ -46,7 +46,8 @@ def trainer_truncation(cfg) -> tuple[int, float]:
 
 
 def response_hidden_states(model: nn.Module, mb: Microbatch) -> torch.Tensor:
-    """Last-layer hidden states at the response positions: ``[n, D]``.
+    """Last-layer hidden states at the response positions: ``[n, D]`` (one sp rank's slice of a
+    microbatch, ``policy/sequence_parallel.py``: at the positions it holds).
 
     A packed microbatch under flash-attention hands its precomputed ``cu_seqlens`` / ``max_seqlen``
     to transformers' varlen path (written against transformers 5.24: the ``cu_seq_lens_q/k``,
@@ -56,6 +57,9 @@ def response_hidden_states(model: nn.Module, mb: Microbatch) -> torch.Tensor:
     ``_ignore_causal_mask_sdpa``): one host-device sync per forward that is not ours.
     """
     backbone = model.get_decoder() if hasattr(model, "get_decoder") else model.model
+    if isinstance(mb, sequence_parallel.ShardedMicrobatch):  # this sp rank's tokens, Ulysses attention
+        hidden = sequence_parallel.local_hidden_states(model, backbone, mb)  # [b, L'/N, D]
+        return hidden.flatten(0, 1).index_select(0, mb.select_index)
     kwargs = {"input_ids": mb.input_ids, "use_cache": False}
     attn = getattr(getattr(model, "config", None), "_attn_implementation", None) or ""
     if mb.shared is not None:  # train.share_prompts: the layout, not a mask, says who sees whom
@@ -195,4 +199,5 @@ class PolicyLoss(nn.Module):
             label_bounds=mb.label_bounds,  # read on the CPU when the microbatch was built: no sync
             top_k=self.top_k if truncated else 0,
             top_p=self.top_p if truncated else 1.0,
+            across=sequence_parallel.across(mb),  # sp: whole-row statistics reduce over the group
         )

@@ -13,6 +13,7 @@ import torch
 from torch import nn
 
 from grpo_fast.config import AUTO, Config, shares_prompts
+from grpo_fast.config_checks import devices_here
 from grpo_fast.errors import ConfigError
 from grpo_fast.task import tiny
 
@@ -20,9 +21,27 @@ _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torc
 
 
 def resolve_device(cfg: Config) -> torch.device:
+    """``cfg.device`` as a torch device (``auto``: CUDA when there is one, else the CPU).
+
+    ``ConfigError`` naming ``device`` and this machine's for one it does not have: the config's
+    checks say so first where they check the machine, this is for a config built otherwise."""
     if cfg.device == AUTO:
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(cfg.device)
+    try:
+        device = torch.device(cfg.device)
+    except RuntimeError:
+        device = None
+    usable = device is not None and (
+        device.type == "cpu"
+        or (
+            device.type == "cuda"
+            and torch.cuda.is_available()
+            and (device.index or 0) < torch.cuda.device_count()
+        )
+    )
+    if not usable:
+        raise ConfigError(f"device={cfg.device!r} is not one this machine runs ({devices_here()})")
+    return device
 
 
 def autocast_dtype(cfg: Config, device: torch.device) -> torch.dtype | None:
@@ -47,8 +66,8 @@ def quiet_transformers() -> None:
 
 
 def load_tokenizer(name_or_path: str):
-    if name_or_path == tiny.BUILTIN_NAME:
-        return tiny.build_tokenizer()
+    if name_or_path in tiny.BUILTINS:
+        return tiny.build_tokenizer(name_or_path)
     from transformers import AutoTokenizer
 
     if name_or_path.startswith(("/", "./", "../", "~")) and not Path(name_or_path).expanduser().is_dir():
@@ -86,7 +105,7 @@ def load_policy(
     m = cfg.model
     dtype = policy_dtype(cfg, device)
     source = base_path or m.name_or_path
-    if source == tiny.BUILTIN_NAME and hf_config is None:
+    if source in tiny.BUILTINS and hf_config is None:
         if m.load_in_4bit:  # bitsandbytes quantizes as transformers loads: from a folder
             raise ValueError("a 4-bit built-in base loads from the folder it was written to: pass base_path")
         model = tiny.build_model(tokenizer, seed=cfg.seed).to(dtype)
@@ -129,8 +148,11 @@ def _from_hub_or_folder(cfg: Config, source: str, dtype: torch.dtype, device: to
     attn = m.attn_implementation
     if attn == AUTO:
         has_fa2 = importlib.util.find_spec("flash_attn") is not None
-        # train.share_prompts wraps sdpa or eager attention (policy/shared_attention.py), not flash
-        fa2 = device.type == "cuda" and has_fa2 and not shares_prompts(cfg)
+        # train.share_prompts and train.sequence_parallel wrap sdpa or eager attention
+        # (policy/shared_attention.py, policy/ulysses.py), not flash
+        fa2 = (
+            device.type == "cuda" and has_fa2 and not shares_prompts(cfg) and cfg.train.sequence_parallel == 1
+        )
         attn = "flash_attention_2" if fa2 else "sdpa"
     if hf_config is not None:
         with torch.device(device):  # initialize in place: a 1.5 B fp32 model is 6 GB

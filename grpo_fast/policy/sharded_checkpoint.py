@@ -12,13 +12,21 @@ file system every rank sees (one node; several nodes: a shared one).
 
 Loading reads into the run's own state dicts (``get_state_dict`` / ``set_state_dict``), so DCP
 reshards: a checkpoint written by N ranks loads on M ranks, or on one process without any
-process group (the model then unsharded).
+process group (the model then unsharded). Except 8-bit AdamW's state: its blocks are each rank's
+(``grpo_fast.policy.sharded_optim``), so it loads on the number of ranks that wrote it, and
+another number is refused in one line before anything is read.
+
+Under LoRA the frozen base is not written (it is reloaded from its folder, as under DDP): ``dcp/``
+holds the adapter's shards and its optimizer state, and rank 0 also writes the adapter in peft's
+format (``adapter_config.json`` + ``adapter_model.safetensors``, gathered: a few MB), so that a
+checkpoint is an adapter folder ``grpo-fast evaluate --model`` takes, as a DDP run's is.
 """
 
 from __future__ import annotations
 
 import os
 import shutil
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -26,8 +34,10 @@ import torch
 from torch import nn
 
 from grpo_fast import dist
-from grpo_fast.errors import CheckpointError
+from grpo_fast.errors import CheckpointError, ConfigError
 from grpo_fast.policy import checkpoint as ckpt
+from grpo_fast.policy.fsdp import adapter_files, gathered_adapter
+from grpo_fast.policy.lora import is_adapter_name, is_lora
 
 DCP_DIR = "dcp"
 
@@ -38,9 +48,39 @@ def is_sharded_checkpoint(path: Path) -> bool:
 
 
 def _model_state(model: nn.Module) -> dict[str, torch.Tensor]:
-    from torch.distributed.checkpoint.state_dict import get_model_state_dict
+    """``model``'s state for DCP: every entry, or a LoRA policy's adapter alone (its frozen base
+    is reloaded from the base folder)."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
-    return get_model_state_dict(model)
+    if not is_lora(model):
+        return get_model_state_dict(model)
+    state = get_model_state_dict(model, options=StateDictOptions(ignore_frozen_params=True))
+    return {k: v for k, v in state.items() if is_adapter_name(k)}
+
+
+def _load_model_state(model: nn.Module, state: dict[str, torch.Tensor], path: Path) -> None:
+    """``state`` (``_model_state``'s) into ``model``; under LoRA the base's entries are not there,
+    and every adapter entry must be."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+    lora = is_lora(model)
+    result = set_model_state_dict(model, state, options=StateDictOptions(strict=not lora))
+    if lora and (result.unexpected_keys or any(is_adapter_name(k) for k in result.missing_keys)):
+        raise CheckpointError(
+            f"checkpoint {path}: its adapter does not match model.lora "
+            f"(missing {[k for k in result.missing_keys if is_adapter_name(k)][:2]}, "
+            f"unexpected {list(result.unexpected_keys)[:2]})"
+        )
+
+
+def _quantized_over(optimizer: torch.optim.Optimizer) -> int | None:
+    """The ranks an 8-bit AdamW state was quantized over (``sharded_optim.quantized_over``), None
+    for another optimizer (bitsandbytes not even imported: not one of its optimizers)."""
+    if "bitsandbytes" not in sys.modules:
+        return None
+    from grpo_fast.policy.sharded_optim import quantized_over
+
+    return quantized_over(optimizer)
 
 
 def _state_dicts(models: dict[str, nn.Module], optimizer, with_optimizer: bool) -> dict[str, Any]:
@@ -78,15 +118,23 @@ def save(
     _on_every_rank(main, lambda: _fresh_folder(tmp))
     has_optimizer = bool(optimizer.state)
     state = _state_dicts(models, optimizer, has_optimizer)
+    adapter = gathered_adapter(models["model"]) if is_lora(models["model"]) else None
     try:
         dcp.save(state, checkpoint_id=str(tmp / DCP_DIR), no_dist=not _distributed())
     except Exception as exc:  # DCP raises on every rank when any rank's write failed
         raise CheckpointError(f"step {step}: cannot write {target}: {str(exc).splitlines()[0]}") from None
     if main:
-        trainer_state = {**trainer_state, "optimizer_saved": has_optimizer}
+        quantized = _quantized_over(optimizer) if has_optimizer else None
+        trainer_state = {
+            **trainer_state,
+            "optimizer_saved": has_optimizer,
+            "optimizer_quantized_over": quantized,
+        }
 
     def finish() -> None:
         torch.save(trainer_state, tmp / ckpt.STATE_FILE)
+        if adapter is not None:
+            adapter_files(models["model"], adapter).save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
         _fsync_tree(tmp)
         if target.exists():
@@ -142,9 +190,16 @@ def load(path: Path, models: dict[str, nn.Module], optimizer: torch.optim.Optimi
     """Load the checkpoint at ``path`` into ``models`` and ``optimizer`` in place, resharded to
     this run's ranks (every rank calls it). ``saved``: its ``trainer_state.pt``."""
     import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_optimizer_state_dict
+    from torch.distributed.checkpoint.state_dict import set_optimizer_state_dict
 
     with_optimizer = bool(saved.get("optimizer_saved", True))
+    quantized = saved.get("optimizer_quantized_over") if with_optimizer else None
+    ranks = torch.distributed.get_world_size() if _distributed() else 1
+    if quantized is not None and quantized != ranks:
+        raise ConfigError(
+            f"resume=true: the 8-bit AdamW state of {path} is quantized in blocks of each of its "
+            f"{quantized} rank(s)' shards; resume on {quantized} rank(s) (now {ranks})"
+        )
     state = _state_dicts(models, optimizer, with_optimizer)
     try:
         dcp.load(state, checkpoint_id=str(Path(path) / DCP_DIR), no_dist=not _distributed())
@@ -154,6 +209,6 @@ def load(path: Path, models: dict[str, nn.Module], optimizer: torch.optim.Optimi
             "from the one before"
         ) from None
     for name, model in models.items():
-        set_model_state_dict(model, state[name])
+        _load_model_state(model, state[name], path)
     if with_optimizer:
         set_optimizer_state_dict(models["model"], optimizer, state["optimizer"])

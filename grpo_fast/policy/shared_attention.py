@@ -282,7 +282,7 @@ def enable(model: torch.nn.Module) -> None:
             "train.share_prompts=false"
         )
     current = config._attn_implementation or "eager"
-    if current.startswith(PREFIX):
+    if PREFIX in current:  # already wrapped (also inside sequence parallelism's wrapper, policy/ulysses.py)
         return
     if current not in BASES:
         raise ConfigError(

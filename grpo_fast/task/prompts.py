@@ -4,7 +4,9 @@ A template is a registered name (``TEMPLATES``) or any custom string holding ``{
 ``r1_zero`` is the DeepSeek-R1-Zero conversation prompt; it ends inside an open ``<think>``
 tag, so the response is expected to read ``… </think> <answer> … </answer>``. Generation stops
 at ``</answer>``, and the stop string is KEPT in the response (vLLM:
-``include_stop_str_in_output=True``) because the reward's format check needs it.
+``include_stop_str_in_output=True``) because the reward's format check needs it. ``math_tir``
+is tool-integrated reasoning in Qwen2.5-Math's format (Python blocks whose output the ``python``
+environment fills in, the answer boxed: ``configs/tir.yaml``).
 
 Example:
     >>> format_prompt("question_only", "What is 2+2?")
@@ -61,6 +63,23 @@ TEMPLATES: dict[str, PromptTemplate] = {
         stop=("</answer>",),
     ),
     "question_only": PromptTemplate(name="question_only", text=PLACEHOLDER),
+    # Tool-integrated reasoning in Qwen2.5-Math's format (its TIR data, ToRL): reason, write Python in
+    # a ```python block and open an ```output block (rollout.environment=python runs the code and
+    # fills the block), read the output, go on; the answer in \boxed{} (data.reward=boxed). A base
+    # model that goes on to a new "Problem:" is stopped there. configs/tir.yaml sets it all.
+    "math_tir": PromptTemplate(
+        name="math_tir",
+        text=(
+            "Solve the following math problem. Integrate step-by-step reasoning with Python code: "
+            "write code in a ```python block and follow it with ```output, and the code's output "
+            "will be shown there, like this:\n"
+            "```python\nprint(2**10 - 1)\n```\n```output\n1023\n```\n"
+            "Use what the code prints, and put your final answer within \\boxed{}.\n\n"
+            "Problem: {question}\n\n"
+            "Solution:"
+        ),
+        stop=("\n\nProblem:",),
+    ),
 }
 
 

@@ -8,6 +8,10 @@ Registered rewards (``REWARD_FNS``; add your own with ``@register_reward("name")
     the LAST such pair, unboxed when it holds ``\\boxed{…}``; ``answer_reward`` is 1 when it is
     equivalent to the ground truth (``is_equivalent``). ``reward = format_reward · answer_reward``:
     an unformatted response scores 0 even when its answer is right.
+``boxed``
+    For the ``math_tir`` prompt (tool-integrated reasoning): the last ``\\boxed{…}`` outside the
+    response's ```` ```python ```` / ```` ```output ```` blocks, graded as ``r1_zero``'s answer;
+    ``format_reward`` is 1 when there is one; ``reward = answer_reward``.
 ``gsm8k``
     Numeric: the last number inside the last ``<answer>…</answer>`` if there is one, else the
     last number in the response, compared to the ground truth as an exact rational (commas
@@ -26,10 +30,18 @@ Grading (``is_equivalent``) runs cheapest first and stops at the first verdict:
    characters, brackets nested deeper than ``MAX_NESTING``, numeric exponent towers, 6-digit
    exponents, factorials of factorials) skip this step and count as not equivalent.
 
+A reward function may also take the whole example and the trajectory, as keyword arguments
+``example`` (``grpo_fast.task.data.Example``: question, answer, solution, difficulty) and
+``trajectory`` (``grpo_fast.rollout.Trajectory``: its token ids and roles, turns, finish reason,
+the tool calls of a multi-turn response): declare either (or ``**context``) and it is passed;
+a ``(response, ground_truth)`` function is called as it always was.
+
 Reward functions never raise on any response or ground-truth string and always return floats.
 The loop calls every reward, registered or your own, through ``GuardedReward``: one that raises
 or returns a non-number stops the run with one line naming it and the response
 (``data.reward_errors=zero``: that response scores 0 and is counted in ``train/reward_errors``).
+``score_batch`` scores a batch with up to N calls at once (the grader keeps up to N worker
+processes, ``grpo_fast.sandbox.WorkerPool``), each score the one a one-by-one call gives.
 
 Several rewards with weights (``data.reward`` a list, ``data.reward_weights``) are one
 ``WeightedReward``: ``reward = Σ_k w_k·reward_k``, each part guarded on its own and reported as
@@ -39,20 +51,17 @@ Several rewards with weights (``data.reward`` a list, ``data.reward_weights``) a
 from __future__ import annotations
 
 import atexit
+import inspect
 import json
 import math
-import os
 import re
-import select
-import subprocess
 import sys
-import tempfile
-import threading
-import time
 from collections.abc import Callable, Mapping
 from fractions import Fraction
 
 from grpo_fast.errors import ConfigError, RewardError
+from grpo_fast.sandbox.pool import default_workers, ordered_map
+from grpo_fast.sandbox.worker import DIE_WITH_PARENT, WorkerPool
 
 __all__ = [
     "MAX_NESTING",
@@ -71,6 +80,7 @@ __all__ = [
     "parse_r1_zero_response",
     "r1_zero_reward_fn",
     "register_reward",
+    "score_batch",
 ]
 
 RewardFn = Callable[[str, str], dict[str, float]]
@@ -299,13 +309,10 @@ def _too_costly(s: str) -> bool:
 # multiplication, a regex backtracking in a parser) holds on.
 # Written against math-verify 0.9.0: parse(..., parsing_timeout=None) and
 # verify(..., timeout_seconds=None) turn off its own signal.alarm timeouts.
-_WORKER_SOURCE = r"""
+_WORKER_SOURCE = (
+    DIE_WITH_PARENT
+    + r"""
 import json, logging, signal, sys
-try:  # Linux: die with the parent, even when it is SIGKILLed (PR_SET_PDEATHSIG = 1)
-    import ctypes
-    ctypes.CDLL(None).prctl(1, signal.SIGKILL)
-except (OSError, AttributeError):
-    pass
 logging.disable(logging.CRITICAL)
 reply, sys.stdout = sys.stdout, sys.stderr  # stray prints must not corrupt the protocol
 from math_verify import parse, verify
@@ -339,108 +346,62 @@ for line in sys.stdin:
     reply.write("1\n" if ok else "0\n")
     reply.flush()
 """
+)
 
 
 class MathGrader:
     """Symbolic answer equivalence (math-verify) with a hard per-call time limit.
 
-    One worker process, started on first use, serves calls one at a time (a lock makes the
-    grader safe to share between threads). A call that does not answer within ``timeout_s``
-    returns False; the worker is killed and a fresh one started at once, so the next call
-    waits only for what is left of its start-up (≈0.5 s).
+    Up to ``workers`` worker processes (``grpo_fast.sandbox.WorkerPool``), started when first
+    needed, each serving one call at a time: the grader is safe to share between threads, and
+    that many calls run at once. A call that does not answer within ``timeout_s`` returns False;
+    its worker is killed and a fresh one started at once, so the next call waits only for what
+    is left of its start-up (≈0.5 s).
 
     Args:
         timeout_s: hard limit per comparison, in seconds: past it the worker is killed.
         soft_timeout_s: the worker's own limit (SIGALRM), which interrupts Python-level work
             without losing the worker; below ``timeout_s`` so it normally fires first.
         startup_timeout_s: how long to wait for a worker to start before raising.
+        workers: worker processes at most (each ≈60 MB once math-verify is loaded).
 
     Example:
         >>> MathGrader().equivalent("(x+1)^2", "x^2+2x+1")  # doctest: +SKIP
         True
     """
 
-    def __init__(self, timeout_s: float = 1.0, soft_timeout_s: float = 0.6, startup_timeout_s: float = 60.0):
+    def __init__(
+        self,
+        timeout_s: float = 1.0,
+        soft_timeout_s: float = 0.6,
+        startup_timeout_s: float = 60.0,
+        workers: int = 1,
+    ):
         self.timeout_s = timeout_s
         self.soft_timeout_s = soft_timeout_s
-        self.startup_timeout_s = startup_timeout_s
-        self._lock = threading.Lock()
-        self._proc: subprocess.Popen | None = None
-        self._stderr = None
-        self._ready = False
-        self._buf = b""
+        self._pool = WorkerPool(
+            [sys.executable, "-W", "ignore", "-c", _WORKER_SOURCE],
+            size=workers,
+            startup_timeout_s=startup_timeout_s,
+            name="math grading worker",
+        )
 
     def equivalent(self, gold: str, pred: str) -> bool:
         """True if math-verify proves ``pred`` equal to ``gold`` within ``timeout_s``."""
         request = json.dumps([gold, pred, self.soft_timeout_s]).encode() + b"\n"
-        with self._lock:
-            proc = self._ready_worker()
-            try:
-                proc.stdin.write(request)
-                proc.stdin.flush()
-                reply = self._read_line(proc, self.timeout_s)
-            except OSError:  # the worker died under us (broken pipe)
-                reply = None
-            if reply is None:
-                self._restart()
-                return False
-            return reply == b"1"
+        return self._pool.request(request, self.timeout_s) == b"1"
 
     def close(self) -> None:
-        """Stop the worker (a later call starts a new one)."""
-        with self._lock:
-            self._kill()
+        """Stop the workers (a later call starts new ones)."""
+        self._pool.close()
 
-    def _ready_worker(self) -> subprocess.Popen:
-        if self._proc is None or self._proc.poll() is not None:
-            self._restart()
-        if not self._ready:
-            if self._read_line(self._proc, self.startup_timeout_s) != b"ready":
-                self._stderr.seek(0)
-                tail = self._stderr.read()[-2000:].decode(errors="replace")
-                self._kill()
-                raise RuntimeError(f"the math grading worker did not start:\n{tail}")
-            self._ready = True
-        return self._proc
-
-    def _restart(self) -> None:
-        self._kill()
-        # A file, not a pipe: a chatty worker never blocks. It lives as long as the worker.
-        self._stderr = tempfile.TemporaryFile()  # noqa: SIM115
-        self._proc = subprocess.Popen(
-            [sys.executable, "-W", "ignore", "-c", _WORKER_SOURCE],
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            stderr=self._stderr,
-            bufsize=0,
-        )
-
-    def _kill(self) -> None:
-        if self._proc is not None:
-            self._proc.kill()
-            self._proc.wait()
-            self._proc.stdin.close()
-            self._proc.stdout.close()
-            self._stderr.close()
-        self._proc, self._stderr, self._ready, self._buf = None, None, False, b""
-
-    def _read_line(self, proc: subprocess.Popen, timeout_s: float) -> bytes | None:
-        """One reply line (without the newline), or None on timeout or end of file."""
-        deadline = time.monotonic() + timeout_s
-        fd = proc.stdout.fileno()
-        while b"\n" not in self._buf:
-            remaining = deadline - time.monotonic()
-            if remaining <= 0 or not select.select([fd], [], [], remaining)[0]:
-                return None
-            chunk = os.read(fd, 4096)
-            if not chunk:
-                return None
-            self._buf += chunk
-        line, self._buf = self._buf.split(b"\n", 1)
-        return line
+    @property
+    def _proc(self):
+        """The first worker's process (None before the first call)."""
+        return self._pool.workers[0].proc if self._pool.workers else None
 
 
-_GRADER = MathGrader()
+_GRADER = MathGrader(workers=default_workers(cap=4))  # one per concurrent scorer (score_batch)
 atexit.register(_GRADER.close)
 
 
@@ -528,22 +489,42 @@ class GuardedReward:
         if on_error not in ("raise", "zero"):
             raise ValueError(f"on_error must be raise or zero, not {on_error!r}")
         self.fn, self.name, self.on_error = fn, name, on_error
+        self.context = context_arguments(fn)  # which of example / trajectory it takes
         self._zero: dict[str, float] = {"reward": 0.0}  # an error's score: 0 for each key seen
+
+    @property
+    def concurrent(self) -> bool:
+        """Whether ``data.reward_workers=auto`` may run it on threads: a reward built into
+        grpo_fast (stateless, its grader in worker processes), not a user's own function."""
+        return getattr(self.fn, "__module__", "").startswith("grpo_fast.")
 
     def for_batch(self, step: int) -> _BatchReward:
         return _BatchReward(self, step)
 
-    def __call__(self, response: str, ground_truth: str) -> dict[str, float]:
-        return self.score(response, ground_truth, where="")[0]
+    def __call__(self, response: str, ground_truth: str, **context) -> dict[str, float]:
+        return self.score(response, ground_truth, where="", **context)[0]
 
-    def score(self, response: str, ground_truth: str, where: str) -> tuple[dict[str, float], bool]:
+    def score(self, response: str, ground_truth: str, where: str, **context) -> tuple[dict[str, float], bool]:
         """``(score dict, whether it is a tolerated error's zeros)`` for one response; ``where``
-        (e.g. ``"response 5 of step 3's rollout batch"``) goes into the error message."""
+        (e.g. ``"response 5 of step 3's rollout batch"``) goes into the error message;
+        ``context`` (``example``, ``trajectory``): passed on where the function takes them."""
+        return self.settle(self.call(response, ground_truth, **context), response, ground_truth, where)
+
+    def call(self, response: str, ground_truth: str, **context) -> tuple[object, str | None]:
+        """``(what the function returned, what is wrong with it or None)``: the part of ``score``
+        that ``score_batch`` runs on several threads (it changes no state)."""
         try:
-            out = self.fn(response, ground_truth)
-            problem = _not_a_score(out)
+            out = self.fn(response, ground_truth, **{k: v for k, v in context.items() if k in self.context})
+            return out, _not_a_score(out)
         except Exception as exc:  # the user's code: whatever it raises is reported, not a traceback
-            out, problem = None, f"raised {type(exc).__name__}: {exc}"
+            return None, f"raised {type(exc).__name__}: {exc}"
+
+    def settle(
+        self, called: tuple[object, str | None], response: str, ground_truth: str, where: str
+    ) -> tuple[dict[str, float], bool]:
+        """The rest of ``score``, in response order: the error's zeros (the keys seen so far) or
+        the ``RewardError``."""
+        out, problem = called
         if problem is None:
             if out.keys() != self._zero.keys():  # the same keys as the others (averaged per key)
                 self._zero = {k: 0.0 for k, v in out.items() if isinstance(v, (int, float))}
@@ -593,19 +574,35 @@ class WeightedReward:
         self.parts, self.weights, self.names = list(parts), weights, names
         self.name = " + ".join(f"{w:g}·{n}" for w, n in zip(weights, names))
 
+    @property
+    def concurrent(self) -> bool:
+        return all(part.concurrent for part in self.parts)
+
     def for_batch(self, step: int) -> _BatchReward:
         return _BatchReward(self, step)
 
-    def __call__(self, response: str, ground_truth: str) -> dict[str, float]:
-        return self.score(response, ground_truth, where="")[0]
+    def __call__(self, response: str, ground_truth: str, **context) -> dict[str, float]:
+        return self.score(response, ground_truth, where="", **context)[0]
 
-    def score(self, response: str, ground_truth: str, where: str) -> tuple[dict[str, float], list[str]]:
+    def score(
+        self, response: str, ground_truth: str, where: str, **context
+    ) -> tuple[dict[str, float], list[str]]:
         """``(combined score dict, names of the parts whose error was scored 0)``."""
+        return self.settle(self.call(response, ground_truth, **context), response, ground_truth, where)
+
+    def call(self, response: str, ground_truth: str, **context) -> list[tuple[object, str | None]]:
+        """Each part's ``GuardedReward.call``."""
+        return [part.call(response, ground_truth, **context) for part in self.parts]
+
+    def settle(
+        self, called: list[tuple[object, str | None]], response: str, ground_truth: str, where: str
+    ) -> tuple[dict[str, float], list[str]]:
+        """Each part's ``GuardedReward.settle``, then the weighted sum."""
         out: dict[str, float] = {"reward": 0.0}
         extras: dict[str, float] = {}
         failed: list[str] = []
-        for part, w, name in zip(self.parts, self.weights, self.names):
-            s, bad = part.score(response, ground_truth, where)
+        for part, w, name, part_called in zip(self.parts, self.weights, self.names, called):
+            s, bad = part.settle(part_called, response, ground_truth, where)
             if bad:
                 failed.append(name)
             r = float(s["reward"])
@@ -629,11 +626,35 @@ class _BatchReward:
         names = guard.names if isinstance(guard, WeightedReward) else [guard.name]
         self.errors_by_part: dict[str, int] = dict.fromkeys(names, 0)
         self.scores: list[dict[str, float]] = []
+        self.concurrent = guard.concurrent
 
-    def __call__(self, response: str, ground_truth: str) -> dict[str, float]:
+    def __call__(self, response: str, ground_truth: str, **context) -> dict[str, float]:
+        return self._record(self.guard.score(response, ground_truth, self._where(), **context))
+
+    def score_batch(
+        self, responses: list[str], ground_truths: list[str], workers: int, contexts: list[dict] | None = None
+    ) -> list[dict[str, float]]:
+        """``[self(r, g, **c) for r, g, c in zip(responses, ground_truths, contexts)]``, the reward
+        functions run on up to ``workers`` threads; numbering, error counts and ``scores`` as one
+        by one."""
+        contexts = contexts or [{}] * len(responses)
+        called = ordered_map(
+            lambda item: self.guard.call(item[0], item[1], **item[2]),
+            list(zip(responses, ground_truths, contexts)),
+            workers,
+        )
+        return [
+            self._record(self.guard.settle(c, r, g, self._where()))
+            for c, r, g in zip(called, responses, ground_truths)
+        ]
+
+    def _where(self) -> str:
         where = f"response {self.index} of step {self.step}'s rollout batch"
         self.index += 1
-        out, failed = self.guard.score(response, ground_truth, where)
+        return where
+
+    def _record(self, scored: tuple[dict[str, float], bool | list[str]]) -> dict[str, float]:
+        out, failed = scored
         if isinstance(failed, bool):  # a single GuardedReward
             failed = [self.guard.name] if failed else []
         for name in failed:
@@ -641,6 +662,61 @@ class _BatchReward:
         self.errors += len(failed)
         self.scores.append(out)
         return out
+
+
+CONTEXT_ARGUMENTS = ("example", "trajectory")
+
+
+def context_arguments(fn) -> frozenset[str]:
+    """Which of ``CONTEXT_ARGUMENTS`` the reward function ``fn`` takes by keyword (all of them
+    with ``**kwargs``; none for ``(response, ground_truth)``, or a callable whose signature
+    cannot be read)."""
+    try:
+        params = inspect.signature(fn).parameters.values()
+    except (TypeError, ValueError):
+        return frozenset()
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params):
+        return frozenset(CONTEXT_ARGUMENTS)
+    keyword = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
+    return frozenset(p.name for p in params if p.kind in keyword and p.name in CONTEXT_ARGUMENTS)
+
+
+def score_batch(
+    reward_fn: Callable[[str, str], dict[str, float]],
+    responses: list[str],
+    ground_truths: list[str],
+    workers: int | None = None,
+    contexts: list[dict] | None = None,
+) -> list[dict[str, float]]:
+    """Score ``responses[i]`` against ``ground_truths[i]`` with ``reward_fn``, up to ``workers``
+    calls at once (default: this process's CPUs, at most 4); the scores in input order, each the
+    dict a one-by-one call returns.
+
+    ``reward_fn`` is the task's reward as the loop holds it — a ``for_batch(step)`` callable
+    (its response numbers, error counts and ``scores`` come out as if called one by one: the
+    functions run concurrently, the guard's bookkeeping and any ``RewardError`` in order), a
+    ``GuardedReward`` / ``WeightedReward``, or any ``fn(response, ground_truth) -> dict``. The
+    functions run on threads: the math grader (``is_equivalent``) runs that many worker
+    processes; a user's function that keeps shared mutable state must lock it (or pass
+    ``workers=1``: the calls then run one by one on this thread). ``contexts``: each response's
+    ``example`` / ``trajectory`` keywords, for a reward function that takes them.
+
+    Example:
+        >>> score_batch(gsm8k_reward_fn, ["<answer> 4 </answer>", "5"], ["4", "4"], workers=2)
+        [{'format_reward': 0.0, 'answer_reward': 1.0, 'reward': 1.0}, {'format_reward': 0.0, 'answer_reward': 0.0, 'reward': 0.0}]
+    """
+    responses, ground_truths = list(responses), list(ground_truths)
+    if len(responses) != len(ground_truths):
+        raise ValueError(f"{len(responses)} responses but {len(ground_truths)} ground truths")
+    workers = workers or default_workers(cap=4)
+    contexts = list(contexts) if contexts is not None else [{}] * len(responses)
+    if isinstance(reward_fn, _BatchReward):
+        return reward_fn.score_batch(responses, ground_truths, workers, contexts)
+    items = list(zip(responses, ground_truths, contexts))
+    if isinstance(reward_fn, (GuardedReward, WeightedReward)):
+        called = ordered_map(lambda item: reward_fn.call(item[0], item[1], **item[2]), items, workers)
+        return [reward_fn.settle(c, r, g, "")[0] for c, (r, g, _) in zip(called, items)]
+    return ordered_map(lambda item: reward_fn(item[0], item[1]), items, workers)
 
 
 def _not_a_score(out) -> str | None:
@@ -677,6 +753,27 @@ def r1_zero_reward_fn(response: str, ground_truth: str) -> dict[str, float]:
         return _scores(False, False, False)
     correct = is_equivalent(answer, str(ground_truth))
     return _scores(True, correct, correct)
+
+
+# a ```python or ```output block of a tool-integrated response (its closing fence optional)
+_TOOL_BLOCK = re.compile(r"```(?:python|output)\b.*?(?:```|\Z)", re.DOTALL)
+
+
+@register_reward("boxed")
+def boxed_reward_fn(response: str, ground_truth: str) -> dict[str, float]:
+    """Tool-integrated reasoning (the ``math_tir`` prompt): the answer is the last ``\\boxed{}``
+    of the response outside its ```` ```python ```` and ```` ```output ```` blocks (a box the code
+    printed is not the model's answer); ``format_reward`` is 1 when there is one,
+    ``answer_reward`` when it is equivalent to the ground truth (``is_equivalent``);
+    ``reward = answer_reward``.
+
+    Example:
+        >>> boxed_reward_fn("```python\\nprint(1/2)\\n```\\n```output\\n0.5\\n```\\nSo \\\\boxed{\\\\frac12}.", "0.5")
+        {'format_reward': 1.0, 'answer_reward': 1.0, 'reward': 1.0}
+    """
+    answer = extract_boxed(_TOOL_BLOCK.sub("", str(response)))
+    correct = answer is not None and is_equivalent(answer, str(ground_truth))
+    return _scores(answer is not None, correct, correct)
 
 
 @register_reward("gsm8k")

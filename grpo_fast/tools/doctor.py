@@ -1,7 +1,8 @@
 """What this machine can run: ``python -m grpo_fast.doctor`` (or ``grpo-fast doctor``).
 
-Prints the versions of the libraries the engine uses, CUDA and each GPU's memory, which presets
-fit here (by the memory planner's formulas, ``grpo_fast.tools.plan``), and whether the Triton kernels
+Prints the versions of the libraries the engine uses, the cores, load and CPU threads (intra-op
+threads, OpenMP wait: ``grpo_fast.threads``), CUDA and each GPU's memory, whether the
+code sandbox of tool calls runs here (bubblewrap), which presets fit here (by the memory planner's formulas, ``grpo_fast.tools.plan``), and whether the Triton kernels
 compile and run here — on a GPU natively, on a CPU under the interpreter
 (``TRITON_INTERPRET=1``), in a subprocess on a tiny case of ``csrc_triton`` checked against the
 eager reference. Every problem comes with the command that fixes it.
@@ -47,6 +48,9 @@ sys.exit(0 if err < 1e-4 else 3)
 """
 
 
+KEY_WIDTH = 18  # the label column: "preset tiny_tools" (17) and a space
+
+
 @dataclass
 class Report:
     lines: list[str] = field(default_factory=list)
@@ -54,7 +58,7 @@ class Report:
     tiny_broken: bool = False
 
     def row(self, key: str, value: str) -> None:
-        self.lines.append(f"{key:<14} {value}")
+        self.lines.append(f"{key:<{KEY_WIDTH}} {value}")
 
     def problem(self, what: str, fix: str, breaks_tiny: bool = False) -> None:
         self.problems.append((what, fix))
@@ -228,11 +232,67 @@ def check_backends(rep: Report) -> None:
         rep.row(f"backend {name}", f"yes{what}" if missing is None else f"no: {missing}")
 
 
+def check_threads(rep: Report) -> None:
+    """This machine's cores and load, torch's intra-op threads and OpenMP wait here, and what the
+    tiny preset would use (``grpo_fast.threads``); a busy machine with spinning OpenMP a problem."""
+    import torch
+
+    from grpo_fast import threads
+
+    cores, load = threads.usable_cores(), threads.load_average()
+    loads = " ".join(f"{x:.2f}" for x in os.getloadavg()) if load is not None else "unknown"
+    rep.row("cpu", f"{cores} usable cores, load average {loads} (1, 5, 15 min)")
+    wait = threads.wait_policy_in_effect()
+    tiny = threads.choose_threads("auto", "cpu", 128, cores, load)  # the tiny preset's model: hidden 128
+    rep.row(
+        "threads",
+        f"torch {torch.get_num_threads()} intra-op here, OpenMP wait {wait}; the tiny preset: "
+        f"{tiny.threads} ({tiny.why}; threads.intra_op)",
+    )
+    if load is not None and load >= cores and wait != "passive":
+        rep.problem(
+            f"this machine is busy (load {load:.1f} on {cores} cores) and OpenMP here spins between "
+            f"parallel regions (wait {wait}): runs slow each other down many times over",
+            "unset OMP_WAIT_POLICY / GOMP_SPINCOUNT (the grpo-fast commands then wait passively), "
+            "or threads.wait_policy=passive",
+        )
+
+
+def check_sandbox(rep: Report) -> None:
+    """The code sandbox of the ``python`` tool environment: bubblewrap found, and one trivial
+    call run in it (namespaces may be forbidden where bwrap is installed: some containers)."""
+    from grpo_fast.sandbox import BWRAP_FIX, Limits, Sandbox, SandboxUnavailable, bwrap_status
+
+    version, problem = bwrap_status()
+    if problem is None:
+        t0 = time.perf_counter()
+        try:
+            Sandbox(Limits(timeout_s=60.0), workers=1)  # runs print('ok') in it once
+        except SandboxUnavailable as exc:
+            problem = str(exc)
+    if problem is None:
+        seconds = time.perf_counter() - t0
+        rep.row(
+            "sandbox",
+            f"yes: bubblewrap {version}, set-up and a trivial call {seconds:.2f} s (tool calls run isolated)",
+        )
+        return
+    rep.row("sandbox", f"no: {problem}")
+    fix = (
+        BWRAP_FIX
+        if version is None
+        else "see docs/tools.md (the sandbox), or isolation=unsafe for trusted code"
+    )
+    rep.problem(f"tool calls (the python environment) cannot run: {problem}", fix)
+
+
 def diagnose(run_triton: bool = True) -> Report:
     """Every check, in order; the ``Report`` holds the lines, the problems and the verdict."""
     rep = Report()
     check_libraries(rep)
+    check_threads(rep)
     check_backends(rep)
+    check_sandbox(rep)
     gpus = check_cuda(rep)
     check_presets(rep, gpus)
     if run_triton:

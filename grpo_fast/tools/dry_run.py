@@ -49,6 +49,7 @@ def dry_run(preset: str, config_files: list[str], overrides: list[str]) -> int:
     clamped = clamp_micro_batch(cfg)[1]  # the line the run prints (one rank)
     if clamped:
         print(f"  {clamped}")
+    print("\n" + _sequence_parallel_text(cfg))
 
     print("\ndata:")
     try:
@@ -160,6 +161,19 @@ def _plan_text(cfg: Config, torch) -> str:
     return head + body
 
 
+def _sequence_parallel_text(cfg: Config) -> str:
+    """The planner's sequence-parallel lines (``plan.sequence_parallel_text``): per-rank activations
+    and the longest response that fits 24 / 80 GB cards for N = 1, 2, 4, 8."""
+    from grpo_fast.tools import plan
+
+    try:
+        arch = _offline_arch(cfg, plan)
+    except UserError as exc:
+        return f"sequence parallelism: unavailable ({exc})"
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    return plan.sequence_parallel_text(cfg, arch, world)
+
+
 def _offline_arch(cfg: Config, plan):
     """``plan.arch_for`` without the network: a hub model's config.json from the local cache only."""
     name = cfg.model.name_or_path
@@ -189,7 +203,7 @@ def _offline_tokenizer(name: str):
     from grpo_fast.policy.model import load_tokenizer
     from grpo_fast.task import tiny
 
-    if name == tiny.BUILTIN_NAME or Path(name).expanduser().is_dir():
+    if name in tiny.BUILTINS or Path(name).expanduser().is_dir():
         return load_tokenizer(name)
     if name.startswith(("/", "./", "../", "~")):
         raise ConfigError(f"model.name_or_path={name!r}: no such folder")

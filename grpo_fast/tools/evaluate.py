@@ -6,7 +6,9 @@ Standalone, a zero-shot baseline of any checkpoint or hub model:
     python -m grpo_fast.evaluate --model PATH [--preset NAME] [--limit N] [--out F.jsonl] [key=value ...]
 
 Metrics: ``accuracy`` (mean answer reward), ``format_rate`` (mean format reward),
-``reward_mean``, ``response_length_mean`` (tokens), ``truncated_fraction``.
+``reward_mean``, ``response_length_mean`` (tokens), ``truncated_fraction``; with a tool
+environment (``rollout.environment``) also ``tool_call_rate`` (the share of responses that called
+the tool) and ``tool_calls_mean``, and each record holds its turns.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from grpo_fast import dist
 from grpo_fast.config import Config, load_config
 from grpo_fast.errors import ConfigError, UserError, cli_errors
 from grpo_fast.policy.checkpoint import check_model_folder
+from grpo_fast.rollout.multi_turn import turn_texts
 from grpo_fast.rollout.sampling import sampling_params
 from grpo_fast.task.data import Example
 
@@ -43,24 +46,24 @@ def evaluate(
     truth, reward parts, length) for this rank's examples.
     """
     world = world or dist.DistInfo()
-    mine = examples[world.rank :: world.world_size]
+    mine = examples[world.dp.rank :: world.dp.size]  # this data-parallel rank's share
     params = sampling_params(cfg.rollout, task.stop, for_eval=True)
+    tools = getattr(backend, "tools", None) is not None  # rollout.environment: the turns too
     records = []
     if mine:
         rollout = backend.generate([task.prompt_ids(e) for e in mine], params, progress=progress)
         backend.sleep()
-        for ex, text, ids, reason in zip(
-            mine, rollout.response_text, rollout.response_ids, rollout.finish_reason
-        ):
-            score = task.reward_fn(text, ex.answer)
+        for ex, t in zip(mine, rollout.trajectories):
+            score = task.reward_fn(t.text, ex.answer)
             records.append(
                 {
                     "prompt": task.prompt_text(ex),
-                    "response": text,
+                    "response": t.text,
                     "ground_truth": ex.answer,
                     **score,
-                    "length": len(ids),
-                    "finish_reason": reason,
+                    "length": t.num_tokens,
+                    "finish_reason": t.finish_reason,
+                    **(tool_record(t, task.tokenizer) if tools else {}),
                 }
             )
     acc = sum(rec.get("answer_reward", rec["reward"]) for rec in records)
@@ -69,7 +72,7 @@ def evaluate(
     length = sum(rec["length"] for rec in records)
     trunc = sum(rec["finish_reason"] == "length" for rec in records)
     acc, fmt, rew, length, trunc, n = dist.all_reduce_sum(
-        [acc, fmt, rew, length, trunc, len(records)], device
+        [acc, fmt, rew, length, trunc, len(records)], device, axis=world.dp
     )
     n = max(n, 1.0)
     metrics = {
@@ -80,7 +83,21 @@ def evaluate(
         "truncated_fraction": trunc / n,
         "num_examples": n,
     }
+    if tools:  # the share of responses that called the tool, and the calls per response
+        calling = sum(rec["tool_calls"] > 0 for rec in records)
+        calls = sum(rec["tool_calls"] for rec in records)
+        calling, calls = dist.all_reduce_sum([calling, calls], device, axis=world.dp)
+        metrics.update(tool_call_rate=calling / n, tool_calls_mean=calls / n)
     return metrics, records
+
+
+def tool_record(t, tokenizer) -> dict:
+    """A multi-turn response's part of its sample record: its tool calls' count and its turns,
+    each the text the model wrote and what the tool put back."""
+    return {
+        "tool_calls": len(t.tool_calls),
+        "turns": turn_texts(t, lambda ids: tokenizer.decode(ids, skip_special_tokens=True)),
+    }
 
 
 def parse_args(argv, prog: str = "python -m grpo_fast.evaluate"):

@@ -6,12 +6,15 @@ Two phases share the card and never overlap (vLLM sleeps while the trainer train
 
 - training: weights + gradients + optimizer state + autocast's low-precision weight copies
   + activations (per microbatch token; with gradient checkpointing only each layer's input is
-  kept, plus one layer recomputed at a time) + the loss chunk (``[rows, V]`` logits and the fp32
-  lm_head gradient accumulator) + a fixed reserve for the CUDA context and fragmentation;
+  kept, plus one layer recomputed at a time; under ``train.sequence_parallel=N`` a rank holds
+  ``⌈L/N⌉`` of each sequence's L tokens, plus the all-to-all's buffers of one layer) + the loss
+  chunk (``[rows, V]`` logits and the fp32 lm_head gradient accumulator) + a fixed reserve for the
+  CUDA context and fragmentation;
 - rollout: the trainer's resident state (weights + optimizer; gradients are freed) + vLLM's
   ``gpu_memory_utilization`` share (its bf16 weights, its activation workspace, its KV cache).
 
-The planner picks the largest microbatch (sequences of ``max_prompt_tokens + max_tokens``) whose
+The planner picks the largest microbatch (sequences of ``max_prompt_tokens + max_tokens``; with a
+tool environment ``max_prompt_tokens + max_response_tokens``, the inserted tokens counted) whose
 training peak fits, the loss chunk rows by the fused op's own rule on CUDA (a 128 MiB budget,
 raised to the 2,048 rows that keep its weight-gradient GEMM compute-bound, within 1 GiB: see
 ``grpo_fast.ops.fused_linear_grpo_loss``), and the vLLM share that the
@@ -32,6 +35,7 @@ import torch
 from grpo_fast.config import AUTO, Config, load_config
 from grpo_fast.errors import ConfigError, cli_errors
 from grpo_fast.ops.fused_linear_grpo_loss import default_chunk_size
+from grpo_fast.rollout.multi_turn import max_response_tokens
 from grpo_fast.rollout.registry import backend as rollout_backend
 
 GB = 1e9
@@ -39,10 +43,13 @@ RESERVE_BYTES = 1.5 * GB  # CUDA context (~0.5 GB) + allocator fragmentation hea
 VLLM_WORKSPACE_BYTES = 1.5 * GB  # vLLM's activation/sampler workspace measured by its profile run
 MAX_MICRO_BATCH = 64
 CPU_MICRO_BATCH = 16
-# The torch_chunked backend's working set: [ROW_TILE, VOCAB_BLOCK] fp32 tiles alive at once in its
-# backward (s, p, p·(log p + H), dlogits, ...). Measured with tracked allocations: 7 tiles of 4 MiB
-# (29.4 MB) beyond the logits chunk and the weight gradient (N = 768, V = 32,768, CPU, 2026-12-01;
-# tests/test_plan.py). The Triton kernels keep their tiles in registers: nothing.
+# The torch_chunked backend's working set with bf16/fp16 logits: [ROW_TILE, VOCAB_BLOCK] fp32 tiles
+# alive at once in its backward (s, p, p·(log p + H), dlogits, ...). Measured with tracked
+# allocations: 7 tiles of 4 MiB (29.4 MB) beyond the logits chunk and the weight gradient (N = 768,
+# V = 32,768, CPU, 2026-12-01). With fp32 logits the fused head's gradients come from the exps its
+# forward leaves in the chunk: one forward tile (FWD_TILE_BYTES) beyond them (74.4 MiB measured
+# against 74.0 planned, tests/test_plan.py, 2026-12-03). The Triton kernels keep their tiles in
+# registers: nothing.
 TORCH_CHUNKED_TILES = 7
 
 
@@ -129,14 +136,21 @@ KNOWN_ARCHS = {
 }
 
 
+def _length_key(cfg: Config) -> str:
+    """The key that sets a response's length: ``rollout.max_tokens``, or with a tool environment
+    ``rollout.max_response_tokens`` (sampled + inserted tokens)."""
+    tools = cfg.rollout.environment != "none"
+    return "rollout.max_response_tokens" if tools else "rollout.max_tokens"
+
+
 def arch_for(cfg: Config) -> Arch:
     name = cfg.model.name_or_path
     if name in KNOWN_ARCHS:
         return KNOWN_ARCHS[name]
-    if name.startswith("builtin:"):
-        from grpo_fast.task import tiny
+    from grpo_fast.task import tiny
 
-        return Arch.from_hf_config(tiny.build_model_config(tiny.build_tokenizer()))
+    if name in tiny.BUILTINS:
+        return Arch.from_hf_config(tiny.build_model_config(tiny.build_tokenizer(name)))
     from transformers import AutoConfig
 
     try:
@@ -181,6 +195,7 @@ class MemoryPlan:
     gathered_layers: float = 0.0  # 2 layers gathered (current + prefetched) + 1 layer's grads
     gathered_root: float = 0.0  # embeddings + lm_head + norm gathered, + their unsharded grads
     offloaded: float = 0.0  # train.fsdp_cpu_offload: the shards, grads and optimizer in RAM
+    sequence_parallel: int = 1  # train.sequence_parallel: a rank holds ⌈seq_tokens / N⌉ of each sequence
 
     def table(self) -> str:
         g = lambda b: f"{b / GB:8.2f} GB"
@@ -201,7 +216,7 @@ class MemoryPlan:
             ("autocast weight copies", g(self.autocast_copies)),
             ("reference model (KL)" + shard, g(self.ref_model)),
             (
-                f"activations: {self.activation_per_token / 1e3:.1f} KB/token × {self.seq_tokens} × {self.micro_batch_size}",
+                f"activations: {self.activation_per_token / 1e3:.1f} KB/token × {self._tokens_text()} × {self.micro_batch_size}",
                 g(self.activations),
             ),
             (
@@ -231,13 +246,23 @@ class MemoryPlan:
         width = max(len(k) for k, _ in rows)
         return "\n".join(f"{k:<{width}}  {v}" for k, v in rows)
 
+    def _tokens_text(self) -> str:
+        """A rank's tokens of each sequence: all of them, or its ⌈L/N⌉ under sequence parallelism."""
+        if self.sequence_parallel == 1:
+            return str(self.seq_tokens)
+        return f"{math.ceil(self.seq_tokens / self.sequence_parallel)} (1/{self.sequence_parallel} of {self.seq_tokens})"
+
     def _sharded_rows(self, g) -> list[tuple[str, str]]:
         """Under FSDP: what is gathered in flight, and what the CPU offload moves to RAM."""
         if not self.sharded:
             return []
+        grads = "adapter's gradients" if self.frozen_head else "gradients"  # LoRA: the base has none
         rows = [
-            ("gathered in flight: 2 layers + 1 layer's gradients", g(self.gathered_layers)),
-            ("gathered root: embeddings + lm_head + norm, + gradients", g(self.gathered_root)),
+            (f"gathered in flight: 2 layers + 1 layer's {grads}", g(self.gathered_layers)),
+            (
+                "gathered root: embeddings + lm_head + norm" + ("" if self.frozen_head else ", + gradients"),
+                g(self.gathered_root),
+            ),
         ]
         if self.offloaded:
             rows.append(("moved to CPU RAM per rank (train.fsdp_cpu_offload)", g(self.offloaded)))
@@ -248,8 +273,10 @@ def _bytes_per(dtype: str) -> int:
     return {"float32": 4, "bfloat16": 2, "float16": 2, AUTO: 4}[dtype]
 
 
-# bitsandbytes NF4: 4 bits a value, plus one fp32 absmax per block of 64 values (4 / 64 bytes)
-NF4_BYTES_PER_PARAM = 0.5 + 4 / 64
+# bitsandbytes NF4: 4 bits a value, plus one fp32 absmax per block of 64 values (4 / 64 bytes).
+# Under FSDP the packed 4 bits are sharded; the absmaxes stay whole on each rank (on the module).
+NF4_ABSMAX_BYTES_PER_PARAM = 4 / 64
+NF4_BYTES_PER_PARAM = 0.5 + NF4_ABSMAX_BYTES_PER_PARAM
 
 
 def _weights(cfg: Config, arch: Arch) -> tuple[float, float, float, float, int]:
@@ -296,53 +323,47 @@ def plan_memory(cfg: Config, arch: Arch, gpu_bytes: float, world_size: int = 1) 
     ref_model = p * act_b if (cfg.loss.beta > 0 or cfg.loss.target_kl) and not lora else 0.0
     sharded = cfg.train.parallelism == "fsdp" and world_size > 1
     gathered_layers = gathered_root = offloaded = 0.0
+    # vLLM's copy: bf16, or the base in bitsandbytes 4-bit (QLoRA), and the adapter's slot (whole)
+    vllm_weights = (weights - grads) if cfg.model.load_in_4bit else p * 2 + (grads / 2 if lora else 0.0)
     if sharded:
-        weights, grads, optimizer, ref_model = (
-            x / world_size for x in (weights, grads, optimizer, ref_model)
+        weights, grads, optimizer, ref_model = _sharded(
+            cfg, arch, world_size, weights, grads, optimizer, ref_model
         )
         autocast_copies = 0.0  # the gathered units are in the compute dtype already
-        gathered_layers, gathered_root = _gathered(arch, act_b, wb)
+        adapter = (_lora_layer_params(cfg, arch), cfg.model.load_in_4bit) if lora else None
+        gathered_layers, gathered_root = _gathered(arch, act_b, wb, adapter)
         if cfg.train.fsdp_cpu_offload:
             offloaded = weights + grads + optimizer + ref_model
-    d, i, L = arch.hidden, arch.intermediate, arch.layers
-    # One layer's activations saved for backward, per token: norms, q/k/v/o inputs and outputs,
-    # attention output (flash/SDPA keep no [T, T] matrix), MLP gate/up/act/product ≈ 10·D + 4·I values.
-    layer = (10 * d + 4 * i) * act_b
-    per_token = (L * d * act_b + layer) if cfg.model.gradient_checkpointing else L * layer
-    per_token += d * 4 * 2  # final hidden states kept in fp32 for the fused loss, and their grad
-    seq = cfg.rollout.max_prompt_tokens + cfg.rollout.max_tokens
+    L = arch.layers
+    per_token = activation_per_token(cfg, arch)
+    # prompt + response; a tool's inserted tokens are context in every forward (no logits)
+    seq = cfg.rollout.max_prompt_tokens + max_response_tokens(cfg.rollout)
+    sp = cfg.train.sequence_parallel
+    rank_tokens = math.ceil(seq / sp)  # of each sequence, on this rank
     logits_dtype = torch.bfloat16 if act_b == 2 else torch.float32
     if cfg.loss.chunk_size != AUTO:
         rows = int(cfg.loss.chunk_size)
     else:  # the fused op's own rule on CUDA (memory budget and GEMM-efficiency floor)
         rows = default_chunk_size(seq * MAX_MICRO_BATCH, arch.vocab, logits_dtype, "cuda")
-    # one [rows, V] logits chunk (its gradient is written over it) + the fp32 lm_head gradient
-    # (none for a frozen head: LoRA) + the kernel backend's working set (auto = triton)
-    loss_chunk = rows * arch.vocab * logits_dtype.itemsize + (0 if lora else arch.vocab * d * 4)
-    if cfg.loss.kernel_backend == "torch_chunked":
-        from grpo_fast.ops._torch_chunked import ROW_TILE, VOCAB_BLOCK
-
-        loss_chunk += TORCH_CHUNKED_TILES * ROW_TILE * min(VOCAB_BLOCK, arch.vocab) * 4
+    loss_chunk = _loss_chunk_bytes(cfg.loss.kernel_backend, arch, rows, logits_dtype, lora)
     on_gpu = weights + grads + optimizer + ref_model - offloaded
     fixed = on_gpu + autocast_copies + gathered_layers + gathered_root + loss_chunk + RESERVE_BYTES
     if cfg.train.micro_batch_size != AUTO:
         mbs = int(cfg.train.micro_batch_size)
     else:
         room = gpu_bytes - fixed
-        mbs = int(min(MAX_MICRO_BATCH, room // (per_token * seq))) if room > 0 else 0
+        mbs = int(min(MAX_MICRO_BATCH, room // (per_token * rank_tokens))) if room > 0 else 0
         if mbs < 1:
             fix = "train.fsdp_cpu_offload=true, more ranks" if sharded else "train.optimizer=adamw8bit"
             raise ConfigError(
                 f"train.micro_batch_size=auto: {fixed / GB:.1f} GB of weights, gradients, optimizer state and "
                 f"reserve leave no room for one {seq}-token sequence on a {gpu_bytes / GB:.0f} GB card; enable "
-                f"model.gradient_checkpointing, {fix}, or lower rollout.max_tokens"
+                f"model.gradient_checkpointing, {fix}, or lower {_length_key(cfg)}"
             )
-    activations = per_token * seq * mbs
+    activations = per_token * rank_tokens * mbs
     train_peak = fixed + activations
 
     kv_per_token = 2 * L * arch.kv_heads * arch.head_dim * 2  # K and V, bf16
-    # vLLM's copy: bf16, or the base in bitsandbytes 4-bit (QLoRA), and the adapter's slot
-    vllm_weights = (weights - grads) if cfg.model.load_in_4bit else p * 2 + (grads / 2 if lora else 0.0)
     resident = (0.0 if offloaded else weights + optimizer + ref_model) + RESERVE_BYTES
     if cfg.rollout.gpu_memory_utilization != AUTO:
         util = float(cfg.rollout.gpu_memory_utilization)
@@ -380,10 +401,126 @@ def plan_memory(cfg: Config, arch: Arch, gpu_bytes: float, world_size: int = 1) 
         gathered_layers=gathered_layers,
         gathered_root=gathered_root,
         offloaded=offloaded,
+        sequence_parallel=sp,
     )
 
 
-def _gathered(arch: Arch, gathered_bytes: int, weight_bytes: int) -> tuple[float, float]:
+def _sharded(cfg: Config, arch: Arch, world_size: int, *whole: float) -> tuple[float, ...]:
+    """One rank's share of ``whole`` (weights, gradients, optimizer state, reference model) under
+    FSDP over ``world_size`` ranks: 1/N of each, the 8-bit AdamW state too (bitsandbytes on each
+    rank's shards), except a 4-bit base's NF4 block absmaxes, which stay whole on every rank
+    (bitsandbytes keeps them on the ``Linear4bit`` module, outside the sharded parameter)."""
+    weights, *rest = (x / world_size for x in whole)
+    if cfg.model.load_in_4bit:
+        weights += arch.quantizable_params() * NF4_ABSMAX_BYTES_PER_PARAM * (1 - 1 / world_size)
+    return (weights, *rest)
+
+
+def activation_per_token(cfg: Config, arch: Arch) -> float:
+    """Activation bytes a rank keeps per token it holds (``plan_memory``'s per-token term).
+
+    One layer's activations saved for the backward, per token: norms, q/k/v/o inputs and outputs,
+    attention output (flash/SDPA keep no ``[T, T]`` matrix), MLP gate/up/act/product ≈ 10·D + 4·I
+    values; with gradient checkpointing only each layer's input, plus one layer recomputed at a
+    time. Plus the final hidden states kept in fp32 for the fused loss, and their gradient. Under
+    ``train.sequence_parallel=N`` the saved attention tensors are the rank's heads over the whole
+    sequence instead of every head over its tokens (the same bytes), and one layer's all-to-all
+    buffers come on top: q, k, v and the output sent and received (the key/value heads repeated up
+    to N when there are fewer)."""
+    wb = _bytes_per(cfg.model.dtype)
+    mixed = cfg.train.mixed_precision != "no" and (wb == 4 or cfg.model.lora.r > 0)
+    act_b = 2 if (mixed or wb == 2) else 4
+    d, i, L = arch.hidden, arch.intermediate, arch.layers
+    layer = (10 * d + 4 * i) * act_b
+    per_token = (L * d * act_b + layer) if cfg.model.gradient_checkpointing else L * layer
+    per_token += d * 4 * 2
+    sp = cfg.train.sequence_parallel
+    if sp > 1:
+        kv = max(arch.kv_heads, sp) * arch.head_dim
+        per_token += 2 * (d + 2 * kv + d) * act_b  # q, k, v out and in; the output back
+    return float(per_token)
+
+
+def sequence_parallel_table(
+    cfg: Config, arch: Arch, cards_gb: tuple[float, ...] = (24, 80), sizes=(1, 2, 4, 8), world_size: int = 1
+) -> list[dict]:
+    """For each sp group size N in ``sizes``: whether the model's heads split over N ranks
+    (``fits``), the activation bytes a rank holds for one sequence of ``rollout.max_prompt_tokens +
+    rollout.max_tokens`` tokens (``activations``), and for each card in ``cards_gb`` the longest
+    response (``rollout.max_tokens``) one sequence may have for the training phase to fit
+    (``longest[gb]``: microbatch 1, ``loss.chunk_size`` and the rest as configured; 0 when even a
+    one-token response does not). Under ``train.parallelism=fsdp`` the weights shard over
+    ``max(world_size, N)`` ranks. Formulas, like the rest of the plan (``bench/`` measures)."""
+    from grpo_fast.policy.ulysses import fits_heads
+
+    rows = []
+    prompt = cfg.rollout.max_prompt_tokens
+    for n in sizes:
+        one = dataclasses.replace(
+            cfg, train=dataclasses.replace(cfg.train, micro_batch_size=1, sequence_parallel=n)
+        )
+        row = {"size": n, "fits": fits_heads(arch.heads, arch.kv_heads, n), "longest": {}}
+        world = max(world_size, n)
+        per_token = activation_per_token(one, arch)
+        row["activations"] = per_token * math.ceil((prompt + cfg.rollout.max_tokens) / n)
+        for gb in cards_gb:
+            fixed = plan_memory(one, arch, gb * GB, world)
+            room = gb * GB - (fixed.train_peak - fixed.activations)
+            tokens = int(room // per_token) * n if room > 0 else 0  # a rank holds ⌈L/N⌉ of L
+            row["longest"][gb] = max(0, tokens - prompt)
+        rows.append(row)
+    return rows
+
+
+def sequence_parallel_text(cfg: Config, arch: Arch, world_size: int = 1) -> str:
+    """``sequence_parallel_table`` as lines: the activation memory per rank at this config's
+    sequence length, and the longest response that fits a 24 GB and an 80 GB card, for N = 1, 2, 4, 8."""
+    seq = cfg.rollout.max_prompt_tokens + cfg.rollout.max_tokens
+    head = (
+        f"sequence parallelism (train.sequence_parallel=N; now {cfg.train.sequence_parallel}): activations "
+        f"per rank for one {seq}-token sequence, and the longest rollout.max_tokens (prompt "
+        f"{cfg.rollout.max_prompt_tokens}, microbatch 1) the training phase fits, by formula (the model's "
+        "context length and vLLM's KV cache for it are not counted)"
+    )
+    lines = [head]
+    for row in sequence_parallel_table(cfg, arch, world_size=world_size):
+        if not row["fits"]:
+            lines.append(
+                f"  N = {row['size']}: not possible ({arch.heads} attention heads, {arch.kv_heads} key/value heads)"
+            )
+            continue
+        fits = ", ".join(
+            f"{row['longest'][gb]:,} tokens on {gb:g} GB" if row["longest"][gb] else f"none on {gb:g} GB"
+            for gb in row["longest"]
+        )
+        lines.append(
+            f"  N = {row['size']}: {row['activations'] / GB:6.2f} GB per rank; longest response {fits}"
+        )
+    return "\n".join(lines)
+
+
+def _loss_chunk_bytes(
+    backend: str, arch: Arch, rows: int, logits_dtype: torch.dtype, frozen_head: bool
+) -> int:
+    """The fused loss's memory: one ``[rows, V]`` logits chunk (its gradient is written over it) +
+    the fp32 lm_head gradient (none for a frozen head: LoRA) + the kernel backend's working set
+    (``auto`` = triton: none; ``torch_chunked``: see ``TORCH_CHUNKED_TILES``)."""
+    loss_chunk = rows * arch.vocab * logits_dtype.itemsize + (
+        0 if frozen_head else arch.vocab * arch.hidden * 4
+    )
+    if backend == "torch_chunked":
+        from grpo_fast.ops._torch_chunked import FWD_TILE_BYTES, ROW_TILE, VOCAB_BLOCK
+
+        if logits_dtype == torch.float32:
+            loss_chunk += FWD_TILE_BYTES
+        else:
+            loss_chunk += TORCH_CHUNKED_TILES * ROW_TILE * min(VOCAB_BLOCK, arch.vocab) * 4
+    return loss_chunk
+
+
+def _gathered(
+    arch: Arch, gathered_bytes: int, weight_bytes: int, lora: tuple[int, bool] | None = None
+) -> tuple[float, float]:
     """What FSDP holds unsharded on a rank, in bytes: ``(layers, root)``.
 
     Layers: the one computing and the one prefetched (in the gathered dtype: bf16 under
@@ -391,11 +528,28 @@ def _gathered(arch: Arch, gathered_bytes: int, weight_bytes: int) -> tuple[float
     input (fp32 under bf16: gradients reduce in fp32). The root (embeddings, lm_head, final norm)
     stays gathered through each microbatch's forward and backward, with its unsharded gradient
     and reduce-scatter input at the end (the fused head's fp32 accumulator is the loss chunk's).
+
+    Under LoRA (``lora``: the adapter's parameters in one layer, and whether the base is 4-bit):
+    the frozen base is gathered in its own dtype (the compute dtype; a 4-bit base's linear
+    weights as their packed NF4 bytes, half a byte each) with the adapter beside it; only the
+    adapter has a gradient (reduced in fp32), the root none.
     """
     reduce_bytes = 4 if gathered_bytes < weight_bytes else weight_bytes
     layer, root = arch.layer_params, arch.root_params
-    layers = 2 * layer * gathered_bytes + layer * (gathered_bytes + reduce_bytes)
-    return float(layers), float(root * (2 * gathered_bytes + reduce_bytes))
+    if lora is None:
+        layers = 2 * layer * gathered_bytes + layer * (gathered_bytes + reduce_bytes)
+        return float(layers), float(root * (2 * gathered_bytes + reduce_bytes))
+    adapter, nf4 = lora
+    linear = arch.quantizable_params() // arch.layers if nf4 else 0
+    base = linear * 0.5 + (layer - linear) * gathered_bytes
+    layers = 2 * (base + adapter * gathered_bytes) + adapter * (gathered_bytes + 4)
+    return float(layers), float(root * gathered_bytes)
+
+
+def _lora_layer_params(cfg: Config, arch: Arch) -> int:
+    """The adapter's parameters in one decoder layer (one FSDP unit)."""
+    lora = cfg.model.lora
+    return arch.lora_params(lora.r, lora.target_modules) // arch.layers
 
 
 def resolve_auto(cfg: Config, model_config, device: torch.device, world_size: int = 1) -> Config:
@@ -480,7 +634,7 @@ def main(argv: list[str] | None = None, prog: str = "python -m grpo_fast.plan") 
         gpu = 24 * GB
     need = smallest_need(cfg, arch_for(cfg), gpu, world)
     if need > gpu:
-        fixes = ["a lower rollout.max_tokens"]
+        fixes = [f"a lower {_length_key(cfg)}"]
         fixes += [] if cfg.model.gradient_checkpointing else ["model.gradient_checkpointing=true"]
         if cfg.train.parallelism == "fsdp":
             fixes += [] if cfg.train.fsdp_cpu_offload else ["train.fsdp_cpu_offload=true"]
