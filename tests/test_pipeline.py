@@ -546,8 +546,8 @@ def test_sigkill_then_resume_with_staleness_one_gives_the_same_metrics(tmp_path,
 def test_staleness_one_learns_as_well_as_lockstep(tmp_path):
     """The tiny preset (seed 0) with max_staleness=1 gains at least 0.3 eval accuracy and no less
     than lockstep's gain minus 0.05 (issue 32's bar, "learns as well as lockstep"). One-sided: a
-    stale run that learns more is not a defect, and two runs whose trajectories differ land apart
-    by about that much either way (lockstep seed 0 vs seed 1 on this preset: docs/rollout.md)."""
+    stale run that learns more is not a defect, and lockstep's own gain moves by more than 0.05
+    between seeds (seeds 0, 1, 2: 0.454, 0.480, 0.534; staleness 1: 0.510, 0.494, 0.494)."""
     gains = {}
     for name, extra in (("lockstep", []), ("stale1", S1)):
         out = tmp_path / name
