@@ -517,3 +517,21 @@ def test_gradient_checkpointing_and_8bit_adamw_work_on_the_adapter():
     assert type(optimizer).__name__ == "AdamW8bit"
     held = sum(p.numel() for group in optimizer.param_groups for p in group["params"])
     assert held == lora_mod.trainable_counts(model)[0]
+
+
+def test_is_lora_imports_no_peft_for_a_plain_model():
+    """A run without LoRA asks ``is_lora`` several times: it must not pay peft's import (~2 s on
+    2 cores) to answer no; a peft model (peft then imported) is still recognised, DDP-wrapped too."""
+    code = (
+        "import sys\n"
+        "from grpo_fast.policy.lora import is_lora\n"
+        "from grpo_fast.task import tiny\n"
+        "m = tiny.build_model(tiny.build_tokenizer(), seed=0)\n"
+        "assert is_lora(m) is False and 'peft' not in sys.modules, sorted(k for k in sys.modules if 'peft' in k)\n"
+        "from peft import LoraConfig, get_peft_model\n"
+        "p = get_peft_model(m, LoraConfig(r=2, target_modules=['q_proj']))\n"
+        "class Wrap: module = p\n"
+        "assert is_lora(p) and is_lora(Wrap()) and not is_lora(tiny.build_model(tiny.build_tokenizer(), seed=0))\n"
+    )
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stderr[-2000:]
