@@ -605,6 +605,19 @@ class Preset(dict):
         self.summary = summary
 
 
+# What the two built-in CPU presets (tiny, tiny_tools) share: the optimizer's schedule for a
+# 0.4 M-parameter model, and its health thresholds (a 1-6 digit answer is nearly deterministic:
+# its healthy entropy is far below an essay's).
+_TINY_TRAIN = {
+    "lr": 2e-4,
+    "warmup_steps": 10,
+    "schedule": "cosine",
+    "min_lr_ratio": 0.1,
+    "micro_batch_size": 256,
+    "mixed_precision": "no",
+}
+_TINY_THRESHOLDS = {"entropy_warn_low": 0.05, "entropy_healthy_low": 0.1}
+
 # The presets, each once: its summary and its values.
 PRESETS: dict[str, Preset] = {
     # CPU, built-in model, tokenizer and task (grpo_fast.task.tiny): what a newcomer runs first.
@@ -633,18 +646,10 @@ PRESETS: dict[str, Preset] = {
                 # start-up 9 s instead of 45 s on 2 busy cores; nothing to gain from compiling it)
                 "vllm_kwargs": {"enforce_eager": True},
             },
-            "train": {
-                "lr": 2e-4,
-                "warmup_steps": 10,
-                "schedule": "cosine",
-                "min_lr_ratio": 0.1,
-                "micro_batch_size": 256,
-                "mixed_precision": "no",
-            },
+            "train": {**_TINY_TRAIN},
             "sft": {"steps": 1000, "lr": 1e-3, "batch_size": 64, "target_accuracy": 0.25},
             "logging": {"sample_every": 50},
-            # A 1-4 digit answer is nearly deterministic: its healthy entropy is far below an essay's.
-            "health": {"thresholds": {"entropy_warn_low": 0.05, "entropy_healthy_low": 0.1}},
+            "health": {"thresholds": {**_TINY_THRESHOLDS}},
         },
     ),
     # CPU, the built-in model with the calculator's tags (grpo_fast.task.tiny_tools): what a
@@ -677,17 +682,10 @@ PRESETS: dict[str, Preset] = {
                 # <result>998001</result>: 8 tokens; response ≤ 20 + 2 × 12 = 44, context ≤ 60 of 64
                 "max_tool_output_tokens": 12,
             },
-            "train": {
-                "lr": 2e-4,
-                "warmup_steps": 10,
-                "schedule": "cosine",
-                "min_lr_ratio": 0.1,
-                "micro_batch_size": 256,
-                "mixed_precision": "no",
-            },
+            "train": {**_TINY_TRAIN},
             "sft": {"steps": 2000, "lr": 1e-3, "batch_size": 64, "target_accuracy": 0.4},
             "logging": {"sample_every": 50},
-            "health": {"thresholds": {"entropy_warn_low": 0.05, "entropy_healthy_low": 0.1}},
+            "health": {"thresholds": {**_TINY_THRESHOLDS}},
         },
     ),
     # A real model at ~1% of the cost: catches config mistakes before a long run.
