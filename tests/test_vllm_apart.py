@@ -11,6 +11,7 @@ bound is the behaviour (it would hang, or wait the default hour, without the tim
 """
 
 import json
+import os
 import socket
 import sys
 import threading
@@ -643,3 +644,21 @@ def test_an_engine_that_fails_its_first_push_after_a_warm_start_keeps_the_warm_s
         "written; resume=true continues from there"
     ), err
     assert (where / STATE_FILE).is_file()
+
+
+def test_a_server_logs_at_info_even_after_an_in_process_engine_quieted_this_process(monkeypatch):
+    """An in-process engine sets VLLM_LOGGING_LEVEL=WARNING for this process (its INFO lines each
+    step); a server started later writes its own log file, at INFO (the configuration it started
+    with, e.g. the weight-transfer backend), unless the user chose a level."""
+    from grpo_fast.rollout import vllm_parts
+
+    monkeypatch.delenv("VLLM_LOGGING_LEVEL", raising=False)
+    monkeypatch.setattr(vllm_parts, "_quieted_here", False)
+    assert vllm_parts.apart_logging_level() == "INFO"
+    vllm_parts.quiet_in_process_logging()
+    assert os.environ["VLLM_LOGGING_LEVEL"] == "WARNING"
+    assert vllm_parts.apart_logging_level() == "INFO"
+    monkeypatch.setattr(vllm_parts, "_quieted_here", False)  # a new process where the user set it
+    monkeypatch.setenv("VLLM_LOGGING_LEVEL", "DEBUG")
+    vllm_parts.quiet_in_process_logging()
+    assert os.environ["VLLM_LOGGING_LEVEL"] == "DEBUG" and vllm_parts.apart_logging_level() == "DEBUG"

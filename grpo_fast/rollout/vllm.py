@@ -45,6 +45,7 @@ from grpo_fast.rollout.vllm_parts import EngineTimeout as EngineTimeout
 from grpo_fast.rollout.vllm_parts import (
     WeightReload,
     lora_rank_slot,
+    quiet_in_process_logging,
     request_params,
     sampling_fields,
 )
@@ -170,8 +171,7 @@ class VLLMEngine:
     ):
         # The V1 engine exposes its model to this process only without multiprocessing.
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-        # vLLM logs at INFO every prefix-cache reset (once per step here); our phases report.
-        os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+        quiet_in_process_logging()  # vLLM's INFO lines each step, unless the user asked for them
         from vllm.platforms import current_platform
 
         if current_platform.is_cpu():

@@ -5,6 +5,7 @@ internals (``WeightReload``). Imports vLLM only inside functions."""
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterable
 from typing import Any
 
@@ -15,6 +16,27 @@ from grpo_fast.errors import EngineDied as EngineDied  # re-exported: one class,
 from grpo_fast.errors import EngineError as EngineError
 from grpo_fast.errors import EngineTimeout as EngineTimeout
 from grpo_fast.rollout.base import SamplingParams
+
+# Whether this process set VLLM_LOGGING_LEVEL itself (``quiet_in_process_logging``), not the user.
+_quieted_here = False
+
+
+def quiet_in_process_logging() -> None:
+    """An engine in the training process logs at WARNING (vLLM logs at INFO every prefix-cache
+    reset, once per step here; our phases report), unless the user set ``VLLM_LOGGING_LEVEL``.
+    vLLM reads the variable when it is imported, so it is set in ``os.environ``."""
+    global _quieted_here
+    if "VLLM_LOGGING_LEVEL" not in os.environ:
+        os.environ["VLLM_LOGGING_LEVEL"] = "WARNING"
+        _quieted_here = True
+
+
+def apart_logging_level() -> str:
+    """The level for an engine apart from the trainer, whose log is a file of its own
+    (``vllm_server.log``): the user's ``VLLM_LOGGING_LEVEL``, else INFO (the configuration it
+    started with, what a failed start needs) even when an in-process engine of this process
+    quieted its own."""
+    return "INFO" if _quieted_here else os.environ.get("VLLM_LOGGING_LEVEL", "INFO")
 
 
 class WeightReload:

@@ -53,6 +53,7 @@ from grpo_fast.rollout.base import SamplingParams
 from grpo_fast.rollout.vllm_parts import (
     EngineDied,
     EngineError,
+    apart_logging_level,
     lora_rank_slot,
     request_params,
     sampling_fields,
@@ -452,6 +453,7 @@ def start_server(
         "PYTHONPATH": os.pathsep.join(x for x in (root, os.environ.get("PYTHONPATH")) if x),
         "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1"),
         "VLLM_ENGINE_READY_TIMEOUT_S": str(int(timeouts.start) + 1),
+        "VLLM_LOGGING_LEVEL": apart_logging_level(),  # its own log file: INFO unless the user said
     }
     if lora:
         env["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] = "True"
