@@ -118,3 +118,62 @@ def _idle_machine(monkeypatch):
     from grpo_fast.obs import eta
 
     monkeypatch.setattr(eta, "machine_load", lambda: 0.0)
+
+
+# Real in-process vLLM engines (``VLLMEngine``) that tests start, stopped at known points: vLLM's
+# engine core, when it stops, tears down vLLM's distributed state for the whole process, so one
+# that a test dropped in a reference cycle, collected during a later test's engine step, broke
+# that engine ("pipeline model parallel group is not initialized", seen once in CI depending on
+# the order the xdist workers drew the vllm tests). An engine started by a test's body (directly
+# or by a run inside it) stops when that test ends; one a fixture started, when its module's
+# tests on this worker end.
+_ENGINES: dict[int, tuple[str, object]] = {}  # id -> (phase that started it, weakref)
+
+
+def _track_vllm_engines() -> None:
+    import weakref
+
+    from grpo_fast.rollout.vllm import VLLMEngine
+
+    if getattr(VLLMEngine.__init__, "_tracked", False):
+        return
+    init = VLLMEngine.__init__
+
+    def tracked(self, *args, **kwargs):
+        init(self, *args, **kwargs)
+        _ENGINES[id(self)] = (_ENGINE_PHASE[0], weakref.ref(self))
+
+    tracked._tracked = True
+    VLLMEngine.__init__ = tracked
+
+
+_ENGINE_PHASE = ["setup"]
+
+
+def _shutdown_engines(phase: str | None) -> None:
+    for key, (started, ref) in list(_ENGINES.items()):
+        engine = ref()
+        if engine is None or phase is None or started == phase:
+            _ENGINES.pop(key)
+            if engine is not None:
+                engine.shutdown()
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_call(item):
+    _ENGINE_PHASE[0] = "call"
+    yield
+    _ENGINE_PHASE[0] = "setup"
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_teardown(item, nextitem):
+    yield
+    if "vllm" not in item.keywords:
+        return
+    _shutdown_engines("call")
+    if nextitem is None or nextitem.module is not item.module:  # its module's fixtures are gone
+        _shutdown_engines(None)
+
+
+_track_vllm_engines()

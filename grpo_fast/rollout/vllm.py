@@ -301,6 +301,15 @@ class VLLMEngine:
     def reset_prefix_cache(self) -> None:
         self.llm.reset_prefix_cache()
 
+    def shutdown(self) -> None:
+        """Stop the engine now instead of whenever the garbage collector finds it (idempotent).
+        vLLM's in-process engine core tears down vLLM's distributed state (and ``gc.unfreeze``s)
+        when it stops: an engine dropped in a reference cycle and collected later stops in the
+        middle of another engine's step in the same process ("pipeline model parallel group is
+        not initialized"). Call it before another engine of this process starts; a run's one
+        engine lives until the process exits, so the loop never calls it."""
+        self.llm.llm_engine.engine_core.shutdown()
+
     def sleep(self, level: int) -> None:
         self.llm.sleep(level=level)
 
