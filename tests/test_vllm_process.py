@@ -104,29 +104,46 @@ def _started_and_queued(engine: ProcessEngine) -> tuple[int, int]:
     return started, len(states) - started
 
 
-def test_a_push_lands_while_a_generation_is_in_flight(process):
+def test_a_push_lands_while_a_generation_is_in_flight(process, monkeypatch):
     """The trainer's push does not wait for the producer's generate (pause "keep"): pushed once
-    all 2,048 requests are in and the first few hundred sample (vLLM batches that many at a time),
-    the responses still queued are sampled by the new weights and those running at the push by
-    both (a pause "wait" would let them finish first: none would have two); a response carries
-    the oldest. With vLLM 0.32 on a CPU this needs chunked prefill
-    off (``CPU_PREFILL_WORKAROUND``): with it on, the engine died here."""
+    all 2,048 requests are submitted, some sample and others wait (vLLM batches a few hundred at
+    a time), the responses still queued are sampled by the new weights and those running at the
+    push by both (a pause "wait" would let them finish first: none would have two); a response
+    carries the oldest. The first wave may finish while later requests are still being submitted
+    (CI met it): those count as done, not as missing. With vLLM 0.32 on a CPU this needs chunked
+    prefill off (``CPU_PREFILL_WORKAROUND``): with it on, the engine died here."""
     engine, model, tok, _ = process
     trainer = copy.deepcopy(model)
     vllm = _backend(engine, tok, [trainer])
     vllm.update_weights(trainer, step=20)
     prompts = [tok(f"{a}+{b}=")["input_ids"] for a in range(10, 74) for b in range(10, 42)]
     params = SamplingParams(n=1, temperature=1.0, top_p=1.0, max_tokens=24, min_tokens=24, seed=3)
+    submitted = []  # one entry per request handed to AsyncLLM.generate
+    real_generate = engine.llm.generate
+
+    def counting_generate(*args, **kwargs):
+        submitted.append(1)
+        return real_generate(*args, **kwargs)
+
+    monkeypatch.setattr(engine.llm, "generate", counting_generate)
     out = []
     producer = threading.Thread(target=lambda: out.append(engine.generate(prompts, params)))
     producer.start()
     deadline = time.monotonic() + 120
+    seen = (0, 0, 0)
     while producer.is_alive() and time.monotonic() < deadline:
+        if len(submitted) < len(prompts):  # cheap: the look inside takes the GIL from the submitter
+            time.sleep(0.01)
+            continue
         started, queued = _started_and_queued(engine)
-        if started + queued == len(prompts) and started and queued:
+        seen = (len(submitted), started, queued)
+        if started and queued:
             break
         time.sleep(0.01)
-    assert producer.is_alive(), "the generation ended before the push: lengthen it"
+    assert producer.is_alive(), (
+        f"the generation ended before the push (last seen: submitted, running, queued = {seen})"
+    )
+    monkeypatch.undo()
     _perturb(trainer, 0.05, seed=21)
     vllm.update_weights(trainer, step=21)
     producer.join(timeout=300)
