@@ -97,10 +97,33 @@ def print_exception(exc: BaseException, name: str) -> None:
     sys.stderr.flush()
 
 
+# Set when an ``os.fork`` of the code's failed with EAGAIN (``count_failed_forks``): the task count
+# read after the fact can be under the limit again, a fork bomb's children exiting meanwhile.
+failed_forks = []
+
+
+def count_failed_forks() -> None:
+    """Wrap ``os.fork`` so that a fork refused with EAGAIN is noted (``failed_forks``)."""
+    real_fork = os.fork
+
+    def fork():
+        try:
+            return real_fork()
+        except BlockingIOError:
+            failed_forks.append(1)
+            raise
+
+    os.fork = fork
+
+
 def at_process_limit(exc: BaseException, processes: int) -> bool:
-    """A fork that failed because the sandbox holds its limit of tasks (processes and threads)."""
+    """A fork that failed because the sandbox holds its limit of tasks (processes and threads):
+    an ``os.fork`` refused with EAGAIN (RLIMIT_NPROC is the limit that says so here), or another
+    EAGAIN (``subprocess``) with this uid's tasks at the limit when it is looked at."""
     if not isinstance(exc, BlockingIOError):
         return False
+    if failed_forks:
+        return True
     uid, tasks = os.getuid(), 0
     for pid in (p for p in os.listdir("/proc") if p.isdigit()):
         try:
@@ -122,10 +145,12 @@ def main() -> int:
     except Exception as exc:  # nothing of the model's has run yet
         print(f"sandbox setup failed: {type(exc).__name__}: {exc}", file=sys.stderr)
         return EXIT_SETUP
+    count_failed_forks()
     namespace = {"__name__": "__main__", "__builtins__": __builtins__}
     sys.argv = [""]
     random.seed(0)  # a replayed cell draws the numbers it drew the first time
     replay(cells, namespace)
+    failed_forks.clear()  # the earlier cells' are not this call's
     name = f"<cell {len(cells) + 1}>"
     try:
         run_cell(code, name, namespace, show_last=True)
