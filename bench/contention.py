@@ -95,6 +95,9 @@ def one_run(tree: Path, env_extra: dict[str, str], args: argparse.Namespace) -> 
     plan = re.search(r"plan: .*", res.stdout + res.stderr)
     if args.verbose and plan:
         print(f"    {plan.group(0)}", flush=True)
+    if args.verbose:  # the thread count following the machine (threads.intra_op=auto): its changes
+        for change in re.findall(r".*CPU threads \(other work.*", res.stdout + res.stderr):
+            print(f"    {change.strip()}", flush=True)
     return wall, float(done.group(1)) if done else None
 
 

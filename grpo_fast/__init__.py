@@ -6,13 +6,13 @@ from the algorithm core (``grpo_fast.algo.core``). Fused ops live in ``grpo_fast
 loop in ``grpo_fast.train``.
 """
 
-# First, before anything imports torch: a command (python -m grpo_fast.X, grpo-fast) waits
-# passively between OpenMP regions unless the environment says otherwise (grpo_fast.threads).
+# First, before anything imports torch: a command (python -m grpo_fast.X, grpo-fast) spins only
+# briefly between OpenMP regions unless the environment says otherwise (grpo_fast.threads).
 from grpo_fast import threads as _threads
 
 if _threads.started_as_command():
     _threads.started_by_command = True
-    _threads.prefer_passive_wait()
+    _threads.prefer_short_wait()
 
 from grpo_fast.algo.control import AdaptiveKLController, kl_early_stop
 from grpo_fast.algo.course import (

@@ -549,16 +549,19 @@ class ThreadsConfig:
 
     RESUME = "safe"  # every key of the section (grpo_fast.config.resume_class)
     # torch's intra-op threads. auto: the user's OMP_NUM_THREADS if set (never overwritten), else
-    # on a CPU run the cores free of other work (the 1-minute load), 1 for a model of hidden
-    # size <= 256 (the tiny preset's); a GPU run keeps torch's own.
+    # on a CPU run the cores other work leaves free, re-read at step ends (each change logged,
+    # time/cpu_threads per step); 1 for a model of hidden size <= 256 under a passive wait; a
+    # GPU run keeps torch's own.
     intra_op: Any = option(
         AUTO,
         Range(1, 1024, integer=True, auto_ok=True, hi_why=": more threads than any one CPU socket has cores"),
     )
     # OpenMP's wait between parallel regions: passive (sleep: no spinning on cores another
     # process needs) | active (spin) | auto: the environment's OMP_WAIT_POLICY / GOMP_SPINCOUNT,
-    # else passive (the commands set it before torch loads). passive/active differing from the
-    # environment: the training command starts itself again with OMP_WAIT_POLICY set.
+    # else a short spin (GOMP_SPINCOUNT=30000, ~2.6 ms; passive with OMP_NUM_THREADS set: the
+    # commands set it before torch loads).
+    # passive/active differing from the environment: the training command starts itself again
+    # with OMP_WAIT_POLICY set.
     wait_policy: str = option(AUTO, OneOf(WAIT_POLICIES))
 
 

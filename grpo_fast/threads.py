@@ -13,17 +13,23 @@ loads (``import torch``); ``KMP_BLOCKTIME`` is Intel OpenMP's and libgomp ignore
 
 So:
 
-- the commands (``python -m grpo_fast.X``, ``grpo-fast``) call ``prefer_passive_wait`` before
-  torch loads (``grpo_fast/__init__.py``, first thing): ``OMP_WAIT_POLICY=PASSIVE`` unless the
-  environment already says how to wait. ``import grpo_fast`` from a user's own script changes
-  nothing (set the variable yourself, before ``import torch``);
+- the commands (``python -m grpo_fast.X``, ``grpo-fast``) call ``prefer_short_wait`` before torch
+  loads (``grpo_fast/__init__.py``, first thing), unless the environment already says how to wait:
+  ``GOMP_SPINCOUNT=30000`` (``SHORT_SPIN``, ~2.6 ms of spinning, then sleep) when the thread count
+  is automatic (it then follows the machine: beside other work it drops to what is free, and a
+  team of one never waits), ``OMP_WAIT_POLICY=PASSIVE`` when the user fixed it with
+  ``OMP_NUM_THREADS`` (nothing follows: never spin on cores another process needs). Measured
+  alone and beside a training job: ``bench/contention.py``, its table in docs/training.md.
+  ``import grpo_fast`` from a user's own script changes nothing (set the variable yourself,
+  before ``import torch``);
 - ``threads.wait_policy=passive|active`` asks for one whatever the environment: the training
   command then starts itself again with the variable set (``wait_policy_restart``), since a loaded
   libgomp cannot change;
 - the intra-op thread count (``choose_threads``): ``threads.intra_op=N``, else the user's
-  ``OMP_NUM_THREADS`` (never overwritten), else on a CPU run the cores this process may use, less
-  the busy ones (the 1-minute load average), and 1 for a small model (hidden size ≤
-  ``SMALL_HIDDEN``: its matmuls are too small for a second thread to pay its wake-up).
+  ``OMP_NUM_THREADS`` (never overwritten), else on a CPU run the cores this process may use less
+  those other work keeps busy, and then, during the run, whatever the other work leaves free
+  (``ThreadFollower``, at step ends); 1 for a small model (hidden size ≤ ``SMALL_HIDDEN``) when the
+  wait is passive (a sleeping thread's wake-up costs more than its share of a small matmul).
 """
 
 from __future__ import annotations
@@ -31,14 +37,18 @@ from __future__ import annotations
 import math
 import os
 import sys
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
 # What libgomp reads for its wait between parallel regions (at load; KMP_BLOCKTIME: Intel's only).
 WAIT_ENV = ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")
 WAIT_POLICIES = ("auto", "passive", "active")
-# The tiny preset's model (hidden 128) and smaller: one intra-op thread.
+# The tiny preset's model (hidden 128) and smaller: one intra-op thread where OpenMP waits passively.
 SMALL_HIDDEN = 256
+# GOMP_SPINCOUNT the commands set, then sleep: ~2.6 ms of spinning on a 2-core AMD EPYC (idle, 60
+# regions 10 ms apart: 0.17 CPU s; libgomp's default, 300,000, spun ≥ 7.5 ms of each gap: 0.47 s).
+SHORT_SPIN = 30000
 # Set on the restart of ``wait_policy_restart``: the restarted process never restarts again.
 _RESTARTED = "GRPO_FAST_WAIT_RESTARTED"
 COMMANDS = ("grpo-fast",)  # console scripts (pyproject.toml); ``python -m``: argv[0] is "-m"
@@ -54,29 +64,43 @@ def started_as_command(argv0: str | None = None) -> bool:
     return argv0 == "-m" or Path(argv0).name in COMMANDS
 
 
-def prefer_passive_wait(environ: dict | None = None, modules: dict | None = None) -> bool:
-    """``OMP_WAIT_POLICY=PASSIVE`` in ``environ`` (``os.environ``) unless it names a wait already
-    (``WAIT_ENV``) or torch is in ``modules`` (``sys.modules``: libgomp has read the environment,
-    too late). True when set."""
+def prefer_short_wait(environ: dict | None = None, modules: dict | None = None) -> bool:
+    """The commands' wait, in ``environ`` (``os.environ``): ``GOMP_SPINCOUNT=SHORT_SPIN``, or
+    ``OMP_WAIT_POLICY=PASSIVE`` where ``OMP_NUM_THREADS`` fixes the count (nothing follows the
+    machine then); nothing where the environment names a wait already (``WAIT_ENV``) or torch is in
+    ``modules`` (``sys.modules``: libgomp has read the environment, too late). True when set."""
     env = os.environ if environ is None else environ
     if "torch" in (sys.modules if modules is None else modules) or any(k in env for k in WAIT_ENV):
         return False
-    env["OMP_WAIT_POLICY"] = "PASSIVE"
+    if env.get("OMP_NUM_THREADS", "").strip():
+        env["OMP_WAIT_POLICY"] = "PASSIVE"
+    else:
+        env["GOMP_SPINCOUNT"] = str(SHORT_SPIN)
     return True
 
 
 def wait_policy_in_effect(environ: dict | None = None) -> str:
     """libgomp's wait as the environment gave it at load: ``passive`` (``OMP_WAIT_POLICY=PASSIVE``
-    or ``GOMP_SPINCOUNT=0``), ``active``, or ``spin`` (neither: libgomp's default, ~3 ms of
-    spinning). Read from the environment now, which is the one it loaded with unless code changed
-    it since."""
+    or ``GOMP_SPINCOUNT=0``), ``active``, ``spin N`` (``GOMP_SPINCOUNT=N``: N spins, then sleep) or
+    ``spin`` (neither: libgomp's default, ~3 ms of spinning). Read from the environment now, which
+    is the one it loaded with unless code changed it since."""
     env = os.environ if environ is None else environ
     policy = env.get("OMP_WAIT_POLICY", "").strip().lower()
     if policy in ("passive", "active"):
         return policy
-    if env.get("GOMP_SPINCOUNT", "").strip() == "0":
+    count = env.get("GOMP_SPINCOUNT", "").strip()
+    if count == "0":
         return "passive"
-    return "spin"
+    return f"spin {count}" if count else "spin"
+
+
+def spins_long(wait: str) -> bool:
+    """Whether a wait (``wait_policy_in_effect``) spins longer than ``SHORT_SPIN``: on a busy
+    machine, spinning on the cores other processes need."""
+    if wait.startswith("spin "):
+        count = wait.split()[1]
+        return not count.isdigit() or int(count) > SHORT_SPIN
+    return wait in ("spin", "active")
 
 
 def wait_policy_problem(asked: str, environ: dict | None = None) -> str | None:
@@ -110,6 +134,7 @@ class ThreadChoice:
 
     threads: int
     why: str
+    follow: bool = False  # auto on a CPU run: the count then follows the machine (ThreadFollower)
 
 
 def usable_cores() -> int:
@@ -135,13 +160,18 @@ def choose_threads(
     cores: int,
     load: float | None,
     environ: dict | None = None,
+    load_name: str = "load",
 ) -> ThreadChoice | None:
     """The intra-op thread count for a run: ``asked`` (``threads.intra_op``: an int, or
-    ``"auto"``), then the user's ``OMP_NUM_THREADS``, then for a CPU run ``min(cores free,
-    1 if hidden_size <= SMALL_HIDDEN)``, cores free = ``cores - round(load)``, at least 1.
-    None: leave torch's own (a GPU run's CPU side, with no ask and no variable).
+    ``"auto"``), then the user's ``OMP_NUM_THREADS``, then for a CPU run the cores free,
+    ``cores - round(load)`` and at least 1, followed during the run (``ThreadFollower``); 1 for a
+    model of hidden size <= SMALL_HIDDEN where OpenMP waits passively. ``load``: cores busy with
+    other work (a reading of ``OtherWork``, else the 1-minute load average), named ``load_name``
+    in the why. None: leave torch's own (a GPU run's CPU side, with no ask and no variable).
 
         >>> choose_threads("auto", "cpu", 128, cores=2, load=0.1, environ={}).threads
+        2
+        >>> choose_threads("auto", "cpu", 128, cores=2, load=0.1, environ={"OMP_WAIT_POLICY": "passive"}).threads
         1
         >>> choose_threads("auto", "cpu", 1536, cores=8, load=2.2, environ={}).threads
         6
@@ -155,7 +185,124 @@ def choose_threads(
     if device_type != "cpu":
         return None
     free = max(1, cores - (round(load) if load is not None and math.isfinite(load) else 0))
-    busy = f", load {load:.1f}" if load is not None else ""
-    if hidden_size is not None and hidden_size <= SMALL_HIDDEN:
-        return ThreadChoice(1, f"auto: a small model (hidden {hidden_size}), {cores} cores{busy}")
-    return ThreadChoice(min(cores, free), f"auto: {cores} cores{busy}")
+    busy = f", {load_name} {load:.1f}" if load is not None else ""
+    if hidden_size is not None and hidden_size <= SMALL_HIDDEN and wait_policy_in_effect(env) == "passive":
+        return ThreadChoice(
+            1, f"auto: a small model (hidden {hidden_size}), wait passive, {cores} cores{busy}"
+        )
+    return ThreadChoice(min(cores, free), f"auto: {cores} cores{busy}, following the machine", follow=True)
+
+
+# How often a run re-reads the other work on its cores (seconds, checked at step ends): one reading
+# averages over many steps (the tiny preset's take ~70 ms) and follows a job that starts within
+# a few seconds.
+FOLLOW_INTERVAL_S = 1.0
+# /proc/stat's busy columns (after the cpu name): user nice system [idle iowait] irq softirq steal.
+_BUSY_COLUMNS = (0, 1, 2, 5, 6, 7)
+
+
+def cpu_busy_seconds(cpus) -> float | None:
+    """CPU-seconds spent busy since boot on the cores ``cpus`` (all processes; /proc/stat), or None
+    where there is no /proc/stat (not Linux)."""
+    try:
+        lines = Path("/proc/stat").read_text().splitlines()
+    except OSError:
+        return None
+    want = {f"cpu{i}" for i in cpus}
+    ticks = 0
+    for line in lines:
+        fields = line.split()
+        if fields and fields[0] in want:
+            values = [int(x) for x in fields[1:]]
+            ticks += sum(values[i] for i in _BUSY_COLUMNS if i < len(values))
+    return ticks / os.sysconf("SC_CLK_TCK")
+
+
+def own_cpu_seconds() -> float:
+    """CPU-seconds this process (all its threads) has used."""
+    t = os.times()
+    return t.user + t.system
+
+
+class OtherWork:
+    """How many cores work that is not this process's kept busy (a float: 1.0 = one core all the
+    time), averaged over the wall time since the previous ``read``: the busy time of the cores this
+    process may use, less its own. Its children count as other work (a rollout worker or sandbox
+    wants cores too)."""
+
+    def __init__(self, cpus=None, busy=cpu_busy_seconds, own=own_cpu_seconds, clock=time.monotonic):
+        self.cpus = (
+            sorted(os.sched_getaffinity(0)) if cpus is None and hasattr(os, "sched_getaffinity") else cpus
+        )
+        self.busy, self.own, self.clock = busy, own, clock
+        self.last = self._sample()
+
+    def _sample(self) -> tuple[float, float | None, float]:
+        return self.clock(), self.busy(self.cpus or range(os.cpu_count() or 1)), self.own()
+
+    def read(self) -> float | None:
+        """Cores busy with other work since the previous reading; None without /proc/stat or
+        with no time passed."""
+        now = self._sample()
+        (t0, busy0, own0), (t1, busy1, own1) = self.last, now
+        self.last = now
+        if busy0 is None or busy1 is None or t1 <= t0:
+            return None
+        return max(0.0, ((busy1 - busy0) - (own1 - own0)) / (t1 - t0))
+
+
+class ThreadFollower:
+    """``threads.intra_op=auto`` on a CPU run: torch's intra-op thread count follows the cores the
+    machine's other work leaves free, ``min(most, cores - round(other))`` and at least 1, read at
+    step ends every ``interval`` seconds (``step_end``). Fewer threads at once when other work
+    appears; more only after two readings in a row agree (a job between steps is not a free
+    core). Measured (``bench/contention.py``, docs/training.md): the tiny preset on 2 idle cores
+    is fastest on 2 threads, and beside a job that uses both cores, on 1.
+
+        >>> f = ThreadFollower(2, 2, other=lambda: 1.2, get=lambda: 2, set=print, clock=iter(range(0, 99, 3)).__next__)
+        >>> f.step_end()
+        1
+        '2 → 1 CPU threads (other work on 1.2 of 2 cores)'
+    """
+
+    def __init__(self, most: int, cores: int, other=None, get=None, set=None, clock=time.monotonic,
+                 interval: float | None = None):  # fmt: skip
+        import torch
+
+        self.most, self.cores, self.clock = most, cores, clock
+        self.interval = FOLLOW_INTERVAL_S if interval is None else interval
+        self.other = other if other is not None else OtherWork().read
+        self.get = get or torch.get_num_threads
+        self.set = set or torch.set_num_threads
+        self.last, self.rising = clock(), None
+
+    def step_end(self) -> str | None:
+        """At a step's end: after ``interval`` seconds, read the other work and change torch's
+        thread count if it asks for another; what changed (for the log), or None."""
+        now = self.clock()
+        if now - self.last < self.interval:
+            return None
+        self.last = now
+        other = self.other()
+        if other is None:
+            return None
+        want = max(1, min(self.most, self.cores - math.floor(other + 0.5)))
+        have = self.get()
+        if want > have and self.rising != want:  # the first reading that asks for more: wait for a second
+            self.rising = want
+            return None
+        self.rising = None
+        if want == have:
+            return None
+        self.set(want)  # only a change (re-setting the same count costs: _set_threads)
+        return f"{have} → {want} CPU threads (other work on {other:.1f} of {self.cores} cores)"
+
+
+# The follower of the run in progress in this process (``loop.setup`` installs it, ``train.run``
+# removes it), or None: a count asked for, OMP_NUM_THREADS, a GPU run.
+follower: ThreadFollower | None = None
+
+
+def follow_machine() -> str | None:
+    """At a step's end (GRPO's and the SFT warm start's): the run's ``ThreadFollower``, if any."""
+    return follower.step_end() if follower is not None else None

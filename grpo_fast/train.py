@@ -130,6 +130,7 @@ def run(cfg: Config, engine=None) -> Path:
         with run_folder.claim(out, cfg, world), preempt.handle_signals(out, not world.enabled):
             return _train(cfg, device, world, out, engine)
     finally:
+        threads.follower = None  # the run's (loop.setup): it follows the machine no longer
         torch.set_num_threads(threads_before)  # a library caller's process keeps its own
         dist.shutdown()
 

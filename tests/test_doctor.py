@@ -79,24 +79,34 @@ def test_a_cpu_torch_on_a_gpu_machine_names_the_cuda_build(monkeypatch, tmp_path
 
 def test_doctor_says_the_load_and_threads_and_flags_spinning_on_a_busy_machine(monkeypatch):
     """The cpu and threads rows (cores, load, torch's threads, the OpenMP wait, the tiny preset's
-    choice); a problem only where the machine is busy and OpenMP spins. Planted: the problem
-    raised whatever the wait → the passive case fails; no load check → the idle case fails."""
+    choice); a problem only where the machine is busy and OpenMP spins long (the commands' short
+    spin is not). Planted: the problem raised whatever the wait → the passive and short-spin cases
+    fail; no load check → the idle case fails."""
     from grpo_fast import threads
 
     monkeypatch.setattr(threads, "usable_cores", lambda: 2)
-    monkeypatch.delenv("GOMP_SPINCOUNT", raising=False)
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)  # auto's own choice, not conftest's 1
-    for load, wait, problem in ((3.0, "active", True), (3.0, "PASSIVE", False), (0.5, "active", False)):
+    follow = "following the machine; threads.intra_op)"
+    cases = (
+        (3.0, {"OMP_WAIT_POLICY": "active"}, "active", f"1 to start (auto: 2 cores, load 3.0, {follow}", True),
+        (3.0, {"OMP_WAIT_POLICY": "PASSIVE"}, "passive",
+         "1 to start (auto: a small model (hidden 128), wait passive, 2 cores, load 3.0; threads.intra_op)", False),
+        (3.0, {"GOMP_SPINCOUNT": "30000"}, "spin 30000", f"1 to start (auto: 2 cores, load 3.0, {follow}", False),
+        (0.5, {"OMP_WAIT_POLICY": "active"}, "active", f"2 to start (auto: 2 cores, load 0.5, {follow}", False),
+    )  # fmt: skip
+    for load, env, wait, tiny, problem in cases:
+        for k in threads.WAIT_ENV:
+            monkeypatch.delenv(k, raising=False)
+        for k, v in env.items():
+            monkeypatch.setenv(k, v)
         monkeypatch.setattr(threads, "load_average", lambda load=load: load)
         monkeypatch.setattr(doctor.os, "getloadavg", lambda load=load: (load, 2.0, 1.0))
-        monkeypatch.setenv("OMP_WAIT_POLICY", wait)
         rep = doctor.Report()
         doctor.check_threads(rep)
         rows = _rows("\n".join(rep.lines))
         assert rows["cpu"] == f"2 usable cores, load average {load:.2f} 2.00 1.00 (1, 5, 15 min)"
         assert rows["threads"] == (
-            f"torch {torch.get_num_threads()} intra-op here, OpenMP wait {wait.lower()}; the tiny preset: "
-            f"1 (auto: a small model (hidden 128), 2 cores, load {load:.1f}; threads.intra_op)"
+            f"torch {torch.get_num_threads()} intra-op here, OpenMP wait {wait}; the tiny preset: {tiny}"
         )
         assert bool(rep.problems) == problem, rep.problems
         if problem:

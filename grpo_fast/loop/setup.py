@@ -58,6 +58,7 @@ def setup(cfg: Config, device: torch.device, world: dist.DistInfo, out: Path, en
     # Every rank starts from the same seed (same init, same prompts); each rank's rollout
     # sampling gets its own seed (grpo_fast.rollout.sampling.sampling_rng).
     seed_everything(cfg.seed)
+    other_work = threads.OtherWork()  # read once the model is built: the cores others keep busy
     if world.is_main:
         out.mkdir(parents=True, exist_ok=True)
     dist.barrier()
@@ -71,7 +72,9 @@ def setup(cfg: Config, device: torch.device, world: dist.DistInfo, out: Path, en
     if world.sp.enabled:  # heads that do not divide, a model outside the attention interface: one line now
         ulysses.check_model(model, world.sp.size)
     amp = autocast_dtype(cfg, device)
-    cpu_threads = _set_threads(cfg, model, device)  # before the plan: its time estimate counts them
+    cpu_threads = _set_threads(
+        cfg, model, device, other_work
+    )  # before the plan: its time estimate counts them
     _announce_plan(cfg, world, logger, device, cpu_threads)  # what the run will do, its inputs loaded
     asked, cfg = cfg, plan.resolve_auto(cfg, model.config, device, world.dp.size)
     cfg, clamped = plan.clamp_micro_batch(cfg, world.dp.size)  # an sp group trains its dp rank's batch
@@ -257,20 +260,33 @@ def _build_run(cfg, device, world, out, logger, task, tokenizer, model, amp) -> 
     )
 
 
-def _set_threads(cfg: Config, model: torch.nn.Module, device: torch.device) -> str:
+def _set_threads(cfg: Config, model: torch.nn.Module, device: torch.device, other_work=None) -> str:
     """torch's intra-op threads for this run (``grpo_fast.threads.choose_threads``: the machine's
-    cores shared among this machine's ranks, its load, the model's hidden size); returns what the
-    plan line says of them, e.g. ``1 CPU thread (auto: a small model (hidden 128), 2 cores, load
-    0.3), OpenMP wait passive``."""
+    cores shared among this machine's ranks, the other work on them, the model's hidden size and
+    the OpenMP wait); an automatic count on a CPU run then follows the machine at step ends
+    (``threads.follower``). ``other_work``: a ``threads.OtherWork`` started with the setup (its
+    reading, when the setup took long enough to make one, else the 1-minute load average, which
+    lags and counts the last minute's runs). Returns what the plan line says of them, e.g. ``2 CPU
+    threads (auto: 2 cores, other work 0.1, following the machine), OpenMP wait spin 30000``."""
     local_ranks = max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))  # torchrun's, on this machine
     cores = max(1, threads.usable_cores() // local_ranks)
     hidden = getattr(getattr(model, "config", None), "hidden_size", None)
-    choice = threads.choose_threads(cfg.threads.intra_op, device.type, hidden, cores, threads.load_average())
+    busy = other_work.read() if other_work is not None else None
+    # local ranks are each other's "other work": the machine's cores less it, shared among them
+    if busy is not None:  # the other local ranks (as busy as this one, at most) are not "other work"
+        load, name = max(0.0, busy - (local_ranks - 1) * cores), "other work"
+    else:
+        load, name = threads.load_average(), "load"
+    choice = threads.choose_threads(cfg.threads.intra_op, device.type, hidden, cores, load, load_name=name)
     # Only a change: re-setting torch's own count (the OMP_NUM_THREADS it started with) re-sets
     # MKL's and OpenMP's too, and made the tiny preset's steps 20-40% slower on 2 cores (median
     # step 70-80 → 87-98 ms, OMP_NUM_THREADS=2, alternating, 2026-12-04).
     if choice is not None and choice.threads != torch.get_num_threads():
         torch.set_num_threads(choice.threads)
+    # auto: the count follows the other work on this machine's cores at step ends (train.run removes it)
+    follow = choice is not None and choice.follow
+    reading = other_work.read if other_work is not None else None  # None: a fresh OtherWork
+    threads.follower = threads.ThreadFollower(cores, threads.usable_cores(), reading) if follow else None
     n = torch.get_num_threads()
     why = choice.why if choice is not None else "torch's default"
     return f"{n} CPU thread{'s' if n > 1 else ''} ({why}), OpenMP wait {threads.wait_policy_in_effect()}"

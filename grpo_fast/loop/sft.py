@@ -31,7 +31,7 @@ from pathlib import Path
 
 import torch
 
-from grpo_fast import dist
+from grpo_fast import dist, threads
 from grpo_fast.algo.loss_options import LossOptions
 from grpo_fast.config import Config
 from grpo_fast.errors import Preempted
@@ -105,6 +105,8 @@ def sft_warm_start(
                 log.write(json.dumps(row) + "\n")
             bar.step_done()
             _progress_line(logger, s, step, start, row, reached, shown)
+            if (change := threads.follow_machine()) is not None:  # threads.intra_op=auto on a CPU
+                logger.event(f"sft warm start, step {step}: {change}")
             if reached:
                 logger.event(
                     f"sft warm start: reached sft.target_accuracy={s.target_accuracy} after {step} steps"

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 
-from grpo_fast import dist
+from grpo_fast import dist, threads
 from grpo_fast.errors import EngineError, Preempted, TrainingStopped
 from grpo_fast.loop import preempt
 from grpo_fast.loop.checkpointing import engine_stopped, save_checkpoint
@@ -52,6 +52,10 @@ def end_of_step(run: Run, step: int, batch, result, row: dict, progress: PhasePr
     steps in a row, a pending SIGTERM/SIGINT) and the periodic checkpoint."""
     cfg, out = run.cfg, run.out
     warnings = []  # printed after the step's own line
+    if threads.follower is not None:  # threads.intra_op=auto on a CPU run: this step's count, then the next's
+        row["time/cpu_threads"] = torch.get_num_threads()
+        if (change := threads.follow_machine()) is not None:
+            warnings.append(f"step {step}: {change}")
     if cfg.health.enabled:
         for ev in run.health.update(step, row, batch.rollout.response_text):
             row[f"health/{ev.kind}"] = ev.value

@@ -247,14 +247,14 @@ def check_threads(rep: Report) -> None:
     rep.row(
         "threads",
         f"torch {torch.get_num_threads()} intra-op here, OpenMP wait {wait}; the tiny preset: "
-        f"{tiny.threads} ({tiny.why}; threads.intra_op)",
+        f"{tiny.threads} to start ({tiny.why}; threads.intra_op)",
     )
-    if load is not None and load >= cores and wait != "passive":
+    if load is not None and load >= cores and threads.spins_long(wait):
         rep.problem(
             f"this machine is busy (load {load:.1f} on {cores} cores) and OpenMP here spins between "
             f"parallel regions (wait {wait}): runs slow each other down many times over",
-            "unset OMP_WAIT_POLICY / GOMP_SPINCOUNT (the grpo-fast commands then wait passively), "
-            "or threads.wait_policy=passive",
+            f"unset OMP_WAIT_POLICY / GOMP_SPINCOUNT (the grpo-fast commands then spin {threads.SHORT_SPIN} "
+            "times, ~2.6 ms), or threads.wait_policy=passive",
         )
 
 
