@@ -137,6 +137,14 @@ class ThreadChoice:
     follow: bool = False  # auto on a CPU run: the count then follows the machine (ThreadFollower)
 
 
+def local_ranks() -> int:
+    """The ranks of this run on this machine (torchrun's ``LOCAL_WORLD_SIZE``; 1 without it)."""
+    try:
+        return max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+    except ValueError:
+        return 1
+
+
 def usable_cores() -> int:
     """The cores this process may run on (its affinity mask; a container's cpuset)."""
     try:
@@ -236,6 +244,7 @@ class OtherWork:
         )
         self.busy, self.own, self.clock = busy, own, clock
         self.last = self._sample()
+        self.latest: float | None = None  # what the last ``read`` gave
 
     def _sample(self) -> tuple[float, float | None, float]:
         return self.clock(), self.busy(self.cpus or range(os.cpu_count() or 1)), self.own()
@@ -247,8 +256,10 @@ class OtherWork:
         (t0, busy0, own0), (t1, busy1, own1) = self.last, now
         self.last = now
         if busy0 is None or busy1 is None or t1 <= t0:
-            return None
-        return max(0.0, ((busy1 - busy0) - (own1 - own0)) / (t1 - t0))
+            self.latest = None
+        else:
+            self.latest = max(0.0, ((busy1 - busy0) - (own1 - own0)) / (t1 - t0))
+        return self.latest
 
 
 class ThreadFollower:

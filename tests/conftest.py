@@ -111,13 +111,24 @@ def pytest_sessionfinish(session, exitstatus):
 
 @pytest.fixture(autouse=True)
 def _idle_machine(monkeypatch):
-    """An idle machine for the plan line and the timing history (``grpo_fast.obs.eta``) of the
-    runs a test makes in its own process: the tests share a busy machine, whose load would add
-    "expect it slower" to a plan line and keep a run's timings out of the history. The tests of
-    the load set their own (``monkeypatch.setattr(eta, "machine_load", ...)``)."""
+    """An idle machine for the plan line, the timing history (``grpo_fast.obs.eta``) and the
+    thread count of the runs a test makes in its own process: the tests share a busy machine,
+    whose load would add "expect it slower" to a plan line and keep a run's timings out of the
+    history. The tests of the load set their own (``monkeypatch.setattr(eta, "machine_load",
+    ...)``, ``eta.other_work_meter``)."""
     from grpo_fast.obs import eta
 
     monkeypatch.setattr(eta, "machine_load", lambda: 0.0)
+    monkeypatch.setattr(eta, "other_work_meter", IdleMeter)
+
+
+class IdleMeter:
+    """``eta.other_work_meter`` on an idle machine: no other work, ever."""
+
+    latest = 0.0
+
+    def read(self) -> float:
+        return 0.0
 
 
 # Real in-process vLLM engines (``VLLMEngine``) that tests start, stopped at known points: vLLM's

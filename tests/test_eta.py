@@ -485,3 +485,68 @@ def test_a_run_without_a_warm_start_leaves_the_tiny_preset_its_probe_for_the_war
         f"about {eta.format_duration(total)} on this machine (from its last run of this setup on {TODAY} "
         f"and a speed probe for what it did not time: {sft} warm-start steps, 0.20 s a GRPO step)"
     )
+
+
+class _Meter:
+    """``eta.other_work_meter`` reading ``value`` cores of other work (None: no /proc/stat)."""
+
+    value: float | None = 0.0
+
+    def __init__(self):
+        self.latest = None
+
+    def read(self):
+        self.latest = type(self).value
+        return self.latest
+
+
+def test_a_run_just_after_another_is_not_contended_by_its_lingering_load_average(tmp_path, monkeypatch):
+    """On 2 cores a run that ends leaves a 1-minute load average near 2 for a minute: the next
+    run's plan line (others read over the setup: 0.0) says nothing of it, and that run's timings,
+    with no other work over it, are recorded. Planted: plan_estimate reading the load average
+    whatever ``others`` says → "load 1.9 … expect it slower" and nothing recorded."""
+    monkeypatch.setattr(eta.torch, "get_num_threads", lambda: 2)
+    _busy(monkeypatch, 1.9)  # the last run's threads, still in the 1-minute average
+    monkeypatch.setattr(eta, "other_work_meter", _Meter)
+    cfg = _cfg("rollout.batch_size=32", f"output_dir={tmp_path}")
+    assert eta.plan_estimate(cfg, CPU, 1, others=0.0) == eta.NO_ESTIMATE
+    eta.record_run(cfg, CPU, dist.DistInfo(), _write_run(tmp_path / "run"), sft_steps=20)
+    (entry,) = eta.load_history().values()
+    assert entry["grpo_step_s"] == 0.2 and entry["load"]["grpo_step_s"] == 0.0
+
+
+def test_other_work_during_the_run_keeps_its_timings_out_and_the_plan_line_names_it(tmp_path, monkeypatch):
+    """Idle before, 1.5 cores of other work over the run (the meter the plan line started), idle
+    load average at the end: not recorded. Busy before (1.6 cores): the plan line says "other
+    work 1.6". Planted: _others_load without the run's meter → the loaded run recorded."""
+    monkeypatch.setattr(eta.torch, "get_num_threads", lambda: 2)
+    _busy(monkeypatch, 0.0)
+    monkeypatch.setattr(eta, "other_work_meter", _Meter)
+    cfg = _cfg("rollout.batch_size=32", f"output_dir={tmp_path}")
+    monkeypatch.setattr(_Meter, "value", 1.5)
+    assert eta.plan_estimate(cfg, CPU, 1, others=0.0) == eta.NO_ESTIMATE
+    eta.record_run(cfg, CPU, dist.DistInfo(), _write_run(tmp_path / "run"), sft_steps=20)
+    assert "grpo_step_s" not in next(iter(eta.load_history().values()), {})
+    assert eta.plan_estimate(cfg, CPU, 1, others=1.6) == (
+        eta.NO_ESTIMATE + "; other work 1.6 on 2 cores: expect it slower"
+    )
+    monkeypatch.setattr(_Meter, "value", None)  # no /proc/stat: the load average at the end decides
+    eta.plan_estimate(cfg, CPU, 1, others=0.0)
+    eta.record_run(cfg, CPU, dist.DistInfo(), _write_run(tmp_path / "run"), sft_steps=20)
+    assert eta.load_history()[eta.fingerprint(cfg, CPU, 1)]["grpo_step_s"] == 0.2
+
+
+def test_the_run_s_other_ranks_on_this_machine_are_not_other_work(tmp_path, monkeypatch):
+    """Under torchrun with 2 local ranks of 1 thread each, the other rank's core is the run's own:
+    1.2 cores read → 0.2 of other work, not contended. Planted: less_own_ranks returning the
+    reading → "other work 1.2 … expect it slower"."""
+    monkeypatch.setattr(eta.torch, "get_num_threads", lambda: 1)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    _busy(monkeypatch, 0.0)
+    cfg = _cfg("rollout.batch_size=32", f"output_dir={tmp_path}")
+    assert eta.less_own_ranks(1.2, CPU) == pytest.approx(0.2)
+    assert eta.plan_estimate(cfg, CPU, 2, others=1.2) == eta.NO_ESTIMATE
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "1")
+    assert eta.plan_estimate(cfg, CPU, 1, others=1.2).endswith(
+        "; other work 1.2 on 2 cores: expect it slower"
+    )

@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from grpo_fast import threads
+from grpo_fast.obs import eta
 from grpo_fast.train import main
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -269,7 +270,15 @@ def test_a_cpu_run_follows_the_machine_and_its_metrics_say_the_count(tmp_path, m
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
     monkeypatch.setattr(threads, "FOLLOW_INTERVAL_S", 0.0)
     readings = iter([0.0, 1.5, 1.5, 0.0, 0.0, 0.0, 0.0, 0.0])  # the setup's, then one per step end
-    monkeypatch.setattr(threads.OtherWork, "read", lambda self: next(readings))
+
+    class Scripted:
+        latest = None
+
+        def read(self):
+            self.latest = next(readings)
+            return self.latest
+
+    monkeypatch.setattr(eta, "other_work_meter", Scripted)
     monkeypatch.setattr(threads, "load_average", lambda: 0.0)
     monkeypatch.setattr(threads, "usable_cores", lambda: 2)
     before = torch.get_num_threads()

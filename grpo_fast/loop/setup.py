@@ -11,7 +11,6 @@ import copy
 import dataclasses
 import functools
 import json
-import os
 import random
 from pathlib import Path
 
@@ -58,7 +57,9 @@ def setup(cfg: Config, device: torch.device, world: dist.DistInfo, out: Path, en
     # Every rank starts from the same seed (same init, same prompts); each rank's rollout
     # sampling gets its own seed (grpo_fast.rollout.sampling.sampling_rng).
     seed_everything(cfg.seed)
-    other_work = threads.OtherWork()  # read once the model is built: the cores others keep busy
+    # the cores others keep busy (threads.OtherWork), read once the model is built: for the
+    # thread count and the plan line's "expect it slower"
+    other_work = eta.other_work_meter()
     if world.is_main:
         out.mkdir(parents=True, exist_ok=True)
     dist.barrier()
@@ -72,10 +73,9 @@ def setup(cfg: Config, device: torch.device, world: dist.DistInfo, out: Path, en
     if world.sp.enabled:  # heads that do not divide, a model outside the attention interface: one line now
         ulysses.check_model(model, world.sp.size)
     amp = autocast_dtype(cfg, device)
-    cpu_threads = _set_threads(
-        cfg, model, device, other_work
-    )  # before the plan: its time estimate counts them
-    _announce_plan(cfg, world, logger, device, cpu_threads)  # what the run will do, its inputs loaded
+    cpu_threads = _set_threads(cfg, model, device, other_work)  # before the plan: its estimate counts them
+    # what the run will do, its inputs loaded
+    _announce_plan(cfg, world, logger, device, cpu_threads, others=other_work.latest)
     asked, cfg = cfg, plan.resolve_auto(cfg, model.config, device, world.dp.size)
     cfg, clamped = plan.clamp_micro_batch(cfg, world.dp.size)  # an sp group trains its dp rank's batch
     if clamped:
@@ -268,7 +268,7 @@ def _set_threads(cfg: Config, model: torch.nn.Module, device: torch.device, othe
     reading, when the setup took long enough to make one, else the 1-minute load average, which
     lags and counts the last minute's runs). Returns what the plan line says of them, e.g. ``2 CPU
     threads (auto: 2 cores, other work 0.1, following the machine), OpenMP wait spin 30000``."""
-    local_ranks = max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))  # torchrun's, on this machine
+    local_ranks = threads.local_ranks()
     cores = max(1, threads.usable_cores() // local_ranks)
     hidden = getattr(getattr(model, "config", None), "hidden_size", None)
     busy = other_work.read() if other_work is not None else None
@@ -293,10 +293,17 @@ def _set_threads(cfg: Config, model: torch.nn.Module, device: torch.device, othe
 
 
 def _announce_plan(
-    cfg: Config, world: dist.DistInfo, logger, device: torch.device, cpu_threads: str = ""
+    cfg: Config,
+    world: dist.DistInfo,
+    logger,
+    device: torch.device,
+    cpu_threads: str = "",
+    others: float | None = None,
 ) -> None:
     """One line, before the run starts: the warm start, the GRPO steps, the evaluations, and
-    about how long it takes on this machine (``grpo_fast.obs.eta``); then ``cpu_threads``."""
+    about how long it takes on this machine (``grpo_fast.obs.eta``); then ``cpu_threads``.
+    ``others``: the cores other work kept busy during the setup (None: unknown, the estimate
+    reads the load average)."""
     s, r = cfg.sft, cfg.rollout
     first = ""
     if cfg.resume and run_folder.resumable(Path(cfg.output_dir)) is not None:  # else: a fresh start
@@ -315,7 +322,7 @@ def _announce_plan(
     if world.is_main:  # the other ranks print nothing
         threads_note = f"; {cpu_threads}" if cpu_threads else ""  # before the estimate, which ends the line
         logger.event(
-            f"plan: {first}{grpo}{evals}{ranks}{threads_note}; {eta.plan_estimate(cfg, device, world.world_size)}"
+            f"plan: {first}{grpo}{evals}{ranks}{threads_note}; {eta.plan_estimate(cfg, device, world.world_size, others)}"
         )
 
 

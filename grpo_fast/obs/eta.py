@@ -10,15 +10,19 @@ its own): the seconds per warm-start step (``sft_metrics.jsonl``'s ``time/elapse
 steps, accuracy checks included), how many steps the warm start ran (it may stop early at
 ``sft.target_accuracy``) and its ``sft.steps``, the median ``time/step_s`` of the GRPO steps,
 the mean ``time/eval_s`` (``time/eval_full_s``) per evaluation of the subset (the whole eval
-set), the date, and with each timing the load the run competed with (``load``: the 1-minute
-load average of the other processes, ``cores``: the cores this process may use).
+set), the date, and with each timing the load the run competed with (``load``: the cores other
+processes kept busy, ``cores``: the cores this process may use).
 
-Timings made under contention are ignored: the others' load is the larger of the load average
-when the plan line was printed (the run had not started computing) and the one at its end less
-the run's own threads (``own_load``); above ``CONTENDED_LOAD`` per core a run's timings are not
-written (the entry keeps its earlier ones), and an entry's timing recorded so (or by an older
-version, whose one ``load1`` at the end counted the run's own threads) is not quoted. The plan
-line says when the machine is busy now: ``load 3.2 on 2 cores: expect it slower``.
+Timings made under contention are ignored: the others' load is the larger of the other work
+during the setup (before the run computed) and the other work over the whole run, each read from
+``/proc/stat`` (``threads.OtherWork``: the cores' busy time less this process's own; the run's
+other ranks on this machine not counted). Without ``/proc/stat``, the 1-minute load average when
+the plan line was printed and at the run's end less the run's own threads (``own_load``): it
+lags, so a run started just after another sees that one's load. Above ``CONTENDED_LOAD`` per core
+a run's timings are not written (the entry keeps its earlier ones), and an entry's timing
+recorded so (or by an older version, whose one ``load1`` at the end counted the run's own
+threads) is not quoted. The plan line says when the machine is busy now: ``other work 1.6 on 2
+cores: expect it slower`` (``load 3.2 on 2 cores: …`` from the load average).
 
 The next run of the same setup quotes it (``plan_estimate``): warm-start steps × their time +
 the GRPO steps left × the step time + the evaluations left × their time. Without an entry, the
@@ -53,7 +57,7 @@ from typing import Any
 
 import torch
 
-from grpo_fast import dist
+from grpo_fast import dist, threads
 from grpo_fast.config import Config, load_config, to_dict
 from grpo_fast.obs.run_folder import SFT_PROGRESS
 from grpo_fast.policy import checkpoint as ckpt
@@ -266,6 +270,17 @@ def machine_load() -> float | None:
         return None
 
 
+def other_work_meter() -> threads.OtherWork:
+    """A meter of the work other processes do on this process's cores from now on (its ``read``:
+    the cores they kept busy since). The tests replace it with an idle machine's."""
+    return threads.OtherWork()
+
+
+def less_own_ranks(other: float, device: torch.device) -> float:
+    """An ``OtherWork`` reading less this run's other ranks on this machine (``own_load`` of each)."""
+    return max(0.0, other - (threads.local_ranks() - 1) * own_load(device, 1))
+
+
 def own_load(device: torch.device, world_size: int) -> float:
     """The load a run puts on this machine while it computes: every rank's torch threads on a
     CPU, one busy thread per rank on a GPU (one node)."""
@@ -277,17 +292,19 @@ def contended(load: float, cores: int) -> bool:
     return load > CONTENDED_LOAD * cores
 
 
-def load_note(load: float | None, cores: int) -> str:
+def load_note(load: float | None, cores: int, name: str = "load") -> str:
     """The plan line's words on a busy machine (``"; load 3.2 on 2 cores: expect it slower"``),
     else nothing."""
     if load is None or not contended(load, cores):
         return ""
-    return f"; load {load:.1f} on {cores} core{'s' * (cores != 1)}: expect it slower"
+    return f"; {name} {load:.1f} on {cores} core{'s' * (cores != 1)}: expect it slower"
 
 
 # The load each plan line saw, by setup fingerprint: the others' load before the run computed,
-# read back by record_run at the run's end (the same process).
+# read back by record_run at the run's end (the same process); and the meter of the other work
+# over the run, started with the plan line.
 _PLAN_LOADS: dict[str, float] = {}
+_RUN_METERS: dict[str, threads.OtherWork] = {}
 
 
 # ---------------------------------------------------------------- what a run measured
@@ -388,9 +405,13 @@ def record_run(
 
 def _others_load(key: str, device: torch.device, world_size: int) -> float | None:
     """The other processes' load over the run: the larger of the plan line's reading (before the
-    run computed) and the load average now less the run's own (``own_load``); None where the
-    OS keeps no load average."""
-    now, before = machine_load(), _PLAN_LOADS.pop(key, None)
+    run computed) and the other work over the whole run (the meter the plan line started), else
+    the load average now less the run's own (``own_load``); None where neither can be read."""
+    before, meter = _PLAN_LOADS.pop(key, None), _RUN_METERS.pop(key, None)
+    during = meter.read() if meter is not None else None
+    if during is not None:
+        return max(before or 0.0, less_own_ranks(during, device))
+    now = machine_load()
     if now is None:
         return before
     return max(before or 0.0, now - own_load(device, world_size), 0.0)
@@ -508,20 +529,26 @@ def tiny_reference(probe_s: float) -> Timings:
     )
 
 
-def plan_estimate(cfg: Config, device: torch.device, world_size: int) -> str:
+def plan_estimate(cfg: Config, device: torch.device, world_size: int, others: float | None = None) -> str:
     """The plan line's end: about how long the run takes on this machine, from its last run of
     this setup, else (the tiny preset) from the speed probe, else that there is no estimate yet;
-    then, on a busy machine, its load (``load_note``). Never raises: what cannot be read gives
-    no estimate (a debug-level record says why)."""
-    load = machine_load()
+    then, on a busy machine, its load (``load_note``). ``others``: the cores other work kept busy
+    during the setup (an ``other_work_meter`` reading, the run's other ranks still in it); None:
+    the 1-minute load average, which lags (a run just ended still weighs on it). Starts the meter
+    of the other work over the run (``record_run``). Never raises: what cannot be read gives no
+    estimate (a debug-level record says why)."""
+    load, name = (
+        (less_own_ranks(others, device), "other work") if others is not None else (machine_load(), "load")
+    )
     try:
         key = fingerprint(cfg, device, world_size)
         if load is not None:
             _PLAN_LOADS[key] = load  # the others' load: this run has not computed yet
-        return _estimate(cfg, device, world_size, key) + load_note(load, cpu_cores())
+        _RUN_METERS[key] = other_work_meter()
+        return _estimate(cfg, device, world_size, key) + load_note(load, cpu_cores(), name)
     except Exception as exc:  # best effort: no home directory (Path.home), a deeply nested file, ...
         log.debug("no time estimate: %s", exc)
-        return NO_ESTIMATE + load_note(load, cpu_cores())
+        return NO_ESTIMATE + load_note(load, cpu_cores(), name)
 
 
 def _estimate(cfg: Config, device: torch.device, world_size: int, key: str) -> str:
