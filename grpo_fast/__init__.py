@@ -13,6 +13,7 @@ from grpo_fast import threads as _threads
 if _threads.started_as_command():
     _threads.started_by_command = True
     _threads.prefer_short_wait()
+    _threads.command_meter = _threads.OtherWork()  # the setup reads it: a window from the start
 
 from grpo_fast.algo.control import AdaptiveKLController, kl_early_stop
 from grpo_fast.algo.course import (

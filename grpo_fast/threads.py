@@ -2,7 +2,8 @@
 
 torch's CPU ops (the CPU wheel of torch 2.13, whose bundled OpenMP is GNU libgomp:
 ``torch/lib/libgomp.so.1``) run each parallel region on an OpenMP team. Between regions libgomp
-keeps its worker threads spinning (``GOMP_SPINCOUNT``, by default 300,000 spins, ~3 ms, when
+keeps its worker threads spinning (``GOMP_SPINCOUNT``, by default 300,000 spins — ~3 ms by
+libgomp's own account, longer where a spin is slow: ≥ 7.5 ms on a 2-core AMD EPYC — when
 ``OMP_WAIT_POLICY`` is unset) — on a machine where another process wants the same cores, both spin
 on cores the other needs. libgomp reads ``OMP_WAIT_POLICY`` / ``GOMP_SPINCOUNT`` once, when it
 loads (``import torch``); ``KMP_BLOCKTIME`` is Intel OpenMP's and libgomp ignores it. Measured
@@ -82,7 +83,7 @@ def prefer_short_wait(environ: dict | None = None, modules: dict | None = None) 
 def wait_policy_in_effect(environ: dict | None = None) -> str:
     """libgomp's wait as the environment gave it at load: ``passive`` (``OMP_WAIT_POLICY=PASSIVE``
     or ``GOMP_SPINCOUNT=0``), ``active``, ``spin N`` (``GOMP_SPINCOUNT=N``: N spins, then sleep) or
-    ``spin`` (neither: libgomp's default, ~3 ms of spinning). Read from the environment now, which
+    ``spin`` (neither: libgomp's default, 300,000 spins). Read from the environment now, which
     is the one it loaded with unless code changed it since."""
     env = os.environ if environ is None else environ
     policy = env.get("OMP_WAIT_POLICY", "").strip().lower()
@@ -137,6 +138,12 @@ class ThreadChoice:
     follow: bool = False  # auto on a CPU run: the count then follows the machine (ThreadFollower)
 
 
+def cores_busy(load: float) -> int:
+    """Whole cores a load keeps busy, halves up (0.5 → 1, 2.5 → 3): what the thread count leaves
+    to other work, at the setup and when following the machine alike."""
+    return math.floor(load + 0.5)
+
+
 def local_ranks() -> int:
     """The ranks of this run on this machine (torchrun's ``LOCAL_WORLD_SIZE``; 1 without it)."""
     try:
@@ -172,7 +179,7 @@ def choose_threads(
 ) -> ThreadChoice | None:
     """The intra-op thread count for a run: ``asked`` (``threads.intra_op``: an int, or
     ``"auto"``), then the user's ``OMP_NUM_THREADS``, then for a CPU run the cores free,
-    ``cores - round(load)`` and at least 1, followed during the run (``ThreadFollower``); 1 for a
+    ``cores - cores_busy(load)`` and at least 1, followed during the run (``ThreadFollower``); 1 for a
     model of hidden size <= SMALL_HIDDEN where OpenMP waits passively. ``load``: cores busy with
     other work (a reading of ``OtherWork``, else the 1-minute load average), named ``load_name``
     in the why. None: leave torch's own (a GPU run's CPU side, with no ask and no variable).
@@ -192,7 +199,7 @@ def choose_threads(
         return ThreadChoice(int(user), f"OMP_NUM_THREADS={user}")
     if device_type != "cpu":
         return None
-    free = max(1, cores - (round(load) if load is not None and math.isfinite(load) else 0))
+    free = max(1, cores - (cores_busy(load) if load is not None and math.isfinite(load) else 0))
     busy = f", {load_name} {load:.1f}" if load is not None else ""
     if hidden_size is not None and hidden_size <= SMALL_HIDDEN and wait_policy_in_effect(env) == "passive":
         return ThreadChoice(
@@ -205,25 +212,30 @@ def choose_threads(
 # averages over many steps (the tiny preset's take ~70 ms) and follows a job that starts within
 # a few seconds.
 FOLLOW_INTERVAL_S = 1.0
+# The shortest window a reading of OtherWork averages over: /proc/stat counts in clock ticks (10 ms
+# at 100 Hz), so over 0.25 s a reading is good to about 0.1 of a core.
+MIN_WINDOW_S = 0.25
 # /proc/stat's busy columns (after the cpu name): user nice system [idle iowait] irq softirq steal.
 _BUSY_COLUMNS = (0, 1, 2, 5, 6, 7)
 
 
 def cpu_busy_seconds(cpus) -> float | None:
     """CPU-seconds spent busy since boot on the cores ``cpus`` (all processes; /proc/stat), or None
-    where there is no /proc/stat (not Linux)."""
+    where there is no /proc/stat (not Linux) or it names none of them."""
     try:
         lines = Path("/proc/stat").read_text().splitlines()
     except OSError:
         return None
     want = {f"cpu{i}" for i in cpus}
-    ticks = 0
+    ticks, found = 0, False
     for line in lines:
         fields = line.split()
         if fields and fields[0] in want:
             values = [int(x) for x in fields[1:]]
             ticks += sum(values[i] for i in _BUSY_COLUMNS if i < len(values))
-    return ticks / os.sysconf("SC_CLK_TCK")
+            found = True
+    # None where no line names these cores (a container that renumbers them): unknown, not idle
+    return ticks / os.sysconf("SC_CLK_TCK") if found else None
 
 
 def own_cpu_seconds() -> float:
@@ -251,20 +263,29 @@ class OtherWork:
 
     def read(self) -> float | None:
         """Cores busy with other work since the previous reading; None without /proc/stat or
-        with no time passed."""
+        over less than ``MIN_WINDOW_S`` (the window then stays open: the next reading covers it)."""
         now = self._sample()
         (t0, busy0, own0), (t1, busy1, own1) = self.last, now
+        if t1 - t0 < MIN_WINDOW_S:
+            self.latest = None
+            return None
         self.last = now
-        if busy0 is None or busy1 is None or t1 <= t0:
+        if busy0 is None or busy1 is None:
             self.latest = None
         else:
             self.latest = max(0.0, ((busy1 - busy0) - (own1 - own0)) / (t1 - t0))
         return self.latest
 
 
+# The other work since the command started (``grpo_fast/__init__.py`` starts it, before torch
+# loads): the setup's reading then spans the imports too, long enough to read; None in a library
+# caller's process.
+command_meter: OtherWork | None = None
+
+
 class ThreadFollower:
     """``threads.intra_op=auto`` on a CPU run: torch's intra-op thread count follows the cores the
-    machine's other work leaves free, ``min(most, cores - round(other))`` and at least 1, read at
+    machine's other work leaves free, ``min(most, cores - cores_busy(other))`` and at least 1, read at
     step ends every ``interval`` seconds (``step_end``). Fewer threads at once when other work
     appears; more only after two readings in a row agree (a job between steps is not a free
     core). Measured (``bench/contention.py``, docs/training.md): the tiny preset on 2 idle cores
@@ -297,7 +318,7 @@ class ThreadFollower:
         other = self.other()
         if other is None:
             return None
-        want = max(1, min(self.most, self.cores - math.floor(other + 0.5)))
+        want = max(1, min(self.most, self.cores - cores_busy(other)))
         have = self.get()
         if want > have and self.rising != want:  # the first reading that asks for more: wait for a second
             self.rising = want

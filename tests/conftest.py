@@ -120,6 +120,8 @@ def _idle_machine(monkeypatch):
 
     monkeypatch.setattr(eta, "machine_load", lambda: 0.0)
     monkeypatch.setattr(eta, "other_work_meter", IdleMeter)
+    for plans in ("_PLAN_LOADS", "_RUN_METERS", "_PLAN_KEYS"):  # what one test's plan line left
+        monkeypatch.setattr(eta, plans, {})
 
 
 class IdleMeter:

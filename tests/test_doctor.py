@@ -92,7 +92,7 @@ def test_doctor_says_the_load_and_threads_and_flags_spinning_on_a_busy_machine(m
         (3.0, {"OMP_WAIT_POLICY": "PASSIVE"}, "passive",
          "1 to start (auto: a small model (hidden 128), wait passive, 2 cores, load 3.0; threads.intra_op)", False),
         (3.0, {"GOMP_SPINCOUNT": "30000"}, "spin 30000", f"1 to start (auto: 2 cores, load 3.0, {follow}", False),
-        (0.5, {"OMP_WAIT_POLICY": "active"}, "active", f"2 to start (auto: 2 cores, load 0.5, {follow}", False),
+        (0.4, {"OMP_WAIT_POLICY": "active"}, "active", f"2 to start (auto: 2 cores, load 0.4, {follow}", False),
     )  # fmt: skip
     for load, env, wait, tiny, problem in cases:
         for k in threads.WAIT_ENV:

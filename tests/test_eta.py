@@ -550,3 +550,21 @@ def test_the_run_s_other_ranks_on_this_machine_are_not_other_work(tmp_path, monk
     assert eta.plan_estimate(cfg, CPU, 1, others=1.2).endswith(
         "; other work 1.2 on 2 cores: expect it slower"
     )
+
+
+def test_a_run_whose_thread_count_changed_records_under_the_setup_it_started_as(tmp_path, monkeypatch):
+    """The plan line at 2 threads, the run ends on 1 (the count followed the machine, or a worker
+    process took a core): its timings go under the 2-thread setup, which the next 2-thread plan
+    line quotes. Planted: record_run fingerprinting the thread count at the end → "no time
+    estimate yet"."""
+    count = [2]
+    monkeypatch.setattr(eta.torch, "get_num_threads", lambda: count[0])
+    _busy(monkeypatch, 0.0)
+    cfg = _cfg("rollout.batch_size=32", f"output_dir={tmp_path}")
+    assert eta.plan_estimate(cfg, CPU, 1) == eta.NO_ESTIMATE
+    count[0] = 1
+    eta.record_run(cfg, CPU, dist.DistInfo(), _write_run(tmp_path / "run"), sft_steps=20)
+    count[0] = 2
+    (entry,) = eta.load_history().values()
+    assert entry["machine"]["threads"] == 2
+    assert eta.plan_estimate(cfg, CPU, 1).startswith("about ")

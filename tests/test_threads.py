@@ -293,3 +293,57 @@ def test_a_cpu_run_follows_the_machine_and_its_metrics_say_the_count(tmp_path, m
     assert "; 2 CPU threads (auto: 2 cores, other work 0.0, following the machine), OpenMP wait " in err.err
     assert "step 1: 2 → 1 CPU threads (other work on 1.5 of 2 cores)" in err.out + err.err
     assert threads.follower is None and torch.get_num_threads() == before
+
+
+def test_a_half_core_of_other_work_takes_a_thread_at_the_setup_and_when_following():
+    """One rounding, halves up, in both places: 0.5 of a core busy on 2 → 1 thread at the setup
+    and from the follower; 2.5 on 4 → 1. Planted: choose_threads with round() (0.5 → 0, banker's
+    rounding) → 2 threads at the setup while the follower says 1."""
+    assert [threads.cores_busy(x) for x in (0.49, 0.5, 1.5, 2.5)] == [0, 1, 2, 3]
+    assert threads.choose_threads("auto", "cpu", 1536, cores=2, load=0.5, environ={}).threads == 1
+    assert threads.choose_threads("auto", "cpu", 1536, cores=4, load=2.5, environ={}).threads == 1
+    have = [2]
+    f = threads.ThreadFollower(2, 2, other=lambda: 0.5, get=lambda: have[0], set=lambda n: have.__setitem__(0, n),
+                               clock=iter([0, 5]).__next__)  # fmt: skip
+    assert f.step_end() == "2 → 1 CPU threads (other work on 0.5 of 2 cores)"
+
+
+def test_a_reading_over_too_short_a_window_is_none_and_the_window_stays_open():
+    """/proc/stat counts 10 ms ticks: a reading over 0.1 s is not one. The next reading covers the
+    whole window since the last good one. Planted: no minimum → 0.1 s gives 5.0 cores."""
+    clock, busy = iter([0.0, 0.1, 1.0]), iter([0.0, 0.5, 1.0])
+    work = threads.OtherWork(cpus=[0, 1], busy=lambda cpus: next(busy), own=lambda: 0.0, clock=clock.__next__)
+    assert work.read() is None and work.latest is None
+    assert work.read() == pytest.approx(1.0) and work.latest == pytest.approx(1.0)  # 1.0 busy over 1.0 s
+
+
+def test_cores_proc_stat_does_not_name_are_unknown_not_idle():
+    """A container that renumbers CPUs: /proc/stat has no line for the affinity's cores → None
+    (then the load average), never 0.0. Planted: returning the 0 ticks summed → 0.0."""
+    if threads.cpu_busy_seconds([0]) is None:
+        pytest.skip("no /proc/stat")
+    assert threads.cpu_busy_seconds([10**6]) is None
+
+
+def test_a_worker_process_caps_the_count_the_trainer_follows_to(monkeypatch):
+    """``rollout.placement=process``: the hf worker takes its threads, the trainer's are cut to
+    the rest, and a following count never climbs back above that. Planted: no cap in
+    producer_backend → the follower's most stays 2 on 2 CPUs with a 1-thread worker."""
+    from types import SimpleNamespace
+
+    from grpo_fast.loop import pipeline
+
+    monkeypatch.setattr(pipeline.os, "sched_getaffinity", lambda pid: {0, 1})
+    monkeypatch.setattr(pipeline, "HFProcessBackend", lambda *a, **k: "worker")
+    monkeypatch.setattr(
+        threads, "follower", threads.ThreadFollower(2, 2, other=lambda: 0.0, get=lambda: 2, set=print)
+    )
+    before = torch.get_num_threads()
+    rollout = SimpleNamespace(placement="process", worker_threads=1, start_timeout=1, request_timeout=1,
+                              sync_timeout=1, generation_batch_size=8)  # fmt: skip
+    run = SimpleNamespace(cfg=SimpleNamespace(rollout=rollout), model=None, tokenizer=None, amp=None)
+    try:
+        assert pipeline.producer_backend(run) == "worker"
+        assert threads.follower.most == 1 and torch.get_num_threads() == 1
+    finally:
+        torch.set_num_threads(before)

@@ -52,6 +52,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from grpo_fast import threads as cpu_threads
 from grpo_fast.errors import ConfigError, EngineError, EngineTimeout, Preempted, TrainingStopped
 from grpo_fast.loop import preempt
 from grpo_fast.loop.checkpointing import resume_point
@@ -449,6 +450,10 @@ def producer_backend(run: Run):
         threads = worker_threads(r.worker_threads)
         cpus = len(os.sched_getaffinity(0))
         torch.set_num_threads(max(1, min(torch.get_num_threads(), cpus - threads)))
+        if (
+            cpu_threads.follower is not None
+        ):  # a count following the machine: never above what the worker leaves
+            cpu_threads.follower.most = min(cpu_threads.follower.most, max(1, cpus - threads))
         timeouts = Timeouts(r.start_timeout, r.request_timeout, r.sync_timeout)
         return HFProcessBackend(
             run.model,

@@ -59,7 +59,7 @@ def setup(cfg: Config, device: torch.device, world: dist.DistInfo, out: Path, en
     seed_everything(cfg.seed)
     # the cores others keep busy (threads.OtherWork), read once the model is built: for the
     # thread count and the plan line's "expect it slower"
-    other_work = eta.other_work_meter()
+    other_work = eta.setup_meter()
     if world.is_main:
         out.mkdir(parents=True, exist_ok=True)
     dist.barrier()

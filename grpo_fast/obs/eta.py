@@ -276,6 +276,13 @@ def other_work_meter() -> threads.OtherWork:
     return threads.OtherWork()
 
 
+def setup_meter() -> threads.OtherWork:
+    """The meter a run's setup reads (the cores other work keeps busy, for the thread count and
+    the plan line): the one the command started when it started (its window spans the imports),
+    else one from now."""
+    return threads.command_meter if threads.command_meter is not None else other_work_meter()
+
+
 def less_own_ranks(other: float, device: torch.device) -> float:
     """An ``OtherWork`` reading less this run's other ranks on this machine (``own_load`` of each)."""
     return max(0.0, other - (threads.local_ranks() - 1) * own_load(device, 1))
@@ -305,6 +312,15 @@ def load_note(load: float | None, cores: int, name: str = "load") -> str:
 # over the run, started with the plan line.
 _PLAN_LOADS: dict[str, float] = {}
 _RUN_METERS: dict[str, threads.OtherWork] = {}
+# The fingerprint and machine each plan line quoted, by the run's setup without its thread count
+# (``_slot``): the count may change during the run (a thread count that follows the machine,
+# ``rollout.placement=process`` cutting the trainer's), and the run's timings belong to the setup
+# it started as.
+_PLAN_KEYS: dict[str, tuple[str, dict[str, Any]]] = {}
+
+
+def _slot(cfg: Config, device: torch.device, world_size: int) -> str:
+    return json.dumps([device.type, world_size, cost_values(cfg)], sort_keys=True, default=str)
 
 
 # ---------------------------------------------------------------- what a run measured
@@ -373,7 +389,9 @@ def record_run(
     if not world.is_main:
         return
     try:
-        key = fingerprint(cfg, device, world.world_size)
+        key, started_as = _PLAN_KEYS.pop(_slot(cfg, device, world.world_size), (None, None))
+        if key is None:  # no plan line in this process (a caller's own loop): the setup now
+            key, started_as = fingerprint(cfg, device, world.world_size), machine(device, world.world_size)
         timed = measured(out, first)
         others = _others_load(key, device, world.world_size)
         cores = cpu_cores()
@@ -396,7 +414,7 @@ def record_run(
             if others is not None:
                 loads[f] = round(others, 2)
         entry["load"], entry["cores"] = loads, cores
-        entry["machine"] = machine(device, world.world_size)
+        entry["machine"] = started_as
         entries[key] = entry
         write_history(entries)
     except Exception as exc:  # best effort: no home directory, a history nested past recursion, ...
@@ -542,6 +560,7 @@ def plan_estimate(cfg: Config, device: torch.device, world_size: int, others: fl
     )
     try:
         key = fingerprint(cfg, device, world_size)
+        _PLAN_KEYS[_slot(cfg, device, world_size)] = key, machine(device, world_size)
         if load is not None:
             _PLAN_LOADS[key] = load  # the others' load: this run has not computed yet
         _RUN_METERS[key] = other_work_meter()
