@@ -268,7 +268,8 @@ def make_problem(case_name: str) -> Problem:
     if case.name == TINY.name:
         from grpo_fast.loop.sft import sft_warm_start
         from grpo_fast.policy.model import load_policy, load_tokenizer
-        from grpo_fast.task.loader import load_task, tiny
+        from grpo_fast.task import tiny
+        from grpo_fast.task.loader import load_task
 
         cfg = tiny_config(case)
         tokenizer = load_tokenizer(cfg.model.name_or_path)
