@@ -312,7 +312,8 @@ class RolloutConfig:
     # train, sync, repeat); S > 0: a producer generates and scores step k + S while the trainer
     # trains step k, each batch sampled by the policy S optimizer steps behind (never more: an
     # older batch is refused and regenerated). Needs an off-policy correction against the
-    # sampler's log-probs: rollout.is_correction=true or rollout.old_logprobs=sampler.
+    # sampler's log-probs: rollout.is_correction=true or rollout.old_logprobs=sampler. With vllm,
+    # the engine apart (placement=process|server) takes each version as the trainer staged it.
     max_staleness: int = option(
         0,
         Range(

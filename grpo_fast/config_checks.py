@@ -220,11 +220,11 @@ def _check_pipeline(cfg: Config) -> None:
     does not run with."""
     r = cfg.rollout
     own_weights = rollout_backend(r.backend).needs_weight_push
-    if r.max_staleness > 0 and own_weights:
+    if r.max_staleness > 0 and own_weights and r.placement == "colocated":
         raise ConfigError(
-            f"rollout.max_staleness={r.max_staleness} with rollout.backend={r.backend} is not available in "
-            "this build: the pipeline's producer samples with the hf decoder (rollout.backend=hf); the vllm "
-            "engine runs lockstep (rollout.max_staleness=0), apart with rollout.placement=process|server"
+            f"rollout.max_staleness={r.max_staleness} with rollout.backend={r.backend} needs the engine apart "
+            "from the trainer: rollout.placement=process|server (a colocated engine shares the trainer's "
+            "process and device, so generation cannot run while it trains)"
         )
     if r.placement == "process" and not own_weights and cfg.device.startswith("cuda"):
         raise ConfigError(

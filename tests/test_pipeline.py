@@ -129,7 +129,8 @@ def _alive(pid: int) -> bool:
         ),
         (
             [*S1, "rollout.backend=vllm"],
-            "rollout.max_staleness=1 with rollout.backend=vllm is not available in this build",
+            "rollout.max_staleness=1 with rollout.backend=vllm needs the engine apart from the trainer: "
+            "rollout.placement=process|server",
         ),
     ],
 )

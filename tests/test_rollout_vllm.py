@@ -220,6 +220,40 @@ def test_weight_sync_probe_passes_a_real_push_and_stops_on_stale_weights():
     assert backend.weight_sync_abs_diff > 1e-3
 
 
+def test_a_staged_version_is_pushed_and_probed_as_it_was_when_staged():
+    """``stage`` copies the weights and the probe's reference log-probs at once; the trainer then
+    moves on, and ``load_staged`` pushes the copy (not the live model) and probes it against the
+    staged reference: the engine serves version 1 exactly and the probe passes. Planted: a stage
+    that keeps views (no copy) or a probe against the live model → the engine's weights differ
+    from the staged ones / the probe fails. An engine that drops the push still stops the run."""
+    tok, model = _tiny()
+    engine = FakeVLLMEngine(model, tok)
+    backend = VLLMBackend(engine, tok, probe=_probe_for(model, tok))
+    backend.update_weights(model, step=0)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.mul_(1.1)  # version 1
+    staged = backend.stage(model)
+    version1 = {n: t.clone() for n, t in model.state_dict().items()}
+    tied = model.get_output_embeddings().weight is model.get_input_embeddings().weight
+    names = [n for n in staged["tensors"] if n.endswith(("embed_tokens.weight", "lm_head.weight"))]
+    if tied and len(names) == 2:  # a tied head stays one copy
+        assert staged["tensors"][names[0]] is staged["tensors"][names[1]]
+    with torch.no_grad():
+        for p in model.parameters():
+            p.mul_(1.3)  # the trainer's next step, before the producer loads version 1
+    engine.calls.clear()
+    backend.load_staged(staged, 1, model)
+    assert engine.calls == ["load_weights", "reset_prefix_cache"]
+    assert backend.policy_version == 1 and backend.weight_sync_abs_diff < 1e-5
+    served = engine.model.state_dict()
+    assert all(torch.equal(served[n], version1[n]) for n in version1)
+    engine.drop_pushes = True
+    staged2 = backend.stage(model)
+    with pytest.raises(WeightSyncError, match=r"step 2: vLLM is not serving the pushed weights"):
+        backend.load_staged(staged2, 2, model)
+
+
 def test_step_seed_is_reproducible_and_differs_by_step_and_rank():
     assert step_seed(0, 5, 0) == step_seed(0, 5, 0)
     seeds = {step_seed(s, t, r) for s in (0, 1) for t in range(1, 50) for r in range(4)}

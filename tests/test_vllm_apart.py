@@ -662,3 +662,92 @@ def test_a_server_logs_at_info_even_after_an_in_process_engine_quieted_this_proc
     monkeypatch.setenv("VLLM_LOGGING_LEVEL", "DEBUG")
     vllm_parts.quiet_in_process_logging()
     assert os.environ["VLLM_LOGGING_LEVEL"] == "DEBUG" and vllm_parts.apart_logging_level() == "DEBUG"
+
+
+# ---------------------------------------------------------------------------- staleness: the pipeline
+
+
+STALE = ["rollout.max_staleness=1", "rollout.old_logprobs=sampler", "steps=5"]
+
+
+def _count_generations(monkeypatch) -> list[int]:
+    """The policy version each generation on the engine started with (``VLLMBackend.generate``)."""
+    versions: list[int] = []
+    real = VLLMBackend.generate
+
+    def counted(self, prompt_ids, params, progress=None):
+        versions.append(self.policy_version)
+        return real(self, prompt_ids, params, progress=progress)
+
+    monkeypatch.setattr(VLLMBackend, "generate", counted)
+    return versions
+
+
+def test_staleness_one_on_a_server_samples_each_step_from_the_weights_two_steps_before(tmp_path, monkeypatch):
+    """``rollout.max_staleness=1`` with the server: the producer loads each job's policy version
+    into the engine before it generates (step j from version j − 2, step 1 and 2 from the start),
+    the responses carry the version the server labels them with, and the run's lag is the bound;
+    the evaluations generate with the trainer's model, not the engine (which serves an older
+    policy): the server sees only the five batches. Planted: the producer loading the newest
+    staged version → lag 0; evaluations on the engine → seven generations."""
+    from grpo_fast.train import main
+
+    with FakeVLLMServer() as fake:
+        _misbehave_after_sync(monkeypatch, fake, -1, {})  # no vLLM check
+        versions = _count_generations(monkeypatch)
+        args = [*RUN, *STALE, f"rollout.server_url={fake.url}", "eval_every=2", f"output_dir={tmp_path}"]
+        assert main(args) == 0
+    rows = {r["step"]: r for r in _run_rows(tmp_path)}
+    assert versions[0] == 0  # step 0's evaluation, before the pipeline: the engine
+    assert versions[1:] == [0, 0, 1, 2, 3]  # steps 1-5, each from need(j) = max(j - 2, 0)
+    assert [rows[s]["rollout/policy_lag"] for s in range(1, 6)] == [0.0, 1.0, 1.0, 1.0, 1.0]
+    assert all("eval/accuracy" in rows[s] for s in (0, 2, 4, 5))
+    assert all(rows[s]["time/weight_load_s"] >= 0 for s in range(1, 6))
+
+
+def test_a_server_that_dies_under_the_pipeline_stops_with_one_line_and_the_resume_continues(
+    tmp_path, monkeypatch, capsys
+):
+    """The server drops every generation once the producer has loaded version 2 (step 4's batch,
+    made while step 3 trains): the run stops with one line and step 3's checkpoint, holding the
+    in-flight job; resumed against a healthy server it pushes version 2 before its first batch
+    and trains steps 4-5 at the bound. Planted: the producer's error not reaching the trainer →
+    the run waits for the batch until request_timeout (the test's 60 s bound fails)."""
+    from grpo_fast.loop import pipeline
+    from grpo_fast.train import main
+
+    with FakeVLLMServer() as fake:
+        _misbehave_after_sync(monkeypatch, fake, -1, {})
+        real = pipeline.EngineProducer.load_weights
+
+        def dies_after(self, staged, version):
+            real(self, staged, version)
+            if version == 2:
+                fake.behaviour = {"/inference/v1/generate": "close"}
+
+        monkeypatch.setattr(pipeline.EngineProducer, "load_weights", dies_after)
+        args = [
+            *RUN,
+            *STALE,
+            f"rollout.server_url={fake.url}",
+            "checkpoint_every=100",
+            f"output_dir={tmp_path}",
+        ]
+        t0 = time.monotonic()
+        assert main(args) == 2
+        assert time.monotonic() - t0 < 60
+        where = tmp_path / "checkpoints" / "step_000003"
+        err = _last_err(capsys)
+        assert err.startswith("error: "), err
+        assert err.endswith(
+            f"(during step 4's rollout): checkpoint {where} of step 3 written; resume=true continues from there"
+        ), err
+        assert [r["step"] for r in _run_rows(tmp_path) if r["step"] >= 1] == [1, 2, 3]
+        monkeypatch.setattr(pipeline.EngineProducer, "load_weights", real)
+        fake.behaviour, fake.calls[:] = {}, []
+        assert main([*args, "resume=true"]) == 0
+        generate = fake.calls.index("/inference/v1/generate")
+        assert "/update_weights" in fake.calls[:generate]  # version 2 pushed before step 4's batch
+    rows = {r["step"]: r for r in _run_rows(tmp_path) if r["step"] >= 1}
+    assert sorted(rows) == [1, 2, 3, 4, 5]
+    assert [rows[s]["rollout/policy_lag"] for s in (4, 5)] == [1.0, 1.0]

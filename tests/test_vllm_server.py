@@ -103,6 +103,36 @@ def test_pushes_over_http_are_exact_and_label_what_they_sample(server):
         assert again.response_ids == rollout.response_ids  # seeded per prompt: reproducible
 
 
+def length_reward(response: str, ground_truth: str) -> dict[str, float]:
+    return {"reward": float(len(response))}  # random weights: a learning signal in every group
+
+
+def test_staleness_one_trains_against_the_server_with_every_push_probed(server, tmp_path):
+    """``rollout.max_staleness=1`` attached to the server: the producer pushes each job's policy
+    version (staged when the trainer published it) and probes it against the log-probs staged
+    with it (≤ 1e-3 every step, fp32 both sides); each batch is one version behind the trainer
+    from step 2 on, and the policy moves (the sampler-vs-trainer gap grows past the engines' own
+    ~1e-7). Planted: a stage that keeps views of the live weights (the push sends whatever the
+    trainer holds by then) → the probe stops the run."""
+    from grpo_fast.train import main
+
+    vllm, _, _, _ = server
+    args = ["--preset", "tiny", "rollout.backend=vllm", "rollout.placement=server",
+            f"rollout.server_url={vllm.engine.url}", "rollout.max_staleness=1", "rollout.old_logprobs=sampler",
+            "steps=4", "sft.steps=0", "eval_every=0", "checkpoint_every=0", "rollout.group_size=4",
+            "rollout.batch_size=16", "train.micro_batch_size=16", "data.reward=test_vllm_server:length_reward",
+            "logging.progress=false", "logging.sample_every=0", f"output_dir={tmp_path}"]  # fmt: skip
+    assert main(args) == 0
+    rows = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    steps = [r for r in rows if r["step"] > 0]
+    assert [r["rollout/policy_lag"] for r in steps] == [0.0, 1.0, 1.0, 1.0]
+    assert all(r["rollout/weight_sync_abs_diff"] < 1e-3 for r in steps), [
+        r["rollout/weight_sync_abs_diff"] for r in steps
+    ]
+    assert steps[0]["rollout/logprob_abs_diff"] < 1e-3  # version 0 samples step 1: on-policy
+    assert all(r["rollout/logprob_abs_diff"] > 1e-3 for r in steps[2:])  # one step behind a moving policy
+
+
 def test_the_tiny_preset_trains_against_the_server_and_a_killed_server_stops_it_in_one_line(server, tmp_path):
     """Last in the module: the run attaches by URL (rollout.server_url), probes every push
     (≤ 1e-3; fp32 both sides gives ~1e-7), and stops with one line once the server is killed."""

@@ -3,7 +3,7 @@
 Two sides with one boundary. The **producer** (a thread of the training process) owns generation
 and scoring: it takes jobs in step order, loads the policy version each job names into a backend
 with weights of its own (``grpo_fast.rollout.hf_process``: a copy in this process, or the decoder
-in a worker process), and runs ``produce`` (prompts → generate → rewards; no collective, nothing
+in a worker process; ``EngineProducer``: a vLLM engine apart, pushed and probed), and runs ``produce`` (prompts → generate → rewards; no collective, nothing
 of the trainer). The **trainer** (the main thread) owns the optimizer: it takes step k's batch,
 finalizes it (``rollout_phase.finalize``: shaping, advantages), trains on it and publishes its new
 weights. Between them, under one lock: the jobs, the finished batches (the queue) and the staged
@@ -19,8 +19,8 @@ depend on timing: a run is reproducible and a resume exact. A batch whose trajec
 are older than that (``lag > S``: an engine that did not take its weights) is refused, logged and
 generated again from the trainer's current weights; a second refusal stops the run.
 
-**Publishing** step k's weights is a copy of the trainable parameters to the host
-(``time/weight_sync_s``); the producer loads them into its backend before the first job that
+**Publishing** step k's weights is the backend's host copy of them (``stage``: the trainable
+parameters; for vLLM what a push sends and the probe's reference log-probs; ``time/weight_sync_s``); the producer loads them into its backend before the first job that
 needs them (``time/weight_load_s``, off the trainer's path). ``time/wait_trainer_s``: how long
 the trainer waited for its batch; ``time/wait_producer_s``: how long the producer waited for the
 weights of its next job; ``time/produce_s``: the batch's generation and scoring.
@@ -38,8 +38,8 @@ the versions they sample with (older than the checkpoint's own: at most S copies
 sampler as it was before the first of them drew. A resume generates them again from there.
 
 Not with the pipeline (``config_checks._check_pipeline``): dynamic sampling (extra rounds inside a
-step), and with S > 0 the options that have the producer read the pass rates the trainer records;
-data parallel (torchrun) and FSDP runs.
+step), and with S > 0 the options that have the producer read the pass rates the trainer records,
+and the colocated vLLM engine; data parallel (torchrun) and FSDP runs.
 """
 
 from __future__ import annotations
@@ -64,13 +64,9 @@ from grpo_fast.loop.stats import close_step
 from grpo_fast.loop.step_end import end_of_step
 from grpo_fast.obs.metrics import PhaseProgress, reset_peak_memory
 from grpo_fast.rollout import Rollout
-from grpo_fast.rollout.hf_process import (
-    HFCopyBackend,
-    HFProcessBackend,
-    Timeouts,
-    trainable_tensors,
-    worker_threads,
-)
+from grpo_fast.rollout import backend as backend_spec
+from grpo_fast.rollout.hf import HFBackend
+from grpo_fast.rollout.hf_process import HFCopyBackend, HFProcessBackend, Timeouts, worker_threads
 
 
 def train(run: Run, progress: PhaseProgress) -> None:
@@ -216,11 +212,12 @@ class Pipeline:
         return max(step - 1 - self.S, self.first)
 
     def _stage(self, version: int) -> None:
-        """The trainer's weights now, as policy version ``version``: a host copy of the trainable
-        parameters (the producer loads it when a job needs it)."""
-        tensors = {n: t.to("cpu", copy=True) for n, t in trainable_tensors(self.run.model).items()}
+        """The trainer's weights now, as policy version ``version``: the backend's host copy of
+        them (``stage``: the trainable parameters; for a vLLM engine what a push sends, with the
+        probe's reference log-probs); the producer loads it when a job needs it."""
+        staged = self.backend.stage(self.run.model)
         with self.cond:
-            self.shared.versions[version] = tensors
+            self.shared.versions[version] = staged
 
     def _temperature(self, step: int) -> float:
         """``step``'s sampling temperature, decided now (the health monitor's boost, rank 0's)."""
@@ -441,11 +438,50 @@ class Pipeline:
         return Produced(job, rollout, reward_fn, time.perf_counter() - t0, wait_s, load_s)
 
 
+class EngineProducer:
+    """The producer's backend for a vLLM engine apart from the trainer (``rollout.backend=vllm``,
+    ``rollout.placement=process|server``): the run's own ``VLLMBackend``, given each policy
+    version as ``stage`` copied it when the trainer published it (``load_staged``: push, then
+    the weight-sync probe against the log-probs staged with the weights; a stale engine stops
+    the run). The engine stays awake between batches (its devices are its own) and lives as long
+    as the run (``close`` leaves it to the run's end); evaluations during the pipeline generate
+    with ``eval_backend``, the hf decoder on the trainer's model, since the engine serves an
+    older policy than the one evaluated."""
+
+    def __init__(self, run: Run):
+        self.engine = run.rollout.backend
+        self.model = run.model
+        self.eval_backend = HFBackend(
+            run.model, run.tokenizer, run.cfg.rollout.generation_batch_size, run.amp
+        )
+
+    @property
+    def version(self) -> int | None:
+        return self.engine.policy_version
+
+    def stage(self, model: torch.nn.Module) -> dict:
+        return self.engine.stage(model)
+
+    def load_weights(self, staged: dict, version: int) -> None:
+        self.engine.load_staged(staged, version, self.model)
+
+    def generate(self, prompt_ids: list[list[int]], params, progress=None) -> Rollout:
+        return self.engine.generate(prompt_ids, params, progress=progress)
+
+    def sleep(self) -> None:
+        """Nothing to free: the engine's devices are not the trainer's."""
+
+    def close(self) -> None:
+        """Nothing to stop: the engine is the run's (and is stopped with it)."""
+
+
 def producer_backend(run: Run):
-    """The producer's backend, with weights of its own: the hf decoder in a worker process
-    (``rollout.placement=process``; the trainer's torch threads are cut to the CPUs the worker
-    leaves), or a copy of the policy in this process."""
+    """The producer's backend, with weights of its own: a vLLM engine apart (``EngineProducer``),
+    the hf decoder in a worker process (``rollout.placement=process``; the trainer's torch
+    threads are cut to the CPUs the worker leaves), or a copy of the policy in this process."""
     r = run.cfg.rollout
+    if backend_spec(r.backend).needs_weight_push:
+        return EngineProducer(run)
     if r.placement == "process":
         threads = worker_threads(r.worker_threads)
         cpus = len(os.sched_getaffinity(0))

@@ -186,6 +186,13 @@ class Run:
     def ckpt_root(self) -> Path:
         return self.out / "checkpoints"
 
+    def eval_backend(self):
+        """The backend evaluations generate with: the rollout backend, except while a pipeline
+        feeds a vLLM engine apart, which serves an older policy than the trainer's: then the hf
+        decoder on the trainer's model (``pipeline.EngineProducer.eval_backend``)."""
+        apart = getattr(getattr(self.pipeline, "backend", None), "eval_backend", None)
+        return self.rollout.backend if apart is None else apart
+
     def generation_weights(self):
         """A context for a phase that generates: under FSDP with a backend that samples from the
         training model itself (hf), every unit gathered for its length (``fsdp.gathered``); a

@@ -38,7 +38,7 @@ def evaluate_run(run: Run, step: int, full: bool, progress: PhaseProgress | None
     advance = preempt.unit_callback(progress.advance_phase if progress is not None else None)
     with run.generation_weights(), preempt.rewards_abandonable():  # a reward that hangs: Interrupt
         metrics, records = evaluate(
-            run.rollout.backend, run.task, examples, run.cfg, run.device, world=run.world, progress=advance
+            run.eval_backend(), run.task, examples, run.cfg, run.device, world=run.world, progress=advance
         )
     if run.world.is_main:
         n = run.cfg.logging.samples_per_dump

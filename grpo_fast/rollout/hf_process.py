@@ -46,6 +46,12 @@ def trainable_tensors(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     return {name: p.detach() for name, p in model.named_parameters() if p.requires_grad}
 
 
+def staged_tensors(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """``trainable_tensors`` copied to the host: a policy version, as the trainer publishes it
+    for ``load_weights`` (the producer loads it later, while the trainer has moved on)."""
+    return {name: t.to("cpu", copy=True) for name, t in trainable_tensors(model).items()}
+
+
 def _generator(params: SamplingParams, device: torch.device) -> torch.Generator | None:
     """A random stream of the call's own, seeded by ``params.seed`` (None: torch's global one): a
     sampler apart from the trainer draws the same tokens whatever runs beside it."""
@@ -71,6 +77,8 @@ class HFCopyBackend:
     @property
     def version(self) -> int:
         return self._hf.version
+
+    stage = staticmethod(staged_tensors)  # a policy version of ``model``, for ``load_weights``
 
     def load_weights(self, tensors: dict[str, torch.Tensor], version: int) -> None:
         """The trainable parameters of policy version ``version`` (``trainable_tensors``)."""
@@ -165,6 +173,8 @@ class HFProcessBackend:
     @property
     def pid(self) -> int | None:
         return self._proc.pid
+
+    stage = staticmethod(staged_tensors)  # a policy version of ``model``, for ``load_weights``
 
     def load_weights(self, tensors: dict[str, torch.Tensor], version: int) -> None:
         """Policy version ``version``'s trainable parameters (``trainable_tensors``), into the

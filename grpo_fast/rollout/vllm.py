@@ -331,9 +331,15 @@ class WeightSyncProbe:
         self.trainer_logprobs = trainer_logprobs
         self.tolerance = float(tolerance)
 
-    def abs_diff(self, engine: Engine) -> float:
+    def reference(self) -> torch.Tensor:
+        """The trainer's log-probs of the probe sequence now, ``[L − 1]`` float64 on the host."""
+        return self.trainer_logprobs(self.token_ids).detach().double().cpu()
+
+    def abs_diff(self, engine: Engine, ours: torch.Tensor | None = None) -> float:
+        """Mean |Δ log p| between the engine's log-probs of the sequence and ``ours`` (the
+        trainer's now when None; a ``reference`` taken when the pushed weights were staged)."""
         theirs = torch.tensor(engine.prompt_logprobs(self.token_ids), dtype=torch.float64)
-        ours = self.trainer_logprobs(self.token_ids).detach().double().cpu()
+        ours = self.reference() if ours is None else ours.double().cpu()
         if ours.shape != theirs.shape:
             raise RuntimeError(
                 f"probe: trainer gave {tuple(ours.shape)} log-probs, vLLM {tuple(theirs.shape)}"
@@ -403,29 +409,79 @@ class VLLMBackend:
         ``EngineError`` when an engine apart from the trainer died or did not answer in time)."""
         with self._sync_lock, self._engine_lock:
             self._push(model, step)
-            self.pushes += 1
-            self.policy_version = step
-            self.engine.reset_prefix_cache()  # cached prefixes were computed with the old weights
-            self.calls.append("reset_prefix_cache")
-            if self.probe is not None:
-                diff = self.probe.abs_diff(self.engine)
-                self.calls.append("probe")
-                self.weight_sync_abs_diff = diff
-                if not diff <= self.probe.tolerance:  # NaN fails too
-                    raise WeightSyncError(
-                        f"step {step}: vLLM is not serving the pushed weights: mean |Δ log p| = {diff:.3g} on "
-                        f"the probe sequence > rollout.weight_sync_tolerance={self.probe.tolerance:g}"
-                    )
+            self._pushed(step)
+
+    def stage(self, model: torch.nn.Module) -> dict:
+        """What a push of ``model`` would send, copied to the host now, and the trainer's probe
+        log-probs of these weights: ``load_staged`` pushes exactly them later, from another thread,
+        while the trainer has moved on (the asynchronous pipeline, ``grpo_fast.loop.pipeline``).
+
+        ``{"tensors": {name: [*shape] tensor}, "probe": [L − 1] float64}`` (no ``probe`` without
+        one): the Hugging Face tensors (``rollout.lora_sync=merged``: the merged ones), or under
+        ``lora_sync=adapter`` the adapter's (peft's parameter names; the frozen base is in the
+        engine since the first push). Tensors that alias (a tied head) stay one copy."""
+        if self.lora_sync == "adapter":
+            peft_model = getattr(model, "module", model)
+            named = ((n, whole_tensor(p.detach())) for n, p in peft_model.named_parameters() if ".lora_" in n)
+        else:
+            named = merged_named_tensors(model) if self.lora_sync == "merged" else _hf_named_tensors(model)
+        copies: dict[tuple, torch.Tensor] = {}
+        tensors = {}
+        for name, t in named:
+            key = (t.data_ptr(), tuple(t.shape), t.stride(), t.dtype)
+            if key not in copies:
+                copies[key] = t.to("cpu", copy=True)
+            tensors[name] = copies[key]
+        staged: dict = {"tensors": tensors}
+        if self.probe is not None:
+            staged["probe"] = self.probe.reference()
+        return staged
+
+    def load_staged(self, staged: dict, version: int, model: torch.nn.Module | None = None) -> None:
+        """Push weights ``stage`` copied, as policy version ``version``, and probe them against the
+        log-probs staged with them (``WeightSyncError`` when the engine serves something else).
+        ``model``: the trainer's, whose adapter configuration a ``lora_sync=adapter`` push writes
+        beside the staged adapter weights (its values are not read)."""
+        with self._sync_lock, self._engine_lock:
+            self._wake_weights()
+            if self.lora_sync == "adapter":
+                if model is None:
+                    raise ValueError("load_staged under rollout.lora_sync=adapter needs the trainer's model")
+                self._push_adapter(model, version, state_dict=staged["tensors"])
+            else:
+                self.engine.load_weights(staged["tensors"].items(), version=version)
+                self.calls.append("load_weights")
+            self._pushed(version, staged.get("probe"))
+
+    def _pushed(self, step: int, reference: torch.Tensor | None = None) -> None:
+        """After a push of policy version ``step``: the prefix cache reset, then the probe
+        (against ``reference``, else the trainer's log-probs now)."""
+        self.pushes += 1
+        self.policy_version = step
+        self.engine.reset_prefix_cache()  # cached prefixes were computed with the old weights
+        self.calls.append("reset_prefix_cache")
+        if self.probe is not None:
+            diff = self.probe.abs_diff(self.engine, reference)
+            self.calls.append("probe")
+            self.weight_sync_abs_diff = diff
+            if not diff <= self.probe.tolerance:  # NaN fails too
+                raise WeightSyncError(
+                    f"step {step}: vLLM is not serving the pushed weights: mean |Δ log p| = {diff:.3g} on "
+                    f"the probe sequence > rollout.weight_sync_tolerance={self.probe.tolerance:g}"
+                )
+
+    def _wake_weights(self) -> None:
+        if self.weights_asleep:
+            self.engine.wake_up(["weights"])
+            self.calls.append("wake_up(weights)")
+            self.weights_asleep = False
 
     def _push(self, model: torch.nn.Module, step: int) -> None:
         if torch.cuda.is_available():
             # Return the trainer's cached blocks to the driver so vLLM's pool can take them.
             # (Once per step, not in the training hot loop.)
             torch.cuda.empty_cache()
-        if self.weights_asleep:
-            self.engine.wake_up(["weights"])
-            self.calls.append("wake_up(weights)")
-            self.weights_asleep = False
+        self._wake_weights()
         if self.lora_sync == "adapter":
             if self.push_base and self.pushes == 0:
                 self.engine.load_weights(dequantized_base_tensors(model), version=step)
@@ -436,10 +492,11 @@ class VLLMBackend:
             self.engine.load_weights(named, version=step)
             self.calls.append("load_weights")
 
-    def _push_adapter(self, model: torch.nn.Module, step: int) -> None:
+    def _push_adapter(self, model: torch.nn.Module, step: int, state_dict: dict | None = None) -> None:
         """The adapter alone, through a folder in RAM (``/dev/shm`` where there is one): peft's
         ``save_pretrained`` (adapter_config.json + adapter_model.safetensors), then the engine's
-        new LoRA request; the previous push's folder is deleted."""
+        new LoRA request; the previous push's folder is deleted. ``state_dict``: the adapter's
+        weights to write (``stage``'s, peft's names) instead of ``model``'s own."""
         if self._adapter_dir is None:
             shm = Path("/dev/shm")
             self._adapter_dir = Path(
@@ -448,8 +505,8 @@ class VLLMBackend:
             weakref.finalize(self, shutil.rmtree, str(self._adapter_dir), True)
         folder = self._adapter_dir / f"step_{step:06d}_{self.pushes}"
         peft_model = getattr(model, "module", model)
-        gathered = {}
-        if _is_sharded(peft_model):
+        gathered = {} if state_dict is None else {"state_dict": state_dict}
+        if state_dict is None and _is_sharded(peft_model):
             # FSDP: the adapter's shards gathered whole, in the same order on every rank
             adapter = ((n, p) for n, p in peft_model.named_parameters() if ".lora_" in n)
             gathered["state_dict"] = {n: whole_tensor(p.detach()) for n, p in adapter}
