@@ -23,15 +23,10 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import functools
-import re
-import sys
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
-import yaml
 from omegaconf import OmegaConf
-from omegaconf.errors import OmegaConfBaseException
 
 from grpo_fast.algo.advantages import SCALE_REWARDS
 from grpo_fast.algo.difficulty import CURRICULA
@@ -39,15 +34,37 @@ from grpo_fast.algo.length_norm import LENGTH_NORMS
 from grpo_fast.algo.loss_options import LossOptions
 from grpo_fast.algo.sampler_correction import IS_LEVELS, IS_MODES
 from grpo_fast.config_checks import devices_here, validate
+from grpo_fast.config_parse import (
+    MERGE_ERRORS,
+    all_keys,
+    check_keys,
+    dotlist_to_tree,
+    flatten,
+    is_section,
+    load_yaml,
+    omegaconf_error,
+    too_large,
+)
 from grpo_fast.domains import AUTO, RESUME_CLASSES, AutoOrBool, OneOf, Pattern, Range, option
 from grpo_fast.errors import ConfigError
 from grpo_fast.ops._backend import BACKENDS as KERNEL_BACKENDS
+from grpo_fast.presets import PRESET_SUMMARIES, PRESETS, Preset
 from grpo_fast.rollout.registry import backends as rollout_backends
 from grpo_fast.sandbox.sandbox import ISOLATIONS
 from grpo_fast.task.registry import tasks
 from grpo_fast.threads import WAIT_POLICIES
 
-__all__ = ["AUTO", "PRESETS", "Config", "config_sources", "load_config", "presets_and_keys_help", "validate"]
+__all__ = [
+    "AUTO",
+    "PRESETS",
+    "PRESET_SUMMARIES",
+    "Config",
+    "Preset",
+    "config_sources",
+    "load_config",
+    "presets_and_keys_help",
+    "validate",
+]
 
 _DTYPES = ("auto", "float32", "bfloat16", "float16")
 _ANY = Range()  # any finite number
@@ -599,143 +616,13 @@ class Config:
     threads: ThreadsConfig = field(default_factory=ThreadsConfig)
 
 
-class Preset(dict):
-    """A preset: the values it sets (only what differs from the defaults above), and its one-line
-    summary, ``"who it is for: what it sets"`` — what ``--help``, the README's and
-    docs/training.md's preset tables say (tests/test_docs.py holds them to it)."""
-
-    def __init__(self, summary: str, values: dict[str, Any]):
-        super().__init__(values)
-        self.summary = summary
+# The parsing helpers (grpo_fast.config_parse) under the names this module's callers import.
+_is_section = is_section
 
 
-# What the two built-in CPU presets (tiny, tiny_tools) share: the optimizer's schedule for a
-# 0.4 M-parameter model, and its health thresholds (a 1-6 digit answer is nearly deterministic:
-# its healthy entropy is far below an essay's).
-_TINY_TRAIN = {
-    "lr": 2e-4,
-    "warmup_steps": 10,
-    "schedule": "cosine",
-    "min_lr_ratio": 0.1,
-    "micro_batch_size": 256,
-    "mixed_precision": "no",
-}
-_TINY_THRESHOLDS = {"entropy_warn_low": 0.05, "entropy_healthy_low": 0.1}
-
-# The presets, each once: its summary and its values.
-PRESETS: dict[str, Preset] = {
-    # CPU, built-in model, tokenizer and task (grpo_fast.task.tiny): what a newcomer runs first.
-    # Two-digit addition. An SFT warm start stops once the model solves 25% of training
-    # problems (a "base model"); then 500 GRPO steps. Measured on 2 idle cores (seed 0, 2026-12-02):
-    # greedy eval 0.21 → 0.62 in 51 s wall.
-    "tiny": Preset(
-        "any CPU, first run: built-in model/tokenizer/task, SFT warm start, 500 steps",
-        {
-            "output_dir": "runs/tiny",
-            "steps": 500,
-            "eval_every": 25,
-            "full_eval_every": 0,
-            "checkpoint_every": 100,
-            "device": "cpu",
-            "model": {"name_or_path": "builtin:tiny", "dtype": "float32"},
-            "data": {"task": "tiny", "prompt_template": "question_only", "eval_subset_size": 500},
-            "rollout": {
-                "group_size": 8,
-                "batch_size": 256,
-                "max_tokens": 4,
-                "min_tokens": 0,
-                "max_prompt_tokens": 16,
-                "generation_batch_size": 256,
-                # with rollout.backend=vllm: no torch.compile of the 0.4 M-parameter model (engine
-                # start-up 9 s instead of 45 s on 2 busy cores; nothing to gain from compiling it)
-                "vllm_kwargs": {"enforce_eager": True},
-            },
-            "train": {**_TINY_TRAIN},
-            "sft": {"steps": 1000, "lr": 1e-3, "batch_size": 64, "target_accuracy": 0.25},
-            "logging": {"sample_every": 50},
-            "health": {"thresholds": {**_TINY_THRESHOLDS}},
-        },
-    ),
-    # CPU, the built-in model with the calculator's tags (grpo_fast.task.tiny_tools): what a
-    # newcomer runs first of tool use. Products of 2-3-digit numbers, which the model cannot
-    # compute: it learns to call the calculator and copy the result. A warm start on demonstrations
-    # (half of them call the tool) stops once greedy accuracy on training problems reaches 0.2,
-    # then GRPO, which makes the tool-call rate rise and the accuracy with it.
-    "tiny_tools": Preset(
-        "any CPU, first run with a tool: built-in model, products with a calculator, SFT on demonstrations, 300 steps",
-        {
-            "output_dir": "runs/tiny_tools",
-            "steps": 300,
-            "eval_every": 25,
-            "full_eval_every": 0,
-            "checkpoint_every": 100,
-            "device": "cpu",
-            "model": {"name_or_path": "builtin:tiny_tools", "dtype": "float32"},
-            "data": {"task": "tiny_tools", "prompt_template": "question_only", "eval_subset_size": 500},
-            "rollout": {
-                "group_size": 8,
-                "batch_size": 256,
-                # sampled: <calc>999*999</calc> (9 tokens), the 6-digit product, EOS
-                "max_tokens": 20,
-                "min_tokens": 0,
-                "max_prompt_tokens": 16,
-                "generation_batch_size": 256,
-                "vllm_kwargs": {"enforce_eager": True},
-                "environment": "calculator",
-                "max_tool_calls": 2,
-                # <result>998001</result>: 8 tokens; response ≤ 20 + 2 × 12 = 44, context ≤ 60 of 64
-                "max_tool_output_tokens": 12,
-            },
-            "train": {**_TINY_TRAIN},
-            "sft": {"steps": 2000, "lr": 1e-3, "batch_size": 64, "target_accuracy": 0.4},
-            "logging": {"sample_every": 50},
-            "health": {"thresholds": {**_TINY_THRESHOLDS}},
-        },
-    ),
-    # A real model at ~1% of the cost: catches config mistakes before a long run.
-    "smoke": Preset(
-        "a real model, before a long run: group 2, 8 responses, 3 steps (~1% of the cost)",
-        {
-            "output_dir": "runs/smoke",
-            "steps": 3,
-            "eval_every": 0,
-            "full_eval_every": 0,
-            "checkpoint_every": 0,
-            "data": {"eval_subset_size": 16},
-            "rollout": {"group_size": 2, "batch_size": 8, "max_tokens": 256},
-            "train": {"micro_batch_size": 2},
-        },
-    ),
-    # Qwen2.5-Math-1.5B on MATH within 24 GB: fp32 master weights + bf16 autocast, gradient
-    # checkpointing, 8-bit AdamW, vLLM in sleep mode (its share from the planner). Microbatch 2
-    # until a GPU measurement validates the planner's pick (9 at 1,536 tokens per sequence).
-    "rtx4090": Preset(
-        "Qwen2.5-Math-1.5B on MATH, 24 GB: fp32 master weights + bf16 autocast, gradient checkpointing, 8-bit AdamW, microbatch 2, vLLM sleep mode",
-        {
-            "output_dir": "runs/rtx4090",
-            "steps": 200,
-            "device": "cuda",
-            "model": {"gradient_checkpointing": True},
-            "data": {"task": "math"},
-            "rollout": {"backend": "vllm", "group_size": 8, "batch_size": 256, "max_tokens": 1024},
-            "train": {"lr": 1e-6, "optimizer": "adamw8bit", "betas": [0.9, 0.95], "micro_batch_size": 2},
-            "loss": {"length_norm": "sequence_mean"},
-        },
-    ),
-    # An 80 GB card: larger microbatches, bf16, plain AdamW.
-    "h100": Preset(
-        "80 GB: bf16 autocast, plain AdamW, microbatch from the planner, 512 responses/step",
-        {
-            "output_dir": "runs/h100",
-            "steps": 200,
-            "device": "cuda",
-            "model": {"gradient_checkpointing": True},
-            "data": {"task": "math"},
-            "rollout": {"backend": "vllm", "group_size": 8, "batch_size": 512, "max_tokens": 1024},
-            "train": {"lr": 1e-6, "optimizer": "adamw", "betas": [0.9, 0.95], "micro_batch_size": AUTO},
-        },
-    ),
-}
+def _all_keys() -> list[str]:
+    """Every key of ``Config`` (sections and leaves), dotted."""
+    return all_keys(Config)
 
 
 def resume_class(key: str) -> str:
@@ -751,7 +638,7 @@ def resume_class(key: str) -> str:
         f = {f.name: f for f in dataclasses.fields(cls)}[name]
         if "resume" in f.metadata:
             return f.metadata["resume"]
-        if _is_section(f) and i + 1 < len(parts):
+        if is_section(f) and i + 1 < len(parts):
             cls = type(f.default_factory())
             continue
         return getattr(cls, "RESUME", "run")
@@ -761,9 +648,6 @@ def resume_class(key: str) -> str:
 def _resume_table() -> dict[str, tuple[str, ...]]:
     classes = {k: resume_class(k) for k in _all_keys() if not _is_section_key(k)}
     return {c: tuple(k for k, v in classes.items() if v == c) for c in RESUME_CLASSES}
-
-
-PRESET_SUMMARIES = {name: preset.summary for name, preset in PRESETS.items()}
 
 
 def presets_and_keys_help() -> str:
@@ -778,161 +662,6 @@ def presets_and_keys_help() -> str:
             names = [g.name for g in dataclasses.fields(f.default_factory)]
             lines.append(f"  {f.name:<9} {' '.join(names)}")
     return "\n".join(lines)
-
-
-def _all_keys(cls: type = Config, prefix: str = "") -> list[str]:
-    keys = []
-    for f in dataclasses.fields(cls):
-        name = f"{prefix}{f.name}"
-        keys.append(name)
-        if _is_section(f):
-            keys.extend(_all_keys(type(f.default_factory()), name + "."))
-    return keys
-
-
-def _is_section(f: dataclasses.Field) -> bool:
-    """A nested config section (a dataclass), as opposed to a plain field with a factory (a dict)."""
-    return f.default_factory is not dataclasses.MISSING and dataclasses.is_dataclass(f.default_factory)
-
-
-def _nearest(key: str) -> str:
-    keys = _all_keys()
-    leaf = key.rsplit(".", 1)[-1]
-    leaves = [k.rsplit(".", 1)[-1] for k in keys]
-    by_key = difflib.get_close_matches(key, keys, n=1, cutoff=0.6)
-    match = by_key or difflib.get_close_matches(leaf, leaves, n=1, cutoff=0.6)
-    if not match:
-        return ""
-    best = match[0]
-    if best not in keys:  # matched a leaf name: report its full key
-        best = next(k for k in keys if k.rsplit(".", 1)[-1] == best)
-    return f" (did you mean {best!r}?)"
-
-
-def _check_keys(tree: Any, cls: type, where: str, prefix: str = "") -> None:
-    """Reject unknown keys with the nearest valid name, before OmegaConf sees them."""
-    if not isinstance(tree, dict):
-        return
-    fields = {f.name: f for f in dataclasses.fields(cls)}
-    for key, value in tree.items():
-        full = f"{prefix}{key}"
-        if full in _REPLACED_KEYS:
-            raise ConfigError(f"config key {full!r} in {where} was replaced: {_REPLACED_KEYS[full]}")
-        if key not in fields:
-            raise ConfigError(f"unknown config key {full!r} in {where}{_nearest(full)}")
-        f = fields[key]
-        if _is_section(f) and isinstance(value, dict):
-            _check_keys(value, type(f.default_factory()), where, full + ".")
-
-
-def _load_yaml(path: str) -> dict:
-    p = Path(path)
-    if p.is_dir():
-        raise ConfigError(f"config file {path} is a folder, not a YAML file")
-    if not p.is_file():
-        raise ConfigError(f"config file {path} not found")
-    try:
-        data = yaml.safe_load(p.read_bytes().decode("utf-8"))
-    except UnicodeDecodeError as exc:
-        raise ConfigError(f"config file {path} is not UTF-8 ({exc.reason} at byte {exc.start})") from None
-    except (OSError, RecursionError) as exc:
-        raise ConfigError(f"config file {path} cannot be read: {exc}") from None
-    except yaml.YAMLError as exc:
-        mark = getattr(exc, "problem_mark", None)
-        line = f" line {mark.line + 1}" if mark is not None else ""
-        raise ConfigError(
-            f"config file {path}{line} is not valid YAML: {getattr(exc, 'problem', exc)}"
-        ) from None
-    if data is None:
-        return {}
-    if not isinstance(data, dict):
-        raise ConfigError(f"config file {path} must hold a mapping of keys, not {type(data).__name__}")
-    return data
-
-
-def _dotlist_to_tree(overrides: list[str]) -> list[tuple[str, dict]]:
-    """Each ``key=value`` override as ``(key, {section: {key: value}})``. The value of a text key
-    (a ``str`` field: a path, a name, a prompt template) is the text as typed, never parsed as YAML
-    (``data.prompt_template={question} Answer:``); quotes around it are read as YAML's (escapes
-    such as ``\\n``), and ``null`` is None. Any other value is YAML (numbers, booleans, lists)."""
-    out = []
-    for item in overrides:
-        if "=" not in item:
-            raise ConfigError(f"override {item!r} is not of the form key=value (e.g. train.lr=3e-6)")
-        key, raw = item.split("=", 1)
-        key = key.strip()
-        if not _KEY.fullmatch(key):
-            raise ConfigError(
-                f"override {item!r}: {key!r} is not a config key (dotted names, e.g. train.lr=3e-6){_nearest(key)}"
-            )
-        try:
-            if _is_text_key(key):
-                tree: Any = _text_value(raw)
-                for part in reversed(key.split(".")):
-                    tree = {part: tree}
-            else:
-                tree = OmegaConf.to_container(OmegaConf.from_dotlist([item]))
-        except (OmegaConfBaseException, yaml.YAMLError, RecursionError) as exc:
-            raise ConfigError(f"override {item!r} cannot be parsed: {_first_line(exc)}") from None
-        out.append((key, tree))
-    return out
-
-
-_KEY = re.compile(r"[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*")  # a key of an override
-
-
-def _is_text_key(key: str) -> bool:
-    """Whether ``key`` names a field that holds text only (``str`` or ``str | None``)."""
-    cls: Any = Config
-    f = None
-    for part in key.split("."):
-        fields = {g.name: g for g in dataclasses.fields(cls)} if dataclasses.is_dataclass(cls) else {}
-        if (f := fields.get(part)) is None:
-            return False
-        cls = type(f.default_factory()) if _is_section(f) else None
-    return f is not None and f.type in ("str", "str | None")
-
-
-def _text_value(raw: str) -> str | None:
-    """A text key's value: ``null`` (or nothing) is None; a quoted string is YAML's reading of
-    it; anything else the text as typed."""
-    text = raw.strip()
-    if text in ("", "null", "Null", "NULL", "~"):
-        return None
-    if len(text) > 1 and text[0] == text[-1] and text[0] in "'\"":
-        try:
-            value = yaml.safe_load(text)
-        except yaml.YAMLError:
-            return raw
-        return value if isinstance(value, str) else raw
-    return raw
-
-
-def _first_line(exc: BaseException) -> str:
-    """An exception's message, its first line (YAML's and OmegaConf's run over several)."""
-    msg = str(getattr(exc, "problem", None) or getattr(exc, "msg", None) or exc).strip()
-    return msg.splitlines()[0] if msg else type(exc).__name__
-
-
-# What merging a user's values can raise besides OmegaConf's own errors: a huge integer for a float
-# key (OverflowError), a mapping merged into a list such as train.betas.x=1 (TypeError).
-_MERGE_ERRORS = (OmegaConfBaseException, OverflowError, TypeError, ValueError)
-
-
-def _omegaconf_error(exc: Exception, where: str, key_hint: str = "?") -> ConfigError:
-    key = getattr(exc, "full_key", None) or key_hint
-    return ConfigError(f"config key {key!r} from {where}: {_first_line(exc)}")
-
-
-def _too_large(tree: Any, prefix: str = "") -> str | None:
-    """The dotted key of the first integer in ``tree`` beyond a float's range, or None."""
-    if isinstance(tree, dict):
-        for k, v in tree.items():
-            if (found := _too_large(v, f"{prefix}{k}.")) is not None:
-                return found
-    elif isinstance(tree, int) and not isinstance(tree, bool) and abs(tree) > sys.float_info.max:
-        return prefix.rstrip(".")
-    return None
 
 
 @functools.cache
@@ -971,22 +700,22 @@ def load_config(
             raise ConfigError(f"unknown preset {preset!r}{hint}; presets: {', '.join(PRESETS)}")
         layers.append((f"preset {preset!r}", dict(PRESETS[preset]), "?"))
     for path in config_files or []:
-        layers.append((f"config file {path}", _load_yaml(path), "?"))
-    for key, tree in _dotlist_to_tree(overrides or []):
+        layers.append((f"config file {path}", load_yaml(path), "?"))
+    for key, tree in dotlist_to_tree(overrides or [], Config):
         layers.append((f"override {key}=...", tree, key))
 
     merged = _defaults()
     for where, tree, key in layers:
-        _check_keys(tree, Config, where)
+        check_keys(tree, Config, where, _REPLACED_KEYS)
         try:
             merged = OmegaConf.merge(merged, tree)
-        except _MERGE_ERRORS as exc:
-            huge = _too_large(tree) if isinstance(exc, OverflowError) else None
-            raise _omegaconf_error(exc, where, huge or key) from None
+        except MERGE_ERRORS as exc:
+            huge = too_large(tree) if isinstance(exc, OverflowError) else None
+            raise omegaconf_error(exc, where, huge or key) from None
     try:
         cfg = OmegaConf.to_object(merged)
-    except _MERGE_ERRORS as exc:
-        raise _omegaconf_error(exc, "the merged config") from None
+    except MERGE_ERRORS as exc:
+        raise omegaconf_error(exc, "the merged config") from None
     cfg = _freeze(cfg)
     validate(cfg, preset, check_device=check_device)
     return cfg
@@ -1011,28 +740,12 @@ def config_sources(
     cfg = load_config(preset, config_files, overrides, check_device=check_device)
     sources: dict[str, str] = {}
     if preset is not None:
-        sources.update(dict.fromkeys(_flatten(PRESETS[preset]), f"preset {preset}"))
+        sources.update(dict.fromkeys(flatten(PRESETS[preset], Config), f"preset {preset}"))
     for path in config_files or []:
-        sources.update(dict.fromkeys(_flatten(_load_yaml(path)), f"file {path}"))
-    for _, tree in _dotlist_to_tree(overrides or []):
-        sources.update(dict.fromkeys(_flatten(tree), "override"))
-    return {k: (v, sources.get(k, "default")) for k, v in _flatten(dataclasses.asdict(cfg)).items()}
-
-
-def _flatten(tree: dict, cls: type = Config, prefix: str = "") -> dict[str, Any]:
-    """A (partial) config tree → ``{dotted leaf key: value}``; a dict-valued field such as
-    ``health.thresholds`` contributes one key per entry."""
-    fields = {f.name: f for f in dataclasses.fields(cls)}
-    flat: dict[str, Any] = {}
-    for key, value in tree.items():
-        f = fields.get(key)
-        if f is not None and _is_section(f) and isinstance(value, dict):
-            flat.update(_flatten(value, type(f.default_factory()), f"{prefix}{key}."))
-        elif isinstance(value, dict):
-            flat.update({f"{prefix}{key}.{k}": v for k, v in value.items()})
-        else:
-            flat[f"{prefix}{key}"] = value
-    return flat
+        sources.update(dict.fromkeys(flatten(load_yaml(path), Config), f"file {path}"))
+    for _, tree in dotlist_to_tree(overrides or [], Config):
+        sources.update(dict.fromkeys(flatten(tree, Config), "override"))
+    return {k: (v, sources.get(k, "default")) for k, v in flatten(dataclasses.asdict(cfg), Config).items()}
 
 
 def _freeze(cfg: Config) -> Config:
@@ -1056,7 +769,7 @@ def _is_section_key(key: str) -> bool:
     cls, parts = Config, key.split(".")
     for name in parts[:-1]:
         cls = type({f.name: f for f in dataclasses.fields(cls)}[name].default_factory())
-    return _is_section({f.name: f for f in dataclasses.fields(cls)}[parts[-1]])
+    return is_section({f.name: f for f in dataclasses.fields(cls)}[parts[-1]])
 
 
 # Every leaf key by resume class, from the declarations (``resume_class``): what run_folder reads.

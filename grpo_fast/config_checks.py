@@ -22,7 +22,7 @@ from grpo_fast.task.prompts import get_template
 if TYPE_CHECKING:  # grpo_fast.config imports this module: the checks take its objects as they come
     from grpo_fast.config import Config, DataConfig
 
-GPU_PRESETS = ("rtx4090", "h100")  # the presets that need a CUDA GPU (grpo_fast.config.PRESETS)
+GPU_PRESETS = ("rtx4090", "h100")  # the presets that need a CUDA GPU (grpo_fast.presets.PRESETS)
 
 
 def validate(cfg: Config, preset: str | None = None, check_device: bool = True) -> None:

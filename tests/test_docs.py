@@ -121,7 +121,7 @@ def _preset_rows(text: str) -> dict[str, list[str]]:
 
 
 def test_the_preset_tables_say_what_the_config_says():
-    """The presets are declared once (``grpo_fast.config.PRESETS``, each with its summary "for:
+    """The presets are declared once (``grpo_fast.presets.PRESETS``, each with its summary "for:
     what it sets"); the README's table and docs/training.md's say the same, preset for preset."""
     from grpo_fast.config import PRESETS
 

@@ -30,6 +30,8 @@ FLOORS: dict[str, int] = {
     "grpo_fast.obs.health": 3,
     "grpo_fast.obs.memory": 3,
     "grpo_fast.config": 4,  # the config tables: domains from the floors below
+    "grpo_fast.config_parse": 4,  # YAML files and key=value overrides into config trees
+    "grpo_fast.presets": 4,  # the presets: values over the config's defaults
     "grpo_fast.config_checks": 4,  # the config's checks (relations between keys, the machine)
     "grpo_fast.task.loader": 5,  # load_task reads the config
     "grpo_fast.obs": 5,  # metrics, report, sweep

@@ -14,6 +14,7 @@ import textwrap
 from pathlib import Path
 
 import pytest
+import yaml
 from run_folders import QUICK, finished_run
 from run_folders import copy_folder as _copy
 from run_folders import tree as _tree
@@ -196,7 +197,7 @@ def test_a_resume_may_change_safe_keys_and_config_yaml_records_them(finished, tm
     assert record.endswith(
         f": output_dir={out} (was {finished}), steps=3 (was 2), keep_checkpoints=5 (was 2)"
     )
-    assert config_mod.yaml.safe_load(text)["steps"] == 2  # still a config file: the record is a comment
+    assert yaml.safe_load(text)["steps"] == 2  # still a config file: the record is a comment
     assert _steps(out) == [1, 2, 3]
     out_lines = capsys.readouterr().out.splitlines()
     assert (
@@ -373,9 +374,9 @@ def test_check_resume_compares_against_the_defaults_for_keys_an_older_config_lac
     out = tmp_path / "run"
     out.mkdir()
     cfg = load_config("tiny", overrides=[f"output_dir={out}"])
-    tree = config_mod.yaml.safe_load(config_mod.to_yaml(cfg))
+    tree = yaml.safe_load(config_mod.to_yaml(cfg))
     del tree["loss"]["clip_high"]  # an older run's config.yaml, without a newer key
-    (out / "config.yaml").write_text(config_mod.yaml.safe_dump(tree))
+    (out / "config.yaml").write_text(yaml.safe_dump(tree))
     run_folder.check_resume(out, cfg)  # the default: no change
     changed = dataclasses.replace(cfg, loss=dataclasses.replace(cfg.loss, clip_high=0.5))
     with pytest.raises(config_mod.ConfigError, match=r"loss.clip_high=0.5 but the run was made with 0.2"):
