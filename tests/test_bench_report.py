@@ -315,6 +315,7 @@ def test_peer_comparison_section_says_where_grpo_fast_is_not_ahead(tmp_path):
                 "eval_accuracy_before": 0.25,
                 "eval_accuracy_after": 0.3,
                 "top_ops": {"rollout": [["aten::addmm", 0.2]], "train": [["aten::mm", 0.3]]},
+                "gemm_floor_s": 0.8,
             },
             {
                 "impl": "trl",
@@ -364,6 +365,11 @@ def test_peer_comparison_section_says_where_grpo_fast_is_not_ahead(tmp_path):
     assert column(rows, "eval accuracy before → after") == ["0.250 → 0.300", "0.250 → 0.310"]
     assert column(rows, "reward, last 5 steps")[0] == "0.400 (after 45 steps)"
     assert "- trl, train: `aten::_log_softmax` 900 ms" in section
+    # the step's GEMM floor (0.8 s): ours 1.25× it; TRL 2.50× it, so 3× TRL (0.667 s) is below it
+    assert (
+        "timed on this machine): 800 ms; grpo_fast's step is 1.25× it; trl's step is 2.50× it, so 3× trl "
+        "would need a step of 667 ms (below the floor)"
+    ) in section
     assert "1-minute load average up to 5.0 on 2 cores (shared with other work)" in section
     assert "3 rounds, after 2 warm-up steps of each; peak memory: RSS growth of one step" in section
 

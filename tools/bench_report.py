@@ -443,7 +443,26 @@ def _train_step_table(p: dict) -> list[str]:
             )
             + " |"
         )
-    return lines
+    return lines + _step_floor(ours, [i for i in impls if not _is_ours(i)])
+
+
+def _step_floor(ours: dict, others: list[dict]) -> list[str]:
+    """A line on grpo_fast's step against its GEMM floor (``gemm_floor_s``: bench/peers runs from
+    2026-12-04 on), and the step each other tool would need for grpo_fast to be 3× faster."""
+    floor, step = ours.get("gemm_floor_s"), ours.get("step_s")
+    if not floor or not step:
+        return []
+    line = (
+        f"- GEMM floor of grpo_fast's step (the matmuls of its generation and update alone, at their "
+        f"shapes, timed on this machine): {fmt_time(floor)}; grpo_fast's step is {step / floor:.2f}× it"
+    )
+    for i in others:
+        if i.get("step_s"):
+            line += (
+                f"; {i['impl']}'s step is {i['step_s'] / floor:.2f}× it, so 3× {i['impl']} would need a step "
+                f"of {fmt_time(i['step_s'] / 3)}" + (" (below the floor)" if i["step_s"] / 3 < floor else "")
+            )
+    return ["", line]
 
 
 def _loss_op_table(p: dict) -> list[str]:

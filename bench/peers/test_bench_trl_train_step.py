@@ -9,7 +9,9 @@ What runs on each side, and what is made equal, is in ``bench/peers/workloads.py
 every round, so a load spike on the shared machine hits both alike), then one step of each for
 peak memory (CPU: resident-set growth of the step after ``gc`` + ``malloc_trim``; CUDA:
 ``max_memory_allocated`` over the step), then one profiled step of each (``torch.profiler``: self
-CPU time by op, split into the rollout and train phases). The benchmark's own rounds time the
+CPU time by op, split into the rollout and train phases). grpo_fast's row also carries its step's
+GEMM floor (``workloads.gemm_rates``: the matmuls of the step's generation and update alone, at
+their shapes, timed on this machine; the median over the timed steps). The benchmark's own rounds time the
 pair; each tool's medians are in ``extra_info["peer_comparison"]``, which ``tools/bench_report.py``
 turns into the "Compared with other tools" section of ``BENCHMARKS.md``.
 """
@@ -18,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import dataclasses
 import gc
 import os
 import shlex
@@ -37,8 +40,11 @@ from bench.peers.workloads import (
     GrpoFastStepper,
     Problem,
     dist_version,
+    gemm_floor_s,
+    gemm_rates,
     greedy_accuracy,
     make_problem,
+    median,
     summarize,
 )
 from bench.test_bench_train_step import COMMAND_ENV, device_name
@@ -160,13 +166,20 @@ def _timed_duel(benchmark, request, problem: Problem, device, compute: ComputeTh
 
     benchmark.pedantic(one_round, rounds=case.rounds, iterations=1)
     loads.append(os.getloadavg()[0])
+    timed = case.warmup_steps + case.rounds
+    works = [r.work for r in ours.records[case.warmup_steps : timed]]
+    rates = compute.run(gemm_rates, ours.model, works[-1].gen_batch, device)
+    floor = {
+        "gemm_floor_s": median([gemm_floor_s(w, rates) for w in works]),
+        "gemm_rates_s_per_token": rates,
+        "work_last": dataclasses.asdict(works[-1]),
+    }
     peak = {s.name: peak_step_memory(s, device) for s in sides}
     top_ops = {s.name: profiled_step(s, device) for s in sides}
     trl.close()
     loads.append(os.getloadavg()[0])
     impls = []
     for s, pkg in ((ours, "grpo_fast"), (trl, "trl")):
-        timed = case.warmup_steps + case.rounds
         summary = summarize(s.records[:timed], case.warmup_steps)
         impls.append(
             {
@@ -182,6 +195,7 @@ def _timed_duel(benchmark, request, problem: Problem, device, compute: ComputeTh
                 "eval_accuracy_before": acc_before,
                 "eval_accuracy_after": compute.run(greedy_accuracy, s.model, problem),
                 "top_ops": top_ops[s.name],
+                **(floor if s is ours else {}),
             }
         )
     args = shlex.join(request.config.invocation_params.args)

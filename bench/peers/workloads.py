@@ -316,12 +316,28 @@ def make_problem(case_name: str) -> Problem:
 # ----------------------------------------------------------------------------------------------
 
 
+@dataclass(frozen=True)
+class StepWork:
+    """The matmul work a step cannot do without, in tokens: ``gen_tokens`` sampled (one decode
+    row each, in batches of ``gen_batch`` rows: the lm_head and every layer), ``prefill_tokens``
+    (each prompt once: the layers), ``train_tokens`` through the layers forward and backward
+    (the responses that carry a gradient and each of their prompts once) and ``head_tokens``
+    through the lm_head forward and backward (those responses' tokens)."""
+
+    gen_tokens: int
+    gen_batch: int
+    prefill_tokens: int
+    train_tokens: int
+    head_tokens: int
+
+
 @dataclass
 class StepRecord:
     step_s: float
     rollout_s: float
     train_s: float
     reward: float
+    work: StepWork | None = None
 
 
 class GrpoFastStepper:
@@ -383,6 +399,16 @@ class GrpoFastStepper:
         )
         options = cfg.loss.loss_options()
         seqs = self._with_gradient(cfg, seqs, options)
+        prompts = {tuple(p) for p in rollout.prompt_ids}  # each prompt once (the decoder prefills it once)
+        trained = {tuple(t.prompt_ids) for t in seqs}
+        head = sum(len(t.token_ids) for t in seqs)
+        work = StepWork(
+            gen_tokens=sum(lengths),
+            gen_batch=len(lengths),
+            prefill_tokens=sum(len(p) for p in prompts),
+            train_tokens=head + sum(len(p) for p in trained),
+            head_tokens=head,
+        )
         mbs = [
             mb.to(self.device)
             for mb in make_microbatches(
@@ -400,12 +426,80 @@ class GrpoFastStepper:
             temperature=r.temperature,
         )  # ends with grad_norm.item(): a host-device sync
         t2 = time.perf_counter()
-        rec = StepRecord(t2 - t0, t1 - t0, t2 - t1, float(raw.mean()))
+        rec = StepRecord(t2 - t0, t1 - t0, t2 - t1, float(raw.mean()), work)
         self.records.append(rec)
         return rec
 
     def close(self) -> None:
         pass
+
+
+# ----------------------------------------------------------------------------------------------
+# The step's GEMM floor
+# ----------------------------------------------------------------------------------------------
+
+FLOOR_ROWS = 1024  # rows of the timed prefill / training GEMMs (the fused op's chunks are of this order)
+
+
+def _gemm_seconds(shapes: list[tuple[int, int]], rows: int, backward: bool, device: torch.device) -> float:
+    """Median wall time (of 3, after one untimed pass) of ``[rows, in] @ [in, out]`` for each
+    ``(out, in)`` weight shape, with ``backward`` the two GEMMs of its gradients too
+    (``[rows, out] @ [out, in]`` and ``[out, rows] @ [rows, in]``)."""
+    g = torch.Generator(device).manual_seed(0)
+    mats = [
+        (torch.randn(rows, i, generator=g, device=device), torch.randn(o, i, generator=g, device=device),
+         torch.randn(rows, o, generator=g, device=device))
+        for o, i in shapes
+    ]  # fmt: skip
+
+    def one_pass() -> None:
+        for x, w, dy in mats:
+            torch.mm(x, w.t())
+            if backward:
+                torch.mm(dy, w)
+                torch.mm(dy.t(), x)
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+
+    one_pass()
+    times = []
+    for _ in range(3):
+        t0 = time.perf_counter()
+        one_pass()
+        times.append(time.perf_counter() - t0)
+    return median(times)
+
+
+def gemm_rates(model: torch.nn.Module, gen_batch: int, device: torch.device) -> dict[str, float]:
+    """Seconds per token of each kind of ``StepWork``, from the GEMMs of ``model``'s weights
+    alone at the step's shapes on this machine (the torch threads it runs with): ``decode`` (every
+    linear layer and the lm_head at ``gen_batch`` rows), ``prefill`` (the layers, forward),
+    ``train`` (the layers, forward and backward) and ``head`` (the lm_head, forward and backward).
+    Attention's score and value products, norms, activations, sampling and the optimizer are
+    left out: a floor no implementation of the same work goes under, not an estimate of one."""
+    head = model.get_output_embeddings()
+    layers = [
+        tuple(m.weight.shape) for m in model.modules() if isinstance(m, torch.nn.Linear) and m is not head
+    ]
+    vocab = [tuple(head.weight.shape)]
+    with torch.no_grad():
+        return {
+            "decode": (_gemm_seconds(layers, gen_batch, False, device) + _gemm_seconds(vocab, gen_batch, False, device))
+            / gen_batch,
+            "prefill": _gemm_seconds(layers, FLOOR_ROWS, False, device) / FLOOR_ROWS,
+            "train": _gemm_seconds(layers, FLOOR_ROWS, True, device) / FLOOR_ROWS,
+            "head": _gemm_seconds(vocab, FLOOR_ROWS, True, device) / FLOOR_ROWS,
+        }  # fmt: skip
+
+
+def gemm_floor_s(work: StepWork, rates: dict[str, float]) -> float:
+    """The step's GEMM floor: its ``work`` at the ``gemm_rates`` (seconds)."""
+    return (
+        work.gen_tokens * rates["decode"]
+        + work.prefill_tokens * rates["prefill"]
+        + work.train_tokens * rates["train"]
+        + work.head_tokens * rates["head"]
+    )
 
 
 # ----------------------------------------------------------------------------------------------
