@@ -339,7 +339,7 @@ def test_a_worker_process_caps_the_count_the_trainer_follows_to(monkeypatch):
         threads, "follower", threads.ThreadFollower(2, 2, other=lambda: 0.0, get=lambda: 2, set=print)
     )
     before = torch.get_num_threads()
-    rollout = SimpleNamespace(placement="process", worker_threads=1, start_timeout=1, request_timeout=1,
+    rollout = SimpleNamespace(backend="hf", placement="process", worker_threads=1, start_timeout=1, request_timeout=1,
                               sync_timeout=1, generation_batch_size=8)  # fmt: skip
     run = SimpleNamespace(cfg=SimpleNamespace(rollout=rollout), model=None, tokenizer=None, amp=None)
     try:

@@ -751,3 +751,36 @@ def test_a_server_that_dies_under_the_pipeline_stops_with_one_line_and_the_resum
     rows = {r["step"]: r for r in _run_rows(tmp_path) if r["step"] >= 1}
     assert sorted(rows) == [1, 2, 3, 4, 5]
     assert [rows[s]["rollout/policy_lag"] for s in (4, 5)] == [1.0, 1.0]
+
+
+def test_a_signal_while_the_server_hangs_a_staleness_batch_stops_within_seconds(
+    tmp_path, monkeypatch, capsys
+):
+    """SIGTERM while the producer waits on a server that never answers step 3's generation (its
+    limit, rollout.request_timeout, is 10 minutes): the run stops within seconds with one line
+    and a checkpoint, the producer left behind (it ends with the process). Planted: the
+    pipeline's close waiting for the producer without a bound → the run waits out the request."""
+    import signal
+
+    from grpo_fast.loop import pipeline
+    from grpo_fast.train import main
+
+    with FakeVLLMServer() as fake:
+        _misbehave_after_sync(monkeypatch, fake, -1, {})
+        real = pipeline.EngineProducer.load_weights
+
+        def hangs_after(self, staged, version):
+            real(self, staged, version)
+            if version == 1:  # step 3's batch
+                fake.behaviour = {"/inference/v1/generate": "hang"}
+                threading.Timer(1.0, os.kill, (os.getpid(), signal.SIGTERM)).start()
+
+        monkeypatch.setattr(pipeline.EngineProducer, "load_weights", hangs_after)
+        args = [*RUN, *STALE, f"rollout.server_url={fake.url}", "rollout.request_timeout=600"]
+        t0 = time.monotonic()
+        assert main([*args, f"output_dir={tmp_path}"]) == 128 + signal.SIGTERM
+        assert time.monotonic() - t0 < 60
+    err = _last_err(capsys)
+    assert err.startswith("error: SIGTERM during "), err
+    assert err.endswith("resume=true continues from there"), err
+    assert any((d / STATE_FILE).is_file() for d in (tmp_path / "checkpoints").iterdir())
