@@ -34,6 +34,19 @@ _TINY_TRAIN = {
     "mixed_precision": "no",
 }
 _TINY_THRESHOLDS = {"entropy_warn_low": 0.05, "entropy_healthy_low": 0.1}
+# ... and the run's shape: an evaluation every 25 steps (of the 500-problem subset), a checkpoint
+# every 100, everything on the CPU; groups of 8 of 32 prompts of at most 16 tokens, generated in
+# one chunk; with rollout.backend=vllm no torch.compile of the 0.4 M-parameter model (engine
+# start-up 9 s instead of 45 s on 2 busy cores; nothing to gain from compiling it)
+_TINY_RUN = {"eval_every": 25, "full_eval_every": 0, "checkpoint_every": 100, "device": "cpu"}
+_TINY_ROLLOUT = {
+    "group_size": 8,
+    "batch_size": 256,
+    "min_tokens": 0,
+    "max_prompt_tokens": 16,
+    "generation_batch_size": 256,
+    "vllm_kwargs": {"enforce_eager": True},
+}
 
 # The presets, each once: its summary and its values.
 PRESETS: dict[str, Preset] = {
@@ -46,23 +59,10 @@ PRESETS: dict[str, Preset] = {
         {
             "output_dir": "runs/tiny",
             "steps": 500,
-            "eval_every": 25,
-            "full_eval_every": 0,
-            "checkpoint_every": 100,
-            "device": "cpu",
+            **_TINY_RUN,
             "model": {"name_or_path": "builtin:tiny", "dtype": "float32"},
             "data": {"task": "tiny", "prompt_template": "question_only", "eval_subset_size": 500},
-            "rollout": {
-                "group_size": 8,
-                "batch_size": 256,
-                "max_tokens": 4,
-                "min_tokens": 0,
-                "max_prompt_tokens": 16,
-                "generation_batch_size": 256,
-                # with rollout.backend=vllm: no torch.compile of the 0.4 M-parameter model (engine
-                # start-up 9 s instead of 45 s on 2 busy cores; nothing to gain from compiling it)
-                "vllm_kwargs": {"enforce_eager": True},
-            },
+            "rollout": {**_TINY_ROLLOUT, "max_tokens": 4},
             "train": {**_TINY_TRAIN},
             "sft": {"steps": 1000, "lr": 1e-3, "batch_size": 64, "target_accuracy": 0.25},
             "logging": {"sample_every": 50},
@@ -79,21 +79,13 @@ PRESETS: dict[str, Preset] = {
         {
             "output_dir": "runs/tiny_tools",
             "steps": 300,
-            "eval_every": 25,
-            "full_eval_every": 0,
-            "checkpoint_every": 100,
-            "device": "cpu",
+            **_TINY_RUN,
             "model": {"name_or_path": "builtin:tiny_tools", "dtype": "float32"},
             "data": {"task": "tiny_tools", "prompt_template": "question_only", "eval_subset_size": 500},
             "rollout": {
-                "group_size": 8,
-                "batch_size": 256,
+                **_TINY_ROLLOUT,
                 # sampled: <calc>999*999</calc> (9 tokens), the 6-digit product, EOS
                 "max_tokens": 20,
-                "min_tokens": 0,
-                "max_prompt_tokens": 16,
-                "generation_batch_size": 256,
-                "vllm_kwargs": {"enforce_eager": True},
                 "environment": "calculator",
                 "max_tool_calls": 2,
                 # <result>998001</result>: 8 tokens; response ≤ 20 + 2 × 12 = 44, context ≤ 60 of 64

@@ -683,6 +683,22 @@ def _count_generations(monkeypatch) -> list[int]:
     return versions
 
 
+def _after_load(monkeypatch, version: int, then):
+    """``then()`` once the pipeline's producer has loaded policy version ``version`` into the
+    engine; returns the real ``EngineProducer.load_weights``."""
+    from grpo_fast.loop import pipeline
+
+    real = pipeline.EngineProducer.load_weights
+
+    def loaded(self, staged, v):
+        real(self, staged, v)
+        if v == version:
+            then()
+
+    monkeypatch.setattr(pipeline.EngineProducer, "load_weights", loaded)
+    return real
+
+
 def test_staleness_one_on_a_server_samples_each_step_from_the_weights_two_steps_before(tmp_path, monkeypatch):
     """``rollout.max_staleness=1`` with the server: the producer loads each job's policy version
     into the engine before it generates (step j from version j − 2, step 1 and 2 from the start),
@@ -718,14 +734,9 @@ def test_a_server_that_dies_under_the_pipeline_stops_with_one_line_and_the_resum
 
     with FakeVLLMServer() as fake:
         _misbehave_after_sync(monkeypatch, fake, -1, {})
-        real = pipeline.EngineProducer.load_weights
-
-        def dies_after(self, staged, version):
-            real(self, staged, version)
-            if version == 2:
-                fake.behaviour = {"/inference/v1/generate": "close"}
-
-        monkeypatch.setattr(pipeline.EngineProducer, "load_weights", dies_after)
+        real = _after_load(
+            monkeypatch, 2, lambda: setattr(fake, "behaviour", {"/inference/v1/generate": "close"})
+        )
         args = [
             *RUN,
             *STALE,
@@ -762,20 +773,16 @@ def test_a_signal_while_the_server_hangs_a_staleness_batch_stops_within_seconds(
     pipeline's close waiting for the producer without a bound → the run waits out the request."""
     import signal
 
-    from grpo_fast.loop import pipeline
     from grpo_fast.train import main
 
     with FakeVLLMServer() as fake:
         _misbehave_after_sync(monkeypatch, fake, -1, {})
-        real = pipeline.EngineProducer.load_weights
 
-        def hangs_after(self, staged, version):
-            real(self, staged, version)
-            if version == 1:  # step 3's batch
-                fake.behaviour = {"/inference/v1/generate": "hang"}
-                threading.Timer(1.0, os.kill, (os.getpid(), signal.SIGTERM)).start()
+        def hang_then_signal():  # step 3's batch (version 1) hangs; SIGTERM a second later
+            fake.behaviour = {"/inference/v1/generate": "hang"}
+            threading.Timer(1.0, os.kill, (os.getpid(), signal.SIGTERM)).start()
 
-        monkeypatch.setattr(pipeline.EngineProducer, "load_weights", hangs_after)
+        _after_load(monkeypatch, 1, hang_then_signal)
         args = [*RUN, *STALE, f"rollout.server_url={fake.url}", "rollout.request_timeout=600"]
         t0 = time.monotonic()
         assert main([*args, f"output_dir={tmp_path}"]) == 128 + signal.SIGTERM

