@@ -220,6 +220,26 @@ def test_weight_sync_probe_passes_a_real_push_and_stops_on_stale_weights():
     assert backend.weight_sync_abs_diff > 1e-3
 
 
+def test_host_copies_keep_each_temporary_s_value_and_leave_a_tied_head_out():
+    """Host copies of tensors made one at a time (a gathered FSDP tensor, a merged LoRA weight),
+    each where the last one was, keep their own values; ``tied_names`` finds the tied head by the model's own parameters, and the copies
+    leave it out. Planted: the dedupe by address (before the fix) → w1… are w0's copy."""
+    from grpo_fast.rollout.vllm import hf_named_tensors, host_copies, tied_names
+
+    def made():  # each tensor where the last one was (a gather's reused buffer)
+        buffer = torch.empty(64, 64)
+        for i in range(8):
+            yield f"w{i}", buffer.fill_(float(i))
+
+    copies = host_copies(made())
+    assert all(torch.equal(copies[f"w{i}"], torch.full((64, 64), float(i))) for i in range(8))
+    _, model = _tiny()
+    ties = tied_names(model)
+    assert ties == {"lm_head.weight": "model.embed_tokens.weight"}
+    staged = host_copies(hf_named_tensors(model), ties)
+    assert set(staged) == set(model.state_dict()) - {"lm_head.weight"}
+
+
 def test_a_staged_version_is_pushed_and_probed_as_it_was_when_staged():
     """``stage`` copies the weights and the probe's reference log-probs at once; the trainer then
     moves on, and ``load_staged`` pushes the copy (not the live model) and probes it against the

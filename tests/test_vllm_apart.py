@@ -40,6 +40,7 @@ from grpo_fast.rollout.vllm_transfer import (
     sync,
     unique_tensors,
 )
+from grpo_fast.rollout.vllm_weights import tied_names
 from grpo_fast.task import tiny
 
 FAKE = str(Path(__file__).with_name("fake_vllm_server.py"))
@@ -335,17 +336,35 @@ def test_the_shm_transport_sends_every_weight_once_in_chunks_then_deletes_them()
     model, named = _named()
     transport = ShmTransport(torch.float32, chunk_bytes=200_000)  # the tiny model is ≈ 1.6 MB: several chunks
     control = RecordingControl()
-    sync(control, transport, named, 7, Deadline(30, "sync", "rollout.sync_timeout"))
+    ties = tied_names(model)  # what the backend leaves out: the tied lm_head is the embedding
+    assert ties == {"lm_head.weight": "model.embed_tokens.weight"}
+    sent = [(n, t) for n, t in named if n not in ties]
+    sync(control, transport, sent, 7, Deadline(30, "sync", "rollout.sync_timeout"))
     updates = control.calls.count("update")
     assert control.calls == ["pause", "start", *["update"] * updates, "finish(7)", "resume"] and updates > 2
-    # the tied lm_head is the embedding: sent once, under the embedding's name
-    assert "lm_head.weight" not in control.loaded and model.lm_head.weight is model.model.embed_tokens.weight
-    assert set(control.loaded) == {n for n, _ in named} - {"lm_head.weight"}
-    for name, t in named:
-        if name != "lm_head.weight":
-            assert torch.equal(control.loaded[name], t)
+    assert set(control.loaded) == {n for n, _ in sent}
+    assert all(torch.equal(control.loaded[name], t) for name, t in sent)
     assert not list(transport.dir.iterdir())  # each file deleted once loaded
     transport.close()
+
+
+def test_the_shm_transport_sends_temporaries_whatever_their_address_and_one_copy_of_an_alias():
+    """Tensors made one at a time and freed once converted (a gathered FSDP tensor, a merged LoRA
+    weight) each reach the engine with their own values, though one is often allocated where the
+    last one was; two names of one tensor in one file are sent once (safetensors holds a storage
+    once). Planted: the dedupe by the address of a freed tensor → names dropped, the engine
+    keeps their old values."""
+    transport = ShmTransport(torch.bfloat16, chunk_bytes=3 * 64 * 64 * 2)  # 3 tensors a file
+    made = ((f"w{i}", torch.full((64, 64), float(i))) for i in range(12))
+    control = RecordingControl()
+    sync(control, transport, made, 1, Deadline(30, "sync", "rollout.sync_timeout"))
+    assert sorted(control.loaded) == sorted(f"w{i}" for i in range(12))
+    assert all(
+        torch.equal(control.loaded[f"w{i}"], torch.full((64, 64), float(i)).bfloat16()) for i in range(12)
+    )
+    a = torch.ones(8, 8)
+    sync(control, ShmTransport(torch.float32), [("a", a), ("tied", a)], 2, Deadline(30, "sync", "s"))
+    assert "tied" not in control.loaded and torch.equal(control.loaded["a"], a)
 
 
 def test_a_failed_sync_resumes_the_engine_and_raises_its_own_error():

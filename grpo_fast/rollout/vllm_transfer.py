@@ -125,14 +125,20 @@ class Control(Protocol):
 
 def unique_tensors(named: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
     """``named`` without the names whose tensor is one already seen (a tied ``lm_head.weight``):
-    what a safetensors file can hold. vLLM loads the first name into the shared weight."""
-    seen = set()
+    what a safetensors file can hold. vLLM loads the first name into the shared weight. The
+    tensors seen are held until the end: a temporary (a gathered or merged tensor) freed earlier
+    would leave its address to the next one, which would then be dropped as its alias."""
+    seen: dict[tuple, torch.Tensor] = {}
     for name, t in named:
-        key = (t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), tuple(t.stride()), t.dtype)
+        key = _alias_key(t)
         if t.numel() and key in seen:
             continue
-        seen.add(key)
+        seen[key] = t
         yield name, t
+
+
+def _alias_key(t: torch.Tensor) -> tuple:
+    return (t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), tuple(t.stride()), t.dtype)
 
 
 class ShmTransport:
@@ -154,15 +160,25 @@ class ShmTransport:
         return {}
 
     def chunks(self, named: Iterable[tuple[str, torch.Tensor]]) -> Iterator[dict[str, torch.Tensor]]:
+        """``named`` in files of at most ``chunk_bytes`` (one tensor over it: a file of its own);
+        in a file, a tensor that is one already there (a tied head) is left out, as safetensors
+        requires. The sources of a file's tensors are held until it is sent (a gathered or merged
+        temporary freed earlier would leave its address to the next one: ``unique_tensors``);
+        a tied pair split over two files is sent twice, which loads the same values."""
         chunk: dict[str, torch.Tensor] = {}
+        sources: dict[tuple, torch.Tensor] = {}
         size = 0
-        for name, t in unique_tensors(named):
+        for name, t in named:
+            key = _alias_key(t)
+            if t.numel() and key in sources:
+                continue
+            sources[key] = t
             t = t.detach().to("cpu", self.dtype).contiguous()
             chunk[name] = t
             size += t.numel() * t.element_size()
             if size >= self.chunk_bytes:
                 yield chunk
-                chunk, size = {}, 0
+                chunk, sources, size = {}, {}, 0
         if chunk:
             yield chunk
 

@@ -134,14 +134,29 @@ def weight_sync_tolerance(cfg, model: torch.nn.Module, amp: torch.dtype | None) 
     return WEIGHT_SYNC_TOLERANCE[vllm_dtype(model, amp)] if tol == AUTO else float(tol)
 
 
-def host_copies(named: Iterable[tuple[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
-    """``{name: tensor}`` copied to the host now; tensors that alias (a tied head and its
-    embedding: the same storage, shape and strides) stay one copy."""
-    copies: dict[tuple, torch.Tensor] = {}
-    tensors = {}
-    for name, t in named:
-        key = (t.data_ptr(), tuple(t.shape), t.stride(), t.dtype)
-        if key not in copies:
-            copies[key] = t.to("cpu", copy=True)
-        tensors[name] = copies[key]
-    return tensors
+def host_copies(
+    named: Iterable[tuple[str, torch.Tensor]], ties: dict[str, str] | None = None
+) -> dict[str, torch.Tensor]:
+    """``{name: tensor}`` copied to the host now, without the names ``ties`` maps to another
+    (``tied_names``: a tied head is its embedding, which the engine loads it from). Nothing is
+    deduplicated by address: a gathered (FSDP) or merged (``lora_sync=merged``) tensor is freed
+    once copied and the next one may be allocated where it was (a lookup by address gave layer
+    1 layer 0's copy under FSDP)."""
+    ties = ties or {}
+    return {name: t.to("cpu", copy=True) for name, t in named if name not in ties}
+
+
+def tied_names(module: torch.nn.Module, clean: Callable[[str], str] = lambda n: n) -> dict[str, str]:
+    """``{name: first name}`` for each name of ``module``'s state dict whose tensor is an earlier
+    name's (a tied ``lm_head.weight`` → ``model.embed_tokens.weight``), by the identity of the
+    module's own parameters (under FSDP, its DTensors); names passed through ``clean`` (the
+    merged push's names)."""
+    first: dict[int, str] = {}
+    ties: dict[str, str] = {}
+    for name, t in module.state_dict(keep_vars=True).items():
+        name = clean(name)
+        if id(t) in first:
+            ties[name] = first[id(t)]
+        else:
+            first[id(t)] = name
+    return ties
