@@ -346,8 +346,9 @@ class RolloutConfig:
     # vLLM's AsyncLLM, its engine core in a child process on this machine; hf: the decoder in a
     # worker process with its own copy of the weights and its own CPU threads, synced exactly after
     # every step) | server (vllm only: a vLLM OpenAI-compatible server the run starts on 127.0.0.1,
-    # or rollout.server_url). vllm process and server take the weights through vLLM's
-    # weight-transfer API and may generate while a sync lands (docs/rollout.md: where the engine runs).
+    # or rollout.server_url; under torchrun one for every rank, rank 0 pushing). vllm process and
+    # server take the weights through vLLM's weight-transfer API and may generate while a sync
+    # lands (docs/rollout.md: where the engine runs). vllm process: one trainer process only.
     placement: str = option("colocated", OneOf(("colocated", "process", "server")), resume="safe")
     # placement=process (hf): torch threads of the worker process; auto = half the CPUs this
     # process may use (the trainer keeps the rest): 1 each on 2 cores

@@ -6,7 +6,9 @@ JSON of the same shape, on 127.0.0.1 only. Each route can be told to misbehave:
 
 - ``"hang"``: read the request, never answer (until the server stops);
 - ``"close"``: read the request, close the connection without a response;
-- ``"error"``: answer HTTP 500 with an error body (``/health`` stays 200).
+- ``"error"``: answer HTTP 500 with an error body (``/health`` stays 200);
+- ``"hang@3"`` (any of the above, ``@N``): answer as usual up to the route's N − 1-th call, then
+  misbehave from its N-th on (for a run in other processes, which cannot switch it mid-run).
 
 The generated tokens are ``[7, 8, 9]`` cut to ``max_tokens``, text ``"789"``, each token's
 log-prob -0.5, labelled with the weight version of the latest ``/finish_weight_update`` (or
@@ -33,6 +35,8 @@ class FakeVLLMServer:
     def __init__(self, behaviour: dict[str, str] | None = None, port: int = 0):
         self.behaviour = dict(behaviour or {})
         self.calls: list[str] = []
+        self.counts: dict[str, int] = {}  # route → calls so far
+        self.lock = threading.Lock()
         self.bodies: list[tuple[str, dict | None]] = []
         self.version = "0"
         self.stopping = threading.Event()
@@ -85,7 +89,12 @@ def _handler(fake: FakeVLLMServer):
             fake.calls.append(path)
             fake.bodies.append((path, body))
             print(f"request {path}", flush=True)
-            how = fake.behaviour.get(path, "ok")
+            with fake.lock:
+                fake.counts[path] = fake.counts.get(path, 0) + 1
+                seen = fake.counts[path]
+            how, _, nth = fake.behaviour.get(path, "ok").partition("@")
+            if nth and seen < int(nth):
+                how = "ok"
             if how == "hang":
                 fake.stopping.wait()
                 return

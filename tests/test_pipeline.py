@@ -8,8 +8,10 @@ process (signals, SIGKILL)."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -49,6 +51,12 @@ MACHINE = ("time/", "throughput/", "memory/", "gpu/")
 
 def length_reward(response: str, ground_truth: str) -> dict[str, float]:
     return {"reward": float(len(response))}
+
+
+def slow_length_reward(response: str, ground_truth: str) -> dict[str, float]:
+    """``length_reward`` that takes 50 ms a call (a grader): 0.4 s a step of 8 responses a rank."""
+    time.sleep(0.05)
+    return length_reward(response, ground_truth)
 
 
 HANG = threading.Event()  # hanging_reward hangs while this is clear and _ARMED holds a step
@@ -223,6 +231,36 @@ def test_a_stale_batch_is_refused_and_generated_again_for_the_same_prompts(tmp_p
         "step 3's rollout batch was sampled by policy version(s) [0]: 2 optimizer step(s) behind the "
         "trainer's 2 (rollout.max_staleness=1): refused, generated again from version 2"
     ) in err
+
+
+def rank_1_claims_version_0_at_step_3(rank: int) -> None:
+    """On rank 1 only: step 3's first batch says policy version 0 sampled it (lag 2 > 1)."""
+    if rank == 1:
+        _plant_versions(_Patch(), lambda step, n: 0 if (step, n) == (3, 1) else None)
+
+
+class _Patch:
+    """``monkeypatch.setattr`` for a spawned rank (nothing to undo: the process ends)."""
+
+    @staticmethod
+    def setattr(target, name, value):
+        setattr(target, name, value)
+
+
+@pytest.mark.slow
+def test_a_stale_batch_on_one_rank_is_refused_on_every_rank(tmp_path):
+    """2 ranks (DDP, hf, each rank's decoder in a worker process of its own): rank 1's batch for
+    step 3 claims version 0: every rank refuses its batch and generates it again from version 2
+    (one all-reduce of the lag), so step 3 trains at lag 0 on both, and the bound holds every
+    step. Planted: each rank judging its own batch → the ranks' collectives part ways and the
+    run never finishes."""
+    from grpo_fast.testing import main_on_ranks
+
+    ranks = main_on_ranks([*QUICK, *S1, "steps=5", "rollout.placement=process", f"output_dir={tmp_path}"], tmp_path / "ranks",
+                          setup="test_pipeline:rank_1_claims_version_0_at_step_3")  # fmt: skip
+    assert [r["code"] for r in ranks] == [0, 0], ranks
+    lags = {r["step"]: r["rollout/policy_lag"] for r in _rows(tmp_path) if "rollout/policy_lag" in r}
+    assert lags == {1: 0.0, 2: 1.0, 3: 0.0, 4: 1.0, 5: 1.0}
 
 
 def test_a_backend_that_never_takes_its_weights_stops_the_run_in_one_line(tmp_path, monkeypatch, capsys):
@@ -572,3 +610,53 @@ def test_staleness_one_learns_as_well_as_lockstep(tmp_path):
 def test_worker_threads_auto_is_half_the_cpus():
     assert [hf_process.worker_threads("auto", n) for n in (1, 2, 3, 16)] == [1, 1, 1, 8]
     assert hf_process.worker_threads(3, 2) == 3
+
+
+def _descendants(pid: int) -> list[int]:
+    kids = _children(pid)
+    return [k for kid in kids for k in (kid, *_descendants(kid))]
+
+
+def _torchrun_cmd(out: Path, *extra: str) -> list[str]:
+    torchrun = shutil.which("torchrun") or os.path.join(os.path.dirname(sys.executable), "torchrun")
+    return [torchrun, "--standalone", "--nproc_per_node=2", "-m", "grpo_fast.train", *QUICK, *S1,
+            "steps=8", "checkpoint_every=4", "eval_every=3", "data.reward=test_pipeline:slow_length_reward",
+            f"output_dir={out}", *extra]  # fmt: skip
+
+
+@pytest.mark.slow
+def test_under_torchrun_sigkill_then_resume_with_staleness_one_gives_the_same_metrics(tmp_path):
+    """The pipeline on 2 ranks (DDP; each rank's producer samples its own prompts from its copy of
+    the policy): every step trains one version behind; killed (the
+    whole process group, SIGKILL) after step 4's checkpoint (with steps 5 and 6 in flight; 0.4 s a
+    step: step 8's checkpoint is 1.6 s away), resumed, the metrics and final weights are the
+    uninterrupted run's. Planted: a resume that drops the checkpoint's in-flight jobs (it samples
+    steps 5-6 from version 4, not 3-4) → different metrics."""
+    path = os.pathsep.join(p for p in (str(Path(__file__).parent), os.environ.get("PYTHONPATH")) if p)
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": path}
+    cmd = lambda out, *extra: _torchrun_cmd(out, *extra)
+    res = subprocess.run(cmd(tmp_path / "straight"), env=env, capture_output=True, text=True, timeout=600)
+    assert res.returncode == 0, res.stderr[-3000:]
+    rows = _rows(tmp_path / "straight")
+    assert [r["rollout/policy_lag"] for r in rows if r["step"] >= 1] == [0.0] + [1.0] * 7
+    assert all(r["world_size"] == 2 for r in rows)
+    killed = tmp_path / "killed"
+    proc = subprocess.Popen(cmd(killed), env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    target = killed / "checkpoints" / "step_000004" / "trainer_state.pt"
+    deadline = time.time() + 600
+    try:
+        while not target.exists() and proc.poll() is None and time.time() < deadline:
+            time.sleep(0.02)
+    finally:
+        family = _descendants(
+            proc.pid
+        )  # both ranks (torchrun starts each in a session of its own), their workers
+        for pid in [*family, proc.pid]:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        proc.wait()
+    assert len(family) >= 2 and target.exists() and not (killed / "final").exists()
+    res = subprocess.run(cmd(killed, "resume=true"), env=env, capture_output=True, text=True, timeout=600)
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert [r["step"] for r in _rows(killed)] == list(range(9))
+    _same_run(killed, tmp_path / "straight")

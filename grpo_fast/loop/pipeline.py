@@ -37,9 +37,17 @@ jobs after the checkpoint's step (step, policy version, temperature), the traina
 the versions they sample with (older than the checkpoint's own: at most S copies), and the prompt
 sampler as it was before the first of them drew. A resume generates them again from there.
 
+**Under torchrun** each rank runs its producer on its share of the prompts; the trainers agree on
+each batch (``_collect``: one all-reduce of the lag, so that every rank refuses a stale batch
+together, and of a failure flag, so that a producer that failed on one rank stops every rank, an
+engine's failure with the step's checkpoint written by all). A checkpoint keeps a job until the
+trainers agreed on its batch. One vLLM server for all ranks: ``EngineProducer`` (the producers
+push over a group of their own, ``grpo_fast.rollout.vllm_ranks``). The hf producers sample from
+a whole copy of the policy: refused under FSDP.
+
 Not with the pipeline (``config_checks._check_pipeline``): dynamic sampling (extra rounds inside a
 step), and with S > 0 the options that have the producer read the pass rates the trainer records,
-and the colocated vLLM engine; data parallel (torchrun) and FSDP runs.
+and the colocated vLLM engine.
 """
 
 from __future__ import annotations
@@ -49,9 +57,11 @@ import os
 import threading
 import time
 from dataclasses import dataclass, field
+from datetime import timedelta
 
 import torch
 
+from grpo_fast import dist
 from grpo_fast import threads as cpu_threads
 from grpo_fast.errors import ConfigError, EngineError, EngineTimeout, Preempted, TrainingStopped
 from grpo_fast.loop import preempt
@@ -67,6 +77,7 @@ from grpo_fast.rollout import Rollout
 from grpo_fast.rollout import backend as backend_spec
 from grpo_fast.rollout.hf import HFBackend
 from grpo_fast.rollout.hf_process import HFCopyBackend, HFProcessBackend, Timeouts, worker_threads
+from grpo_fast.rollout.vllm_ranks import RankShare
 
 
 def train(run: Run, progress: PhaseProgress) -> None:
@@ -188,11 +199,16 @@ class Pipeline:
     @contextlib.contextmanager
     def start(cls, run: Run):
         """The pipeline of ``run``, producing from the start, closed after the block."""
-        if run.world.enabled:
+        r = run.cfg.rollout
+        if (
+            run.world.enabled
+            and run.cfg.train.parallelism == "fsdp"
+            and not backend_spec(r.backend).needs_weight_push
+        ):
             raise ConfigError(
-                f"rollout.max_staleness / rollout.placement=process run on one process: not under "
-                f"torchrun ({run.world.world_size} ranks); use rollout.max_staleness=0 and "
-                "rollout.placement=colocated"
+                f"rollout.backend={r.backend} with rollout.max_staleness={r.max_staleness} / rollout.placement="
+                f"{r.placement} samples from a whole copy of the policy, which FSDP shards: use "
+                "train.parallelism=ddp, or rollout.backend=vllm with rollout.placement=server"
             )
         threads, pipe = torch.get_num_threads(), None
         try:
@@ -238,6 +254,11 @@ class Pipeline:
             self.shared.versions[int(version)] = tensors
         jobs = [Job.from_state_dict(d) for d in restored.get("jobs", [])]
         self.run.rollout.in_flight = None
+        if jobs and jobs[0].step != self.first + 1:
+            raise ConfigError(  # a batch nobody would produce: the trainer would wait for it
+                f"the checkpoint of step {self.first} holds in-flight batches from step {jobs[0].step}, "
+                f"not {self.first + 1}: it cannot be resumed with the pipeline"
+            )
         if any(j.version not in self.shared.versions for j in jobs):
             raise ConfigError(  # a checkpoint written by another max_staleness (run_folder refuses it first)
                 f"the checkpoint's in-flight batches need weights it does not hold (rollout.max_staleness={self.S})"
@@ -255,14 +276,49 @@ class Pipeline:
         if progress is not None:
             progress.phase("rollout (producer)", 1)
         t0 = time.monotonic()
-        produced = self._wait_for(step)
-        lag, newest = self._lag(step, produced.rollout)
+        produced, lag, newest = self._collect(step)
         if lag > self.S or newest > step - 1:
             produced = self._refuse(step, produced, lag)
         produced.wait_trainer_s = time.monotonic() - t0
         if progress is not None:
             progress.advance_phase(1)
         return produced
+
+    def _collect(self, step: int) -> tuple[Produced, int, int]:
+        """``step``'s batch from this rank's producer, with the largest lag and newest version of
+        every rank's batch (one all-reduce under torchrun, so that every rank refuses a batch, or
+        stops, together). A producer that failed on one rank stops every rank: its own error there,
+        elsewhere one that names the rank (an ``EngineError`` stays one, so that every rank writes
+        the step's checkpoint together)."""
+        try:
+            produced, error = self._wait_for(step), None
+        except BaseException as exc:
+            if not self.run.world.enabled:
+                raise
+            produced, error = None, exc
+        lag, newest = self._lag(step, produced.rollout) if produced is not None else (0, 0)
+        if not self.run.world.enabled:
+            self._taken(step)
+            return produced, lag, newest
+        failed, lag, newest = dist.all_reduce_max([float(error is not None), lag, newest], self.run.device)
+        if failed:
+            errors = dist.all_gather_objects(
+                None if error is None else (isinstance(error, EngineError), str(error))
+            )
+            if error is not None:
+                raise error
+            rank, (engine, words) = next((k, e) for k, e in enumerate(errors) if e is not None)
+            if engine:
+                raise EngineError(f"rank {rank}: {words}")
+            raise TrainingStopped(f"rank {rank}'s rollout producer failed: {words}")
+        self._taken(step)
+        return produced, int(lag), int(newest)
+
+    def _taken(self, step: int) -> None:
+        """``step``'s job is the trainer's now: a checkpoint no longer holds it (until then, a
+        stop on any rank leaves it to the resume)."""
+        with self.cond:
+            del self.shared.posted[step]
 
     def _wait_for(self, step: int) -> Produced:
         limit = self.run.cfg.rollout.request_timeout
@@ -279,7 +335,6 @@ class Pipeline:
                         f"rollout.request_timeout={limit:g} s (it was {self.shared.doing})"
                     )
                 self.cond.wait(min(0.1, limit - waited))
-            del self.shared.posted[step]
             return self.shared.done.pop(step)
 
     @staticmethod
@@ -307,8 +362,7 @@ class Pipeline:
         self._stage(step - 1)
         prompts = tuple(g.example_index for g in produced.rollout.groups)
         self._post(Job(step, step - 1, produced.temperature, prompts), front=True)
-        again = self._wait_for(step)
-        lag, newest = self._lag(step, again.rollout)
+        again, lag, newest = self._collect(step)
         if lag > self.S or newest > step - 1:
             return self._refuse(step, again, lag)
         return again
@@ -454,6 +508,15 @@ class EngineProducer:
         self.eval_backend = HFBackend(
             run.model, run.tokenizer, run.cfg.rollout.generation_batch_size, run.amp
         )
+        # Under torchrun (one server, every rank's producer): the pushes go over a gloo group of
+        # the producers' own, never interleaved with the trainers' collectives (vllm_ranks). Its
+        # waits: a producer finishing its batch, then the leader's push.
+        self.trainers_share = self.engine.ranks
+        if self.trainers_share is not None:
+            r = run.cfg.rollout
+            limit = timedelta(seconds=r.request_timeout + r.sync_timeout + 60)
+            group = torch.distributed.new_group(backend="gloo", timeout=limit)
+            self.engine.ranks = RankShare(self.trainers_share.rank, group)
 
     @property
     def version(self) -> int | None:
@@ -472,7 +535,9 @@ class EngineProducer:
         """Nothing to free: the engine's devices are not the trainer's."""
 
     def close(self) -> None:
-        """Nothing to stop: the engine is the run's (and is stopped with it)."""
+        """Nothing to stop: the engine is the run's (and is stopped with it); its pushes are the
+        trainers' again."""
+        self.engine.ranks = self.trainers_share
 
 
 def producer_backend(run: Run):

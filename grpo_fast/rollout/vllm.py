@@ -49,6 +49,7 @@ from grpo_fast.rollout.vllm_parts import (
     request_params,
     sampling_fields,
 )
+from grpo_fast.rollout.vllm_ranks import Outcome, RankShare, exhaust
 from grpo_fast.rollout.vllm_weights import WEIGHT_SYNC_TOLERANCE as WEIGHT_SYNC_TOLERANCE
 from grpo_fast.rollout.vllm_weights import (  # re-exported beside what vllm.py uses: the loop and the tests import them here
     WeightSyncProbe,
@@ -57,6 +58,7 @@ from grpo_fast.rollout.vllm_weights import (  # re-exported beside what vllm.py 
     host_copies,
     is_sharded,
     merged_named_tensors,
+    tied_names,
     vllm_dtype,
 )
 from grpo_fast.rollout.vllm_weights import weight_sync_tolerance as weight_sync_tolerance
@@ -344,8 +346,12 @@ class VLLMBackend:
         lora_sync: str | None = None,
         push_base: bool = False,
         tools: ToolRollout | None = None,
+        ranks: RankShare | None = None,
     ):
         self.engine = engine
+        # One server for every trainer rank (rollout.placement=server under torchrun): rank 0
+        # pushes, every rank takes part in the gathers and learns the outcome (vllm_ranks)
+        self.ranks = ranks
         self.tokenizer = tokenizer
         # rollout.environment: responses turn by turn with the tool (_generate_turns); None: one turn
         self.tools = tools
@@ -380,8 +386,19 @@ class VLLMBackend:
         then probe them; raises ``WeightSyncError`` when vLLM does not serve what was pushed (and
         ``EngineError`` when an engine apart from the trainer died or did not answer in time)."""
         with self._sync_lock, self._engine_lock:
-            self._push(model, step)
-            self._pushed(step)
+            if self.ranks is None:
+                self._push(model, step)
+                self._pushed(step)
+                return
+            # every rank: the probe's forward (FSDP gathers), then the push's gathers
+            reference = None if self.probe is None else self.probe.reference()
+
+            def lead() -> Outcome:
+                self._push(model, step)
+                self._pushed(step, reference)
+                return Outcome(None, self.weight_sync_abs_diff, self._served_adapter())
+
+            self._followed(step, self.ranks.push(lead, lambda: self._push(model, step, send=False)))
 
     def stage(self, model: torch.nn.Module) -> dict:
         """What a push of ``model`` would send, copied to the host now, and the trainer's probe
@@ -391,13 +408,16 @@ class VLLMBackend:
         ``{"tensors": {name: [*shape] tensor}, "probe": [L − 1] float64}`` (no ``probe`` without
         one): the Hugging Face tensors (``rollout.lora_sync=merged``: the merged ones), or under
         ``lora_sync=adapter`` the adapter's (peft's parameter names; the frozen base is in the
-        engine since the first push). Tensors that alias (a tied head) stay one copy."""
+        engine since the first push). A tied head is left out (the engine loads it from its embedding)."""
         if self.lora_sync == "adapter":
             peft_model = getattr(model, "module", model)
             named = ((n, whole_tensor(p.detach())) for n, p in peft_model.named_parameters() if ".lora_" in n)
         else:
             named = merged_named_tensors(model) if self.lora_sync == "merged" else hf_named_tensors(model)
-        staged: dict = {"tensors": host_copies(named)}
+        if self.ranks is not None and not self.ranks.leader:  # the gathers only: the leader pushes
+            exhaust(named)
+            named = ()
+        staged: dict = {"tensors": host_copies(named, self._ties(model))}
         if self.probe is not None:
             staged["probe"] = self.probe.reference()
         return staged
@@ -407,16 +427,38 @@ class VLLMBackend:
         log-probs staged with them (``WeightSyncError`` when the engine serves something else).
         ``model``: the trainer's, whose adapter configuration a ``lora_sync=adapter`` push writes
         beside the staged adapter weights (its values are not read)."""
-        with self._sync_lock, self._engine_lock:
+        if self.lora_sync == "adapter" and model is None:
+            raise ValueError("load_staged under rollout.lora_sync=adapter needs the trainer's model")
+
+        def lead() -> Outcome:
             self._wake_weights()
             if self.lora_sync == "adapter":
-                if model is None:
-                    raise ValueError("load_staged under rollout.lora_sync=adapter needs the trainer's model")
                 self._push_adapter(model, version, state_dict=staged["tensors"])
             else:
                 self.engine.load_weights(staged["tensors"].items(), version=version)
                 self.calls.append("load_weights")
             self._pushed(version, staged.get("probe"))
+            return Outcome(None, self.weight_sync_abs_diff, self._served_adapter())
+
+        with self._sync_lock, self._engine_lock:
+            if self.ranks is None:
+                lead()
+            else:  # the followers have nothing to gather: the trainers staged it
+                self._followed(version, self.ranks.push(lead, lambda: None))
+
+    def _served_adapter(self):
+        """The adapter the engine serves now (its name on a server), for the followers."""
+        return getattr(getattr(self.engine, "adapters", None), "current", None)
+
+    def _followed(self, step: int, outcome: Outcome) -> None:
+        """A follower's side of the leader's push of policy version ``step`` that held."""
+        if self.ranks.leader:
+            return
+        self.pushes += 1
+        self.policy_version = step
+        self.weight_sync_abs_diff = outcome.abs_diff
+        self.engine.follow(step, outcome.adapter)
+        self.calls.append("follow")
 
     def _pushed(self, step: int, reference: torch.Tensor | None = None) -> None:
         """After a push of policy version ``step``: the prefix cache reset, then the probe
@@ -441,7 +483,19 @@ class VLLMBackend:
             self.calls.append("wake_up(weights)")
             self.weights_asleep = False
 
-    def _push(self, model: torch.nn.Module, step: int) -> None:
+    def _push(self, model: torch.nn.Module, step: int, send: bool = True) -> None:
+        """``model``'s weights into the engine as policy version ``step``; ``send=False``: a
+        follower's side of the leader's push (the same gathers, nothing sent)."""
+        if not send:
+            if self.lora_sync == "adapter":
+                if self.push_base and self.pushes == 0:
+                    exhaust(dequantized_base_tensors(model))
+                self._push_adapter(model, step, send=False)
+            else:
+                exhaust(
+                    merged_named_tensors(model) if self.lora_sync == "merged" else hf_named_tensors(model)
+                )
+            return
         if torch.cuda.is_available():
             # Return the trainer's cached blocks to the driver so vLLM's pool can take them.
             # (Once per step, not in the training hot loop.)
@@ -449,19 +503,49 @@ class VLLMBackend:
         self._wake_weights()
         if self.lora_sync == "adapter":
             if self.push_base and self.pushes == 0:
-                self.engine.load_weights(dequantized_base_tensors(model), version=step)
-                self.calls.append("load_weights(base)")
+                self._load(dequantized_base_tensors(model), step, "load_weights(base)")
             self._push_adapter(model, step)
         else:
             named = merged_named_tensors(model) if self.lora_sync == "merged" else hf_named_tensors(model)
-            self.engine.load_weights(named, version=step)
-            self.calls.append("load_weights")
+            if self._concurrent:  # an engine apart: a tied head travels once, as its embedding
+                ties = self._ties(model)
+                named = ((n, t) for n, t in named if n not in ties)
+            self._load(named, step, "load_weights")
 
-    def _push_adapter(self, model: torch.nn.Module, step: int, state_dict: dict | None = None) -> None:
+    def _ties(self, model: torch.nn.Module) -> dict[str, str]:
+        """The names of what a push sends that are another name's tensor (``tied_names``)."""
+        module = getattr(model, "module", model)
+        if self.lora_sync == "merged":
+            return tied_names(module.get_base_model(), lambda n: n.replace(".base_layer.", "."))
+        return {} if self.lora_sync == "adapter" else tied_names(module)
+
+    def _load(self, named: Iterable[tuple[str, torch.Tensor]], step: int, call: str) -> None:
+        """``engine.load_weights(named)``; with other ranks gathering beside it (``ranks``),
+        ``named`` is walked to its end even when the engine fails half-way."""
+        named = iter(named)
+        try:
+            self.engine.load_weights(named, version=step)
+            self.calls.append(call)
+        finally:
+            if self.ranks is not None:
+                exhaust(named)
+
+    def _push_adapter(
+        self, model: torch.nn.Module, step: int, state_dict: dict | None = None, send: bool = True
+    ) -> None:
         """The adapter alone, through a folder in RAM (``/dev/shm`` where there is one): peft's
         ``save_pretrained`` (adapter_config.json + adapter_model.safetensors), then the engine's
         new LoRA request; the previous push's folder is deleted. ``state_dict``: the adapter's
-        weights to write (``stage``'s, peft's names) instead of ``model``'s own."""
+        weights to write (``stage``'s, peft's names) instead of ``model``'s own. ``send=False``:
+        the gathers alone (a follower of the leader's push)."""
+        peft_model = getattr(model, "module", model)
+        gathered = {} if state_dict is None else {"state_dict": state_dict}
+        if state_dict is None and is_sharded(peft_model):
+            # FSDP: the adapter's shards gathered whole, in the same order on every rank
+            adapter = ((n, p) for n, p in peft_model.named_parameters() if ".lora_" in n)
+            gathered["state_dict"] = {n: whole_tensor(p.detach()) for n, p in adapter}
+        if not send:
+            return
         if self._adapter_dir is None:
             shm = Path("/dev/shm")
             self._adapter_dir = Path(
@@ -469,12 +553,6 @@ class VLLMBackend:
             )
             weakref.finalize(self, shutil.rmtree, str(self._adapter_dir), True)
         folder = self._adapter_dir / f"step_{step:06d}_{self.pushes}"
-        peft_model = getattr(model, "module", model)
-        gathered = {} if state_dict is None else {"state_dict": state_dict}
-        if state_dict is None and is_sharded(peft_model):
-            # FSDP: the adapter's shards gathered whole, in the same order on every rank
-            adapter = ((n, p) for n, p in peft_model.named_parameters() if ".lora_" in n)
-            gathered["state_dict"] = {n: whole_tensor(p.detach()) for n, p in adapter}
         peft_model.save_pretrained(str(folder), safe_serialization=True, **gathered)
         self.engine.load_adapter(str(folder), version=step)
         self.calls.append("load_adapter")
@@ -615,7 +693,7 @@ def _build(ctx: BackendContext) -> VLLMBackend:
     ``rollout.placement`` puts it, or ``ctx.engine`` when given; then the current policy pushed
     (as version ``ctx.step``) and probed."""
     cfg, r = ctx.cfg, ctx.cfg.rollout
-    engine = ctx.engine
+    engine, ranks = ctx.engine, None
     lora_sync = r.lora_sync if hasattr(getattr(ctx.model, "module", ctx.model), "peft_config") else None
     lora_rank = cfg.model.lora.r if lora_sync == "adapter" else 0
     if engine is None:
@@ -627,12 +705,20 @@ def _build(ctx: BackendContext) -> VLLMBackend:
         multi = torch_dist.is_initialized() and torch_dist.get_world_size() > 1
         rank = torch_dist.get_rank() if multi else 0
         dtype = str(vllm_dtype(ctx.model, ctx.amp)).removeprefix("torch.")
-        if r.placement != "colocated":
-            if multi:
-                raise ConfigError(
-                    f"rollout.placement={r.placement} under torchrun is not supported yet (one engine for "
-                    "all ranks); use rollout.placement=colocated (one engine per rank)"
-                )
+        if r.placement == "process" and multi:
+            raise ConfigError(
+                "rollout.placement=process starts one engine for one trainer process: under torchrun use "
+                "rollout.placement=server (one server every rank shares, on rollout.engine_devices) or "
+                "colocated (one engine per rank)"
+            )
+        if r.placement == "server" and multi:
+            _check_disjoint(r)
+            ranks = RankShare(rank)
+            engine = ranks.attach(
+                lambda: _engine_apart(cfg, path, dtype, lora_rank),
+                lambda url: _follower(cfg, url, dtype),
+            )
+        elif r.placement != "colocated":
             engine = _engine_apart(cfg, path, dtype, lora_rank)
         else:
             engine = VLLMEngine(
@@ -654,6 +740,7 @@ def _build(ctx: BackendContext) -> VLLMBackend:
         lora_sync=lora_sync,
         push_base=bool(lora_sync and cfg.model.load_in_4bit),
         tools=multi_turn.from_config(cfg, ctx.tokenizer),
+        ranks=ranks,
     )
     try:
         backend.update_weights(ctx.model, step=ctx.step)  # the (possibly warm-started or resumed) policy
@@ -702,6 +789,31 @@ def _engine_apart(cfg, path: str, dtype: str, lora_rank: int):
         if process is not None:
             process.stop()
         raise
+
+
+def _check_disjoint(r) -> None:
+    """Under torchrun on GPUs, a server the run starts takes GPUs no trainer rank uses: local
+    rank i trains on GPU i (``grpo_fast.dist.init``)."""
+    if r.server_url is not None or not torch.cuda.is_available():
+        return
+    trainers = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    shared = sorted(set(r.engine_devices or [0]) & set(range(trainers)))
+    if shared:
+        raise ConfigError(
+            f"rollout.engine_devices={list(r.engine_devices or [])} puts the vLLM server on GPU(s) {shared}, which "
+            f"the {trainers} trainer ranks use (local rank i trains on GPU i): give it GPUs of its own, "
+            f"e.g. rollout.engine_devices=[{trainers}]"
+        )
+
+
+def _follower(cfg, url: str, dtype: str):
+    """A trainer rank's view of the server rank 0 started or attached to (``vllm_ranks``)."""
+    from grpo_fast.rollout.vllm_server import ServerEngine
+    from grpo_fast.rollout.vllm_transfer import Timeouts
+
+    r = cfg.rollout
+    timeouts = Timeouts(start=r.start_timeout, request=r.request_timeout, sync=r.sync_timeout)
+    return ServerEngine(url, timeouts=timeouts, dtype=dtype, weight_transfer=r.weight_transfer, follower=True)
 
 
 def _check_config(cfg) -> None:

@@ -211,13 +211,16 @@ class ServerEngine:
 
     ``url``: the server's base URL (``http://127.0.0.1:8000``); ``process``: the
     ``ServerProcess`` when this run started it (its exit is reported as such), else None.
+    ``follower``: a trainer rank other than 0 under torchrun (``grpo_fast.rollout.vllm_ranks``):
+    it generates and probes, and rank 0 pushes (no weight transport here; ``follow`` records
+    what rank 0 loaded).
     """
 
     supports_sleep = False
     concurrent_updates = True
 
     def __init__(self, url: str, *, timeouts: Timeouts, dtype: str, process: ServerProcess | None = None,
-                 weight_transfer: str = "shm", max_parallel: int = 256):  # fmt: skip
+                 weight_transfer: str = "shm", max_parallel: int = 256, follower: bool = False):  # fmt: skip
         self.url = url.rstrip("/")
         self.timeouts = timeouts
         self.process = process
@@ -228,9 +231,11 @@ class ServerEngine:
             timeouts.sync, f"the weight-transfer handshake with {self.url}", "rollout.sync_timeout"
         )
         ranks = 1 if process is None else process.ranks
-        self.transport = make_transport(
-            weight_transfer, self, dtype, ranks, deadline, address=nccl_address(self.url)
-        )
+        self.transport = None
+        if not follower:
+            self.transport = make_transport(
+                weight_transfer, self, dtype, ranks, deadline, address=nccl_address(self.url)
+            )
 
     # -- HTTP --
 
@@ -346,6 +351,14 @@ class ServerEngine:
             )
         self.version = version
 
+    def follow(self, version: int, adapter: str | None = None) -> None:
+        """What rank 0 just loaded (a follower's engine): policy version ``version`` and, under
+        ``rollout.lora_sync=adapter``, the adapter's name on the server (rank 0 unloads the old
+        one: nothing to unload here)."""
+        if adapter is not None and adapter != self.adapters.current:
+            self.adapters.switch(adapter, version)
+        self.version = version
+
     def _request(self, prompt: list[int], sampling: dict, deadline: Deadline) -> tuple[dict, int | None, Any]:
         adapter, version = self.adapters.acquire(self.version)
         body = {"token_ids": list(prompt), "sampling_params": sampling, "output_mode": "text",
@@ -430,7 +443,8 @@ class ServerEngine:
 
     def close(self) -> None:
         self.pool.shutdown(wait=False, cancel_futures=True)
-        self.transport.close()
+        if self.transport is not None:
+            self.transport.close()
         if self.process is not None:
             self.process.stop()
 
