@@ -248,15 +248,16 @@ class _Patch:
 
 
 @pytest.mark.slow
+@pytest.mark.xdist_group("two_ranks")  # one 2-rank run at a time on the 2 cores
 def test_a_stale_batch_on_one_rank_is_refused_on_every_rank(tmp_path):
-    """2 ranks (DDP, hf, each rank's decoder in a worker process of its own): rank 1's batch for
+    """2 ranks (DDP, hf, each rank's producer with its own copy of the policy): rank 1's batch for
     step 3 claims version 0: every rank refuses its batch and generates it again from version 2
     (one all-reduce of the lag), so step 3 trains at lag 0 on both, and the bound holds every
     step. Planted: each rank judging its own batch → the ranks' collectives part ways and the
     run never finishes."""
     from grpo_fast.testing import main_on_ranks
 
-    ranks = main_on_ranks([*QUICK, *S1, "steps=5", "rollout.placement=process", f"output_dir={tmp_path}"], tmp_path / "ranks",
+    ranks = main_on_ranks([*QUICK, *S1, "steps=5", f"output_dir={tmp_path}"], tmp_path / "ranks",
                           setup="test_pipeline:rank_1_claims_version_0_at_step_3")  # fmt: skip
     assert [r["code"] for r in ranks] == [0, 0], ranks
     lags = {r["step"]: r["rollout/policy_lag"] for r in _rows(tmp_path) if "rollout/policy_lag" in r}
@@ -625,6 +626,7 @@ def _torchrun_cmd(out: Path, *extra: str) -> list[str]:
 
 
 @pytest.mark.slow
+@pytest.mark.xdist_group("two_ranks")  # one 2-rank run at a time on the 2 cores
 def test_under_torchrun_sigkill_then_resume_with_staleness_one_gives_the_same_metrics(tmp_path):
     """The pipeline on 2 ranks (DDP; each rank's producer samples its own prompts from its copy of
     the policy): every step trains one version behind; killed (the

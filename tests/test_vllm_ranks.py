@@ -14,8 +14,10 @@ import json
 from pathlib import Path
 
 import pytest
+import torch
 from fake_vllm_server import FakeVLLMServer
 
+from grpo_fast.errors import ConfigError
 from grpo_fast.policy.checkpoint import STATE_FILE
 from grpo_fast.testing import main_on_ranks
 
@@ -64,38 +66,7 @@ def _generations(fake: FakeVLLMServer) -> tuple[list[dict], list[dict]]:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("parallelism", ["ddp", "fsdp"])
-def test_two_ranks_share_one_server_that_rank_0_alone_pushes_and_probes(tmp_path, parallelism):
-    """2 steps on 2 ranks against one server: 3 weight syncs (the first policy, then each step's)
-    and 3 probes, rank 0's; each rank sends its own 2 prompts per step, seeded by rank (8
-    requests, 8 distinct seed ranges); both ranks exit 0 and rank 0's rows say world_size 2.
-    Under FSDP rank 1 takes part in every gather of the push (else both ranks would wait on each
-    other). Planted: every rank pushing (no ``RankShare``) → 6 syncs and 6 probes; a follower that
-    skips the gathers under FSDP → the run does not finish."""
-    with FakeVLLMServer() as fake:
-        ranks = _two_ranks(
-            [
-                *RUN,
-                f"rollout.server_url={fake.url}",
-                f"train.parallelism={parallelism}",
-                f"output_dir={tmp_path}",
-            ],
-            tmp_path,
-        )
-    assert [r["code"] for r in ranks] == [0, 0], ranks
-    assert fake.calls.count("/start_weight_update") == 3
-    assert fake.calls.count("/finish_weight_update") == 3
-    assert fake.calls.count("/init_weight_transfer_engine") == 1  # rank 0's transport alone
-    sampled, probes = _generations(fake)
-    assert len(probes) == 3
-    assert len(sampled) == 8 and all(b["sampling_params"]["n"] == 4 for b in sampled)
-    assert len({b["sampling_params"]["seed"] for b in sampled}) == 8
-    rows = [r for r in _rows(tmp_path) if r["step"] >= 1]
-    assert [r["step"] for r in rows] == [1, 2] and all(r["world_size"] == 2 for r in rows)
-    assert all(r["rollout/weight_sync_abs_diff"] > 0 for r in rows)  # the canned log-probs: a gap, recorded
-
-
-@pytest.mark.slow
+@pytest.mark.xdist_group("two_ranks")  # one 2-rank run at a time on the 2 cores
 def test_a_sync_that_hangs_stops_both_ranks_with_one_line_and_the_resume_continues_on_both(tmp_path):
     """The server stops answering step 2's weight sync (its third ``/update_weights``): after
     ``rollout.sync_timeout`` rank 0's error reaches rank 1, both stop with the same line naming
@@ -122,27 +93,94 @@ def test_a_sync_that_hangs_stops_both_ranks_with_one_line_and_the_resume_continu
     assert [r["step"] for r in _rows(tmp_path) if r["step"] >= 1] == [1, 2, 3]
 
 
-@pytest.mark.slow
-def test_a_server_that_cannot_start_stops_both_ranks_with_its_line(tmp_path):
-    """Rank 0 starts the server (no ``rollout.server_url``; here the command fails, vLLM is not
-    installed in this environment): rank 1, waiting for its URL, raises rank 0's error instead of
-    waiting for ever. And ``rollout.placement=process`` (one engine per trainer process) is
-    refused under torchrun with one line naming the keys to use. Planted: a leader that raises
-    without broadcasting → rank 1 never finishes."""
-    ranks = _two_ranks([*RUN, "rollout.start_timeout=60", f"output_dir={tmp_path}/a"], tmp_path / "a")
-    assert [r["code"] for r in ranks] == [2, 2], ranks
-    assert ranks[0]["last"] == ranks[1]["last"] and ranks[0]["last"].startswith("error: the vLLM server"), (
-        ranks
+class _Wire:
+    """What ``RankShare.broadcast`` would carry between 2 ranks, played in one process: the
+    leader's object is recorded; a follower receives ``sent``."""
+
+    def __init__(self, sent=None):
+        self.sent, self.got = sent, []
+
+    def __call__(self, obj):
+        self.got.append(obj)
+        return self.sent if self.sent is not None else obj
+
+
+@pytest.mark.parametrize("rank", [0, 1])
+def test_a_failed_start_and_a_failed_push_reach_every_rank(monkeypatch, rank):
+    """Rank 0's server start fails: it sends the error before raising it, and rank 1, waiting
+    for the URL, raises that error; rank 0's push fails: its outcome carries the error, every
+    rank raises it (rank 1 after its own side, the gathers). Planted: a leader that raises
+    without broadcasting → rank 1 waits for ever (under torchrun: until the group's timeout)."""
+    from grpo_fast.errors import EngineTimeout
+    from grpo_fast.rollout.vllm_ranks import Outcome, RankShare
+
+    failed = EngineTimeout("the vLLM server's start on http://127.0.0.1:9 did not finish within 2 s")
+    share = RankShare(rank)
+    wire = _Wire(sent=None if rank == 0 else failed)
+    monkeypatch.setattr(share, "broadcast", wire)
+    monkeypatch.setattr(torch.distributed, "barrier", lambda group=None: None)
+
+    def start():
+        raise failed
+
+    with pytest.raises(EngineTimeout) as err:
+        share.attach(start, lambda url: pytest.fail("a follower of a server that did not start"))
+    assert err.value is failed and wire.got == ([failed] if rank == 0 else [None])
+    followed = []
+    wire.sent = None if rank == 0 else Outcome(failed, None)
+    with pytest.raises(EngineTimeout):
+        share.push(lambda: (_ for _ in ()).throw(failed), lambda: followed.append("gathers"))
+    assert followed == ([] if rank == 0 else ["gathers"])
+    assert rank == 1 or wire.got[-1].error is failed
+
+
+def _world_of_two(monkeypatch, rank: int = 0) -> None:
+    """``torch.distributed`` as torchrun's rank ``rank`` of 2 would see it (no group is joined:
+    what is checked here stops before any collective)."""
+    monkeypatch.setattr(torch.distributed, "is_initialized", lambda: True)
+    monkeypatch.setattr(torch.distributed, "get_world_size", lambda group=None: 2)
+    monkeypatch.setattr(torch.distributed, "get_rank", lambda group=None: rank)
+
+
+def _build_line(tmp_path, overrides) -> str:
+    from grpo_fast.config import load_config
+    from grpo_fast.rollout import BackendContext, backend
+    from grpo_fast.task import tiny
+
+    cfg = load_config(
+        "tiny", overrides=["rollout.backend=vllm", *overrides, f"output_dir={tmp_path}"], check_device=False
     )
-    ranks = _two_ranks([*RUN, "rollout.placement=process", f"output_dir={tmp_path}/b"], tmp_path / "b")
-    assert [r["code"] for r in ranks] == [2, 2], ranks
-    assert all(
-        r["last"]
-        == "error: rollout.placement=process starts one engine for one trainer process: under torchrun "
-        "use rollout.placement=server (one server every rank shares, on rollout.engine_devices) or colocated "
+    tok = tiny.build_tokenizer()
+    ctx = BackendContext(
+        cfg, tiny.build_model(tok, seed=0), tok, torch.device("cpu"), model_path=str(tmp_path)
+    )
+    with pytest.raises(ConfigError) as err:
+        backend("vllm").build(ctx)
+    return str(err.value)
+
+
+def test_an_engine_process_per_trainer_is_refused_under_torchrun_naming_the_keys(tmp_path, monkeypatch):
+    _world_of_two(monkeypatch)
+    assert _build_line(tmp_path, ["rollout.placement=process"]) == (
+        "rollout.placement=process starts one engine for one trainer process: under torchrun use "
+        "rollout.placement=server (one server every rank shares, on rollout.engine_devices) or colocated "
         "(one engine per rank)"
-        for r in ranks
-    ), ranks
+    )
+
+
+@pytest.mark.parametrize("devices, says", [(None, "[0] (rollout.engine_devices unset: GPU 0)"),
+                                           ("[1, 2]", "[1] (rollout.engine_devices=[1, 2])")])  # fmt: skip
+def test_a_server_on_a_trainer_rank_s_gpu_is_refused(tmp_path, monkeypatch, devices, says):
+    """On GPUs, local rank i trains on GPU i: a server the run starts (the trainer's device by
+    default, or ``rollout.engine_devices``) on one of them is refused, naming a free GPU."""
+    _world_of_two(monkeypatch)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    more = [] if devices is None else [f"rollout.engine_devices={devices}"]
+    assert _build_line(tmp_path, ["rollout.placement=server", *more]) == (
+        f"the vLLM server would run on GPU(s) {says}, which the 2 trainer ranks use (local rank i "
+        "trains on GPU i): give it GPUs of its own, e.g. rollout.engine_devices=[2]"
+    )
 
 
 # ---------------------------------------------------------------- rollout.max_staleness=1, 2 ranks
@@ -151,30 +189,32 @@ STALE = ["rollout.max_staleness=1", "rollout.old_logprobs=sampler", "steps=5"]
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("parallelism", ["ddp", "fsdp"])
-def test_staleness_one_on_two_ranks_pushes_each_version_once_from_rank_0_s_producer(tmp_path, parallelism):
+@pytest.mark.xdist_group("two_ranks")  # one 2-rank run at a time on the 2 cores
+def test_staleness_one_on_two_ranks_pushes_each_version_once_from_rank_0_s_producer(tmp_path):
     """The pipeline on 2 ranks with one server: the trainers stage each version (under FSDP both
     gather it, rank 0 keeps the copy), the producers push it over their own group, rank 0's
     alone: 5 syncs (the first push at setup, then versions 0-3 as the jobs need them) and 5
     probes for 5 steps; each step's 4 prompts are sampled, 2 per rank, from version
-    max(step − 2, 0), so the lag is the bound from step 2 on. Planted: every rank's producer
-    pushing → 10 syncs; the trainers' share used by the producers (their collectives interleave
-    with the trainers') → the run does not finish."""
+    max(step − 2, 0), so the lag is the bound from step 2 on; rank 0 alone opened the weight
+    transport, and each rank's requests carry seeds of their own (20 requests, 20 seeds).
+    Planted: every rank attaching as rank 0 (no ``RankShare``) → 10 syncs."""
     with FakeVLLMServer() as fake:
         ranks = _two_ranks(
             [
                 *RUN,
                 *STALE,
                 f"rollout.server_url={fake.url}",
-                f"train.parallelism={parallelism}",
+                "train.parallelism=fsdp",
                 f"output_dir={tmp_path}",
             ],
             tmp_path,
         )
     assert [r["code"] for r in ranks] == [0, 0], ranks
     assert fake.calls.count("/start_weight_update") == 5
+    assert fake.calls.count("/init_weight_transfer_engine") == 1  # rank 0's transport alone
     sampled, probes = _generations(fake)
-    assert len(probes) == 5 and len(sampled) == 20
+    assert len(probes) == 5 and len(sampled) == 20 and all(b["sampling_params"]["n"] == 4 for b in sampled)
+    assert len({b["sampling_params"]["seed"] for b in sampled}) == 20  # each rank, each step its own
     rows = [r for r in _rows(tmp_path) if r["step"] >= 1]
     assert [r["rollout/policy_lag"] for r in rows] == [0.0, 1.0, 1.0, 1.0, 1.0]
     assert all(r["world_size"] == 2 for r in rows)
@@ -202,12 +242,14 @@ def rank_1_server_dies_at_its_third_batch(rank: int) -> None:
 
 
 @pytest.mark.slow
-def test_a_producer_that_fails_on_one_rank_stops_both_with_the_checkpoint_and_the_resume_continues(tmp_path):
+@pytest.mark.xdist_group("two_ranks")  # one 2-rank run at a time on the 2 cores
+def test_a_producer_that_fails_on_one_rank_stops_both_with_the_checkpoint(tmp_path):
     """Rank 1's producer finds the server dead at step 3's batch, rank 0's does not: both ranks
     stop at step 3's rollout — rank 1 with its error, rank 0 with it under rank 1's name — after
-    writing step 2's checkpoint together; the resume trains steps 3-5 at the bound. Planted: no
-    agreement in ``Pipeline._collect`` → rank 0 trains step 3 while rank 1 writes a checkpoint:
-    the ranks never finish."""
+    writing step 2's checkpoint together, which holds step 3's job (the one rank 0 had its batch
+    for). Planted: no agreement in ``Pipeline._collect`` → rank 0 trains step 3 while rank 1
+    writes a checkpoint: the ranks never finish; the job dropped once rank 0's batch came → the
+    checkpoint's jobs start at step 4 (a resume waited for step 3's batch for ever)."""
     args = [*RUN, *STALE, f"output_dir={tmp_path}"]
     with FakeVLLMServer() as fake:
         ranks = _two_ranks(
@@ -226,9 +268,5 @@ def test_a_producer_that_fails_on_one_rank_stops_both_with_the_checkpoint_and_th
     assert ranks[0]["last"] == f"error: rank 1: {what} {tail}", ranks
     assert ranks[1]["last"] == f"error: {what} {tail}", ranks
     assert (where / STATE_FILE).is_file()
-    with FakeVLLMServer() as fake:
-        ranks = _two_ranks([*args, f"rollout.server_url={fake.url}", "resume=true"], tmp_path / "b")
-    assert [r["code"] for r in ranks] == [0, 0], ranks
-    rows = [r for r in _rows(tmp_path) if r["step"] >= 1]
-    assert [r["step"] for r in rows] == [1, 2, 3, 4, 5]
-    assert [r["rollout/policy_lag"] for r in rows] == [0.0, 1.0, 1.0, 1.0, 1.0]
+    jobs = torch.load(where / STATE_FILE, weights_only=False)["pipeline"]["jobs"]
+    assert [(j["step"], j["version"]) for j in jobs] == [(3, 1), (4, 2)]

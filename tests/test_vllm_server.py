@@ -133,41 +133,33 @@ def test_staleness_one_trains_against_the_server_with_every_push_probed(server, 
     assert all(r["rollout/logprob_abs_diff"] > 1e-3 for r in steps[2:])  # one step behind a moving policy
 
 
-@pytest.mark.parametrize(
-    "more",
-    [
-        ["train.parallelism=ddp", "steps=3"],
-        ["train.parallelism=fsdp", "rollout.max_staleness=1", "rollout.old_logprobs=sampler", "steps=4"],
-    ],
-    ids=["ddp-lockstep", "fsdp-staleness1"],
-)
-def test_two_trainer_ranks_share_the_server_with_every_push_probed(server, tmp_path, more):
-    """Two trainer ranks (gloo, spawned as torchrun would start them) attached to the one server:
-    rank 0 pushes (under FSDP after both ranks gathered each tensor; with staleness 1 from the
-    producers' own group) and the probe holds every step (≤ 1e-3, fp32 both sides: the server
-    serves exactly what the sharded or replicated trainer holds); both ranks generate through
-    it and exit 0. Planted: rank 0 sending its FSDP shards instead of the gathered tensors →
-    the FSDP run stops (exit 2 on both ranks)."""
+def test_two_trainer_ranks_share_the_server_with_every_push_probed(server, tmp_path):
+    """Two FSDP trainer ranks (gloo, spawned as torchrun would start them) attached to the one
+    server at staleness 1: the first push is the trainers' (rank 0 sends what both gathered),
+    each version after it the producers' (over their own group); the probe holds at every push
+    (≤ 1e-3, fp32 both sides: the server serves exactly what the sharded trainer holds); both
+    ranks generate through it and exit 0, each batch one version behind from step 2. Planted:
+    rank 0 sending its FSDP shards instead of the gathered tensors → the run stops (exit 2 on
+    both ranks)."""
     from grpo_fast.testing import main_on_ranks
 
     vllm, _, _, _ = server
     args = ["--preset", "tiny", "rollout.backend=vllm", "rollout.placement=server",
             f"rollout.server_url={vllm.engine.url}", "sft.steps=0", "eval_every=0", "checkpoint_every=0",
-            "rollout.group_size=4", "rollout.batch_size=16", "train.micro_batch_size=8",
+            "rollout.group_size=4", "rollout.batch_size=16", "train.micro_batch_size=8", "steps=4",
+            "train.parallelism=fsdp", "rollout.max_staleness=1", "rollout.old_logprobs=sampler",
             "data.reward=test_vllm_server:length_reward", "logging.progress=false", "logging.sample_every=0",
-            f"output_dir={tmp_path}", *more]  # fmt: skip
+            f"output_dir={tmp_path}"]  # fmt: skip
     ranks = main_on_ranks(args, tmp_path / "ranks", limit=600)
     assert [r["code"] for r in ranks] == [0, 0], ranks
     rows = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     steps = [r for r in rows if r["step"] > 0]
-    assert len(steps) == int(more[-1].split("=")[1]) and all(r["world_size"] == 2 for r in steps)
+    assert len(steps) == 4 and all(r["world_size"] == 2 for r in steps)
     assert all(r["rollout/weight_sync_abs_diff"] < 1e-3 for r in steps), [
         r["rollout/weight_sync_abs_diff"] for r in steps
     ]
-    if "rollout.max_staleness=1" in more:
-        assert [r["rollout/policy_lag"] for r in steps] == [0.0, 1.0, 1.0, 1.0]
-    else:
-        assert all(r["rollout/logprob_abs_diff"] < 1e-3 for r in steps)  # lockstep: on-policy
+    assert [r["rollout/policy_lag"] for r in steps] == [0.0, 1.0, 1.0, 1.0]
+    assert steps[0]["rollout/logprob_abs_diff"] < 1e-3  # version 0 samples step 1: on-policy
 
 
 def test_the_tiny_preset_trains_against_the_server_and_a_killed_server_stops_it_in_one_line(server, tmp_path):

@@ -33,12 +33,12 @@ from typing import Any, Protocol
 import torch
 
 from grpo_fast.dist import whole_tensor
-from grpo_fast.domains import AUTO
 from grpo_fast.errors import ConfigError, UserError
 from grpo_fast.rollout import multi_turn
 from grpo_fast.rollout.base import BackendContext, BackendSpec, Rollout, SamplingParams
 from grpo_fast.rollout.multi_turn import ToolRollout, Turns
 from grpo_fast.rollout.trajectory import Group, Trajectory
+from grpo_fast.rollout.vllm_apart import engine_apart, shared_server
 from grpo_fast.rollout.vllm_parts import EngineDied as EngineDied  # re-exported: the loop catches these
 from grpo_fast.rollout.vllm_parts import EngineError as EngineError
 from grpo_fast.rollout.vllm_parts import EngineTimeout as EngineTimeout
@@ -712,14 +712,9 @@ def _build(ctx: BackendContext) -> VLLMBackend:
                 "colocated (one engine per rank)"
             )
         if r.placement == "server" and multi:
-            _check_disjoint(r)
-            ranks = RankShare(rank)
-            engine = ranks.attach(
-                lambda: _engine_apart(cfg, path, dtype, lora_rank),
-                lambda url: _follower(cfg, url, dtype),
-            )
+            engine, ranks = shared_server(cfg, path, dtype, lora_rank, rank)
         elif r.placement != "colocated":
-            engine = _engine_apart(cfg, path, dtype, lora_rank)
+            engine = engine_apart(cfg, path, dtype, lora_rank)
         else:
             engine = VLLMEngine(
                 path,
@@ -748,72 +743,6 @@ def _build(ctx: BackendContext) -> VLLMBackend:
         backend.close()
         raise
     return backend
-
-
-def _engine_apart(cfg, path: str, dtype: str, lora_rank: int):
-    """A ``ProcessEngine`` or ``ServerEngine`` (started here, or attached at ``rollout.server_url``)."""
-    from grpo_fast.rollout.vllm_transfer import Timeouts, free_port
-
-    r = cfg.rollout
-    timeouts = Timeouts(start=r.start_timeout, request=r.request_timeout, sync=r.sync_timeout)
-    common = dict(
-        max_model_len=r.max_prompt_tokens + multi_turn.max_response_tokens(r), seed=cfg.seed, dtype=dtype
-    )
-    memory = 0.9 if r.gpu_memory_utilization == AUTO else float(r.gpu_memory_utilization)
-    devices = None if r.engine_devices is None else list(r.engine_devices)
-    if r.placement == "process":
-        from grpo_fast.rollout.vllm_process import ProcessEngine
-
-        return ProcessEngine(path, timeouts=timeouts, gpu_memory_utilization=memory, extra_args=dict(r.vllm_kwargs),
-                             lora_rank=lora_rank, weight_transfer=r.weight_transfer, devices=devices, **common)  # fmt: skip
-    from grpo_fast.rollout.vllm_server import ServerEngine, server_command, start_server
-
-    process = None
-    if r.server_url is None:
-        port = free_port()
-        command = server_command(path, port, gpu_memory_utilization=memory, lora_rank=lora_rank, devices=devices,
-                                 weight_transfer=r.weight_transfer, extra_args=dict(r.vllm_kwargs),
-                                 cpu=not torch.cuda.is_available(), **common)  # fmt: skip
-        process = start_server(
-            command,
-            port,
-            Path(cfg.output_dir) / "vllm_server.log",
-            timeouts,
-            lora=bool(lora_rank),
-            devices=devices,
-        )
-    try:
-        return ServerEngine(process.url if process else r.server_url, timeouts=timeouts, dtype=dtype, process=process,
-                            weight_transfer=r.weight_transfer)  # fmt: skip
-    except BaseException:
-        if process is not None:
-            process.stop()
-        raise
-
-
-def _check_disjoint(r) -> None:
-    """Under torchrun on GPUs, a server the run starts takes GPUs no trainer rank uses: local
-    rank i trains on GPU i (``grpo_fast.dist.init``)."""
-    if r.server_url is not None or not torch.cuda.is_available():
-        return
-    trainers = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
-    shared = sorted(set(r.engine_devices or [0]) & set(range(trainers)))
-    if shared:
-        raise ConfigError(
-            f"rollout.engine_devices={list(r.engine_devices or [])} puts the vLLM server on GPU(s) {shared}, which "
-            f"the {trainers} trainer ranks use (local rank i trains on GPU i): give it GPUs of its own, "
-            f"e.g. rollout.engine_devices=[{trainers}]"
-        )
-
-
-def _follower(cfg, url: str, dtype: str):
-    """A trainer rank's view of the server rank 0 started or attached to (``vllm_ranks``)."""
-    from grpo_fast.rollout.vllm_server import ServerEngine
-    from grpo_fast.rollout.vllm_transfer import Timeouts
-
-    r = cfg.rollout
-    timeouts = Timeouts(start=r.start_timeout, request=r.request_timeout, sync=r.sync_timeout)
-    return ServerEngine(url, timeouts=timeouts, dtype=dtype, weight_transfer=r.weight_transfer, follower=True)
 
 
 def _check_config(cfg) -> None:
