@@ -12,7 +12,8 @@ TORCH_VERSION ?= 2.13.0
 ARGS ?=
 PYTEST_ARGS ?=
 # One worker per core of CI's 2-core machine (tests/conftest.py gives each one OpenMP thread);
-# loadgroup keeps the tests that share a module fixture (xdist_group marks) on one worker.
+# loadgroup keeps the tests that share a fixture on one worker (xdist_group marks; tests/conftest.py
+# adds one for each module's module-scoped fixtures).
 PYTEST_WORKERS ?= 2
 PYTEST_XDIST := -n $(PYTEST_WORKERS) --dist loadgroup
 

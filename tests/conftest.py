@@ -32,7 +32,7 @@ from run_folders import stat_tree  # tests/run_folders.py (pytest puts tests/ on
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-from grpo_fast.testing import skip_unrunnable_items  # after TRITON_INTERPRET is set
+from grpo_fast.testing import group_module_fixtures, skip_unrunnable_items  # after TRITON_INTERPRET is set
 
 REPO = Path(__file__).resolve().parents[1]
 USER_RUNS = REPO / "runs"  # where `make run` and every preset's output_dir write, relative to the checkout
@@ -44,10 +44,12 @@ if XDIST_WORKER:
     torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
 
 
+@pytest.hookimpl(tryfirst=True)  # before pytest-xdist's, which reads the xdist_group marks
 def pytest_collection_modifyitems(config, items):
     skip_unrunnable_items(items)
     if XDIST_WORKER:  # every worker must collect the same order; sort is stable
         items.sort(key=lambda item: "slow" not in item.keywords)
+        group_module_fixtures(items)
 
 
 # The timing history of grpo_fast.obs.eta lives in $XDG_CACHE_HOME/grpo_fast: the runs the tests
@@ -107,6 +109,30 @@ def pytest_sessionfinish(session, exitstatus):
             f"{', '.join(changed[:5])}{' ...' if len(changed) > 5 else ''}); a test must run in its own folder\n"
         )
         session.exitstatus = pytest.ExitCode.TESTS_FAILED
+
+
+@pytest.fixture(scope="session")
+def tiny_preset_run(tmp_path_factory) -> Path:
+    """The README's main job as a user starts it (``--preset tiny``: seed 0, the hf sampler,
+    lockstep), run once on the worker that needs it: its output folder. Two tests read it:
+    test_train's learning bar and test_pipeline's staleness-1 comparison, which ran the same
+    command each (~150 s of a worker on CI's machine); both carry ``xdist_group("tiny_preset")``,
+    so they land on one worker."""
+    import subprocess
+
+    out = tmp_path_factory.mktemp("tiny_preset") / "run"
+    cmd = [
+        sys.executable,
+        "-m",
+        "grpo_fast.train",
+        "--preset",
+        "tiny",
+        f"output_dir={out}",
+        "logging.progress=false",
+    ]
+    res = subprocess.run(cmd, capture_output=True, text=True, timeout=1800)
+    assert res.returncode == 0, res.stderr[-2000:]
+    return out
 
 
 @pytest.fixture(autouse=True)
