@@ -264,6 +264,57 @@ def test_a_stale_batch_on_one_rank_is_refused_on_every_rank(tmp_path):
     assert lags == {1: 0.0, 2: 1.0, 3: 0.0, 4: 1.0, 5: 1.0}
 
 
+def rank_1_stalls_at_step_3(rank: int) -> None:
+    """Every rank: torch's default process-group timeout cut to 6 s (below the test's
+    rollout.request_timeout of 12 s, as NCCL's 10 min is below the default 60 min); rank 1:
+    step 3's batch takes 40 s (a producer stuck in a rollout)."""
+    from datetime import timedelta
+
+    import torch.distributed.distributed_c10d as c10d
+
+    c10d._get_default_timeout = lambda backend: timedelta(seconds=6)
+    if rank == 1:
+        real = pipeline.produce
+
+        def stuck(side, cfg, task, world, device, job, progress):
+            if job.step == 3:
+                time.sleep(40)
+            return real(side, cfg, task, world, device, job, progress)
+
+        pipeline.produce = stuck
+
+
+@pytest.mark.slow
+@pytest.mark.xdist_group("two_ranks")  # one 2-rank run at a time on the 2 cores
+def test_a_late_batch_on_one_rank_stops_every_rank_at_request_timeout(tmp_path):
+    """2 ranks; rank 1's producer stalls at step 3. Rank 1 stops at rollout.request_timeout (12 s)
+    while rank 0 waits for it in the ranks' agreement on the batch, which outlasts that bound: both
+    exit 2 with the one line (rank 0's names rank 1) and step 2's checkpoint. Planted: the
+    agreement on the trainers' process group (whose timeout, here 6 s, ends rank 0's wait first)
+    → rank 0 dies with torch's timeout error."""
+    from grpo_fast.testing import main_on_ranks
+
+    args = [
+        *QUICK,
+        *S1,
+        "steps=5",
+        "checkpoint_every=1",
+        "rollout.request_timeout=12",
+        f"output_dir={tmp_path}",
+    ]
+    ranks = main_on_ranks(args, tmp_path / "ranks", limit=120, setup="test_pipeline:rank_1_stalls_at_step_3")
+    where = tmp_path / "checkpoints" / "step_000002"
+    late = (
+        "the rollout producer did not deliver step 3's batch within rollout.request_timeout=12 s (it was "
+        "producing step 3's batch) (during step 3's rollout)"
+    )
+    tail = f": checkpoint {where} of step 2 is there; resume=true continues from there"
+    assert ranks == [
+        {"code": 2, "last": f"error: rank 1: {late}{tail}"},
+        {"code": 2, "last": f"error: {late}{tail}"},
+    ], ranks
+
+
 def test_a_backend_that_never_takes_its_weights_stops_the_run_in_one_line(tmp_path, monkeypatch, capsys):
     """Every batch from step 3 on claims version 0, the regenerated one too: the run stops, step
     2's checkpoint written. Planted: a second refusal accepted → the run trains on."""

@@ -38,7 +38,8 @@ the versions they sample with (older than the checkpoint's own: at most S copies
 sampler as it was before the first of them drew. A resume generates them again from there.
 
 **Under torchrun** each rank runs its producer on its share of the prompts; the trainers agree on
-each batch (``_collect``: one all-reduce of the lag, so that every rank refuses a stale batch
+each batch (``_collect``: one all-reduce of the lag, on a gloo group whose timeout outlasts
+``rollout.request_timeout``, so that every rank refuses a stale batch
 together, and of a failure flag, so that a producer that failed on one rank stops every rank, an
 engine's failure with the step's checkpoint written by all). A checkpoint keeps a job until the
 trainers agreed on its batch. One vLLM server for all ranks: ``EngineProducer`` (the producers
@@ -61,7 +62,6 @@ from datetime import timedelta
 
 import torch
 
-from grpo_fast import dist
 from grpo_fast import threads as cpu_threads
 from grpo_fast.errors import ConfigError, EngineError, EngineTimeout, Preempted, TrainingStopped
 from grpo_fast.loop import preempt
@@ -192,6 +192,14 @@ class Pipeline:
             backend, run.rollout.sampler, run.rollout.pass_rates, run.rollout.prompts_per_rank
         )
         self.thread = threading.Thread(target=self._loop, name="grpo_fast-producer", daemon=True)
+        # Under torchrun the trainers agree on each batch (_collect) over a gloo group of their own
+        # whose timeout outlasts rollout.request_timeout: a rank whose producer is late stops at its
+        # own bound, with one line on every rank, before the others' wait meets the process group's
+        # timeout (torch's default: 10 min on NCCL, 30 min on gloo; request_timeout's: 60 min).
+        self.agree = None
+        if run.world.enabled:
+            limit = timedelta(seconds=run.cfg.rollout.request_timeout + 60)
+            self.agree = torch.distributed.new_group(backend="gloo", timeout=limit)
 
     # ------------------------------------------------------------------ the trainer's side
 
@@ -300,10 +308,15 @@ class Pipeline:
         if not self.run.world.enabled:
             self._taken(step)
             return produced, lag, newest
-        failed, lag, newest = dist.all_reduce_max([float(error is not None), lag, newest], self.run.device)
+        flags = torch.tensor([float(error is not None), lag, newest], dtype=torch.float64)
+        torch.distributed.all_reduce(flags, op=torch.distributed.ReduceOp.MAX, group=self.agree)
+        failed, lag, newest = flags.tolist()
         if failed:
-            errors = dist.all_gather_objects(
-                None if error is None else (isinstance(error, EngineError), str(error))
+            errors = [None] * self.run.world.world_size
+            torch.distributed.all_gather_object(
+                errors,
+                None if error is None else (isinstance(error, EngineError), str(error)),
+                group=self.agree,
             )
             if error is not None:
                 raise error
