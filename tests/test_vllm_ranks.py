@@ -14,6 +14,7 @@ import json
 from pathlib import Path
 
 import pytest
+import test_vllm_apart
 import torch
 from fake_vllm_server import FakeVLLMServer
 
@@ -21,22 +22,8 @@ from grpo_fast.errors import ConfigError
 from grpo_fast.policy.checkpoint import STATE_FILE
 from grpo_fast.testing import main_on_ranks
 
-RUN = [
-    "--preset",
-    "tiny",
-    "sft.steps=0",
-    "eval_every=0",
-    "checkpoint_every=0",
-    "steps=2",
-    "rollout.group_size=4",
-    "rollout.batch_size=16",  # 4 prompts: 2 per rank
-    "train.micro_batch_size=8",
-    "logging.progress=false",
-    "logging.sample_every=0",
-    "rollout.backend=vllm",
-    "rollout.placement=server",
-    "rollout.weight_sync_tolerance=100",  # the FAKE server's log-probs are canned
-]
+# The 1-rank runs' arguments (tests/test_vllm_apart.py), 4 prompts a step: 2 per rank.
+RUN = [*test_vllm_apart.RUN, "steps=2", "rollout.batch_size=16"]
 
 
 def lift_the_vllm_check(rank: int) -> None:
