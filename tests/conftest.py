@@ -118,19 +118,10 @@ def tiny_preset_run(tmp_path_factory) -> Path:
     test_train's learning bar and test_pipeline's staleness-1 comparison, which ran the same
     command each (~150 s of a worker on CI's machine); both carry ``xdist_group("tiny_preset")``,
     so they land on one worker."""
-    import subprocess
+    from test_train import _cli  # `python -m grpo_fast.train --preset tiny ...`
 
     out = tmp_path_factory.mktemp("tiny_preset") / "run"
-    cmd = [
-        sys.executable,
-        "-m",
-        "grpo_fast.train",
-        "--preset",
-        "tiny",
-        f"output_dir={out}",
-        "logging.progress=false",
-    ]
-    res = subprocess.run(cmd, capture_output=True, text=True, timeout=1800)
+    res = _cli("tiny", f"output_dir={out}", "logging.progress=false", timeout=1800)
     assert res.returncode == 0, res.stderr[-2000:]
     return out
 

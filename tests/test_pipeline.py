@@ -640,17 +640,10 @@ def test_staleness_one_learns_as_well_as_lockstep(tmp_path, tiny_preset_run):
     than lockstep's gain minus 0.05 (issue 32's bar, "learns as well as lockstep"). One-sided: a
     stale run that learns more is not a defect, and lockstep's own gain moves by more than 0.05
     between seeds (seeds 0, 1, 2: 0.454, 0.480, 0.534; staleness 1: 0.510, 0.494, 0.494)."""
+    from test_train import _cli
+
     out = tmp_path / "stale1"
-    cmd = [
-        sys.executable,
-        "-m",
-        "grpo_fast.train",
-        "--preset",
-        "tiny",
-        f"output_dir={out}",
-        "logging.progress=false",
-    ]
-    res = subprocess.run([*cmd, *S1], capture_output=True, text=True, timeout=3600)
+    res = _cli("tiny", f"output_dir={out}", "logging.progress=false", *S1, timeout=3600)
     assert res.returncode == 0, res.stderr[-2000:]
     gains = {}
     for name, run in (("lockstep", tiny_preset_run), ("stale1", out)):
