@@ -11,7 +11,7 @@ over HTTP from a server run with ``VLLM_SERVER_DEV_MODE=1``):
 
 - ``update_weights({"path": FILE})``: FILE is a safetensors file the trainer wrote into
   ``/dev/shm`` (``grpo_fast.rollout.vllm_transfer.ShmTransport``); its tensors, under Hugging
-  Face names, are loaded with vLLM's layerwise reload (``grpo_fast.rollout.vllm.WeightReload``,
+  Face names, are loaded with vLLM's layerwise reload (``grpo_fast.rollout.vllm_parts.WeightReload``,
   which also repacks a tied ``lm_head`` on CPU). A sync may send several files, one per chunk.
 - ``start_weight_update`` / ``finish_weight_update``: open and close the layerwise reload.
 

@@ -267,7 +267,7 @@ class ProcessEngine:
     def update_weight_version(self, weight_version: str, deadline: Deadline) -> None:
         self._run(self.llm.update_weight_version(weight_version), deadline, "update_weight_version")
 
-    # -- the Engine boundary (grpo_fast.rollout.vllm.Engine) --
+    # -- the Engine boundary (grpo_fast.rollout.vllm_engine.Engine) --
 
     def load_weights(
         self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int | None = None

@@ -325,7 +325,7 @@ class ServerEngine:
             "/update_weight_version", {"new_version": weight_version}, deadline, "POST /update_weight_version"
         )
 
-    # -- the Engine boundary (grpo_fast.rollout.vllm.Engine) --
+    # -- the Engine boundary (grpo_fast.rollout.vllm_engine.Engine) --
 
     def load_weights(
         self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int | None = None
