@@ -552,6 +552,7 @@ def rollout_phase_run(cfg, task, backend, *, logger=None, beta: float = 0.0):
         logger=logger,
         trainer=SimpleNamespace(state=SimpleNamespace(beta=beta)),
         generation_weights=contextlib.nullcontext,  # unsharded: nothing to gather
+        agree=None,  # one rank: no agreement group (grpo_fast.loop.agreement)
     )
 
 

@@ -179,7 +179,8 @@ def lockstep(run: Run, progress: PhaseProgress) -> None:
     for step in range(run.trainer.state.step + 1, run.cfg.steps + 1):
         t0 = time.perf_counter()
         reset_peak_memory(run.device)
-        with stop_within(run, step - 1, f"step {step}'s rollout"):  # a signal: step - 1's checkpoint
+        # a signal, or a failed engine (on any rank: every rank together): step - 1's checkpoint
+        with stop_within(run, step - 1, f"step {step}'s rollout", together=True):
             batch = rollout_phase(run, step, progress)
         # sp groups train their ranks' batches together (loop/sp_group.py); the metrics are each rank's own
         result = optimization_phase(run, step, sp_group.share_batch(run, batch), progress)

@@ -209,6 +209,19 @@ def test_staleness_one_on_two_ranks_pushes_each_version_once_from_rank_0_s_produ
 
 def rank_1_server_dies_at_its_third_batch(rank: int) -> None:
     """On rank 1 only: its third generation (step 3's batch) finds the server dead."""
+    _rank_1_server_dies_at(rank, 3)
+
+
+def rank_1_server_dies_at_step_2_s_evaluation(rank: int) -> None:
+    """On rank 1 only, ``eval_every=2``: its fourth generation (after step 0's evaluation and
+    steps 1-2's batches: step 2's evaluation) finds the server dead."""
+    _rank_1_server_dies_at(rank, 4)
+
+
+DEAD = "the vLLM server at http://127.0.0.1:1 stopped answering during POST /inference/v1/generate (planted)"
+
+
+def _rank_1_server_dies_at(rank: int, nth: int) -> None:
     lift_the_vllm_check(rank)
     if rank != 1:
         return
@@ -219,10 +232,8 @@ def rank_1_server_dies_at_its_third_batch(rank: int) -> None:
 
     def dying(self, prompt_ids, params, progress=None):
         calls.append(1)
-        if len(calls) == 3:
-            raise EngineDied(
-                "the vLLM server at http://127.0.0.1:1 stopped answering during POST /inference/v1/generate (planted)"
-            )
+        if len(calls) == nth:
+            raise EngineDied(DEAD)
         return real(self, prompt_ids, params, progress=progress)
 
     VLLMBackend.generate = dying
@@ -245,9 +256,7 @@ def test_a_producer_that_fails_on_one_rank_stops_both_with_the_checkpoint(tmp_pa
             setup="test_vllm_ranks:rank_1_server_dies_at_its_third_batch",
         )
     where = tmp_path / "checkpoints" / "step_000002"
-    what = (
-        "the vLLM server at http://127.0.0.1:1 stopped answering during POST /inference/v1/generate (planted)"
-    )
+    what = DEAD
     tail = (
         f"(during step 3's rollout): checkpoint {where} of step 2 written; resume=true continues from there"
     )
@@ -257,3 +266,77 @@ def test_a_producer_that_fails_on_one_rank_stops_both_with_the_checkpoint(tmp_pa
     assert (where / STATE_FILE).is_file()
     jobs = torch.load(where / STATE_FILE, weights_only=False)["pipeline"]["jobs"]
     assert [(j["step"], j["version"]) for j in jobs] == [(3, 1), (4, 2)]
+
+
+@pytest.mark.slow
+@pytest.mark.xdist_group("two_ranks")  # one 2-rank run at a time on the 2 cores
+def test_a_lockstep_rollout_that_fails_on_one_rank_stops_both_with_the_checkpoint_and_resumes(tmp_path):
+    """Lockstep (no pipeline) on 2 ranks: rank 1's generation finds the server dead at step 3,
+    rank 0's does not. The ranks agree after each production round (``grpo_fast.loop.agreement``):
+    both stop at step 3's rollout — rank 1 with its error, rank 0 with it under rank 1's name —
+    after writing step 2's checkpoint together; resumed against a healthy server both train step
+    3, rank 0 sending the very request it sent before the stop (its prompts and seed: the sampler
+    and RNG streams put back as they were when step 3's rollout began). Planted: no agreement →
+    rank 0 waits in the pass-rate gather while rank 1 exits: the ranks never finish; the
+    sampler not put back → rank 0's resumed request differs."""
+    args = [*RUN, "steps=3", f"output_dir={tmp_path}"]
+    with FakeVLLMServer() as fake:
+        ranks = _two_ranks(
+            [*args, f"rollout.server_url={fake.url}"],
+            tmp_path / "a",
+            setup="test_vllm_ranks:rank_1_server_dies_at_its_third_batch",
+        )
+    stopped, _ = _generations(fake)
+    where = tmp_path / "checkpoints" / "step_000002"
+    what = DEAD
+    tail = (
+        f"(during step 3's rollout): checkpoint {where} of step 2 written; resume=true continues from there"
+    )
+    assert [r["code"] for r in ranks] == [2, 2], ranks
+    assert ranks[0]["last"] == f"error: rank 1: {what} {tail}", ranks
+    assert ranks[1]["last"] == f"error: {what} {tail}", ranks
+    assert (where / STATE_FILE).is_file()
+    assert [r["step"] for r in _rows(tmp_path) if r["step"] >= 1] == [1, 2]
+    assert len(stopped) == 10  # a request a prompt, 2 prompts a rank: steps 1-2 on both, step 3 on rank 0
+    with FakeVLLMServer() as fake:
+        ranks = _two_ranks([*args, f"rollout.server_url={fake.url}", "resume=true"], tmp_path / "b")
+    assert [r["code"] for r in ranks] == [0, 0], ranks
+    resumed = [_without_id(b) for b in _generations(fake)[0]]
+    assert len(resumed) == 4  # step 3's, both ranks
+    for body in stopped[-2:]:  # rank 0's step-3 requests, as before the stop: prompts, seeds
+        assert _without_id(body) in resumed
+    assert [r["step"] for r in _rows(tmp_path) if r["step"] >= 1] == [1, 2, 3]
+
+
+def _without_id(body: dict) -> dict:
+    """A sampling request without its ``request_id`` (a fresh one for every request)."""
+    return {k: v for k, v in body.items() if k != "request_id"}
+
+
+@pytest.mark.slow
+@pytest.mark.xdist_group("two_ranks")  # one 2-rank run at a time on the 2 cores
+def test_an_evaluation_that_fails_on_one_rank_stops_both_with_the_step_s_checkpoint(tmp_path):
+    """Under FSDP, rank 1's share of step 2's evaluation finds the server dead, rank 0's does not:
+    the ranks agree once each graded its share, before the evaluation's sums, so both stop with
+    step 2's row (without the evaluation) and its checkpoint, written together (a collective save
+    under FSDP). Planted: no agreement (``evaluate`` without ``graded``) → rank 0 waits in the sums
+    while rank 1 saves: the ranks never finish."""
+    args = [*RUN, "eval_every=2", "train.parallelism=fsdp", f"output_dir={tmp_path}"]
+    with FakeVLLMServer() as fake:
+        ranks = _two_ranks(
+            [*args, f"rollout.server_url={fake.url}"],
+            tmp_path / "a",
+            setup="test_vllm_ranks:rank_1_server_dies_at_step_2_s_evaluation",
+        )
+    where = tmp_path / "checkpoints" / "step_000002"
+    tail = (
+        f"(during step 2's evaluation (the step's row has none)): checkpoint {where} of step 2 written; "
+        "resume=true continues from there"
+    )
+    assert [r["code"] for r in ranks] == [2, 2], ranks
+    assert ranks[0]["last"] == f"error: rank 1: {DEAD} {tail}", ranks
+    assert ranks[1]["last"] == f"error: {DEAD} {tail}", ranks
+    assert (where / STATE_FILE).is_file()
+    rows = _rows(tmp_path)
+    assert [r["step"] for r in rows] == [0, 1, 2]
+    assert "eval/accuracy" in rows[0] and "eval/accuracy" not in rows[2]

@@ -129,15 +129,18 @@ def restore(run: Run, path: Path) -> None:
 
 
 @contextlib.contextmanager
-def stop_within(run: Run, step: int, what: str):
+def stop_within(run: Run, step: int, what: str, together: bool = False):
     """A phase after step ``step`` that changes no weights (``what``: "step 8's rollout", "the
     evaluation before GRPO"), stopped by a signal at the end of its current unit
     (``preempt.Interrupt``, one process only) or by a rollout engine apart from the trainer that
     died or did not answer in time (``EngineError``): the sampler's position, the RNG streams and
     the pass rates — all such a phase changes — are put back as they were when it began, the
     checkpoint of ``step`` is written if it is not there, and ``Preempted`` (``TrainingStopped``)
-    says which."""
-    if run.world.enabled:  # data parallel: the step runs to its end (grpo_fast.loop.preempt)
+    says which. Under torchrun a signal lets the step run to its end (``grpo_fast.loop.preempt``),
+    and an engine's failure is handled so only in a phase whose ranks raise it ``together`` (the
+    lockstep rollout's agreement, ``grpo_fast.loop.agreement``): the checkpoint's save is a
+    collective; elsewhere it propagates as it is."""
+    if run.world.enabled and not together:
         yield
         return
     sampler, rng = run.rollout.sampler.state_dict(), ckpt.rng_state()

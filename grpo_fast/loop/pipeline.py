@@ -38,10 +38,9 @@ the versions they sample with (older than the checkpoint's own: at most S copies
 sampler as it was before the first of them drew. A resume generates them again from there.
 
 **Under torchrun** each rank runs its producer on its share of the prompts; the trainers agree on
-each batch (``_collect``: one all-reduce of the lag, on a gloo group whose timeout outlasts
-``rollout.request_timeout``, so that every rank refuses a stale batch
+each batch (``_collect``: one all-reduce of the lag, so that every rank refuses a stale batch
 together, and of a failure flag, so that a producer that failed on one rank stops every rank, an
-engine's failure with the step's checkpoint written by all). A checkpoint keeps a job until the
+engine's failure with the step's checkpoint written by all: ``grpo_fast.loop.agreement``). A checkpoint keeps a job until the
 trainers agreed on its batch. One vLLM server for all ranks: ``EngineProducer`` (the producers
 push over a group of their own, ``grpo_fast.rollout.vllm_ranks``). The hf producers sample from
 a whole copy of the policy: refused under FSDP.
@@ -65,6 +64,7 @@ import torch
 from grpo_fast import threads as cpu_threads
 from grpo_fast.errors import ConfigError, EngineError, EngineTimeout, Preempted, TrainingStopped
 from grpo_fast.loop import preempt
+from grpo_fast.loop.agreement import agree
 from grpo_fast.loop.checkpointing import resume_point
 from grpo_fast.loop.optimization import optimization_phase
 from grpo_fast.loop.producer import Production, produce
@@ -192,14 +192,6 @@ class Pipeline:
             backend, run.rollout.sampler, run.rollout.pass_rates, run.rollout.prompts_per_rank
         )
         self.thread = threading.Thread(target=self._loop, name="grpo_fast-producer", daemon=True)
-        # Under torchrun the trainers agree on each batch (_collect) over a gloo group of their own
-        # whose timeout outlasts rollout.request_timeout: a rank whose producer is late stops at its
-        # own bound, with one line on every rank, before the others' wait meets the process group's
-        # timeout (torch's default: 10 min on NCCL, 30 min on gloo; request_timeout's: 60 min).
-        self.agree = None
-        if run.world.enabled:
-            limit = timedelta(seconds=run.cfg.rollout.request_timeout + 60)
-            self.agree = torch.distributed.new_group(backend="gloo", timeout=limit)
 
     # ------------------------------------------------------------------ the trainer's side
 
@@ -300,30 +292,10 @@ class Pipeline:
         the step's checkpoint together)."""
         try:
             produced, error = self._wait_for(step), None
-        except BaseException as exc:
-            if not self.run.world.enabled:
-                raise
+        except BaseException as exc:  # every rank raises together (agreement.agree)
             produced, error = None, exc
         lag, newest = self._lag(step, produced.rollout) if produced is not None else (0, 0)
-        if not self.run.world.enabled:
-            self._taken(step)
-            return produced, lag, newest
-        flags = torch.tensor([float(error is not None), lag, newest], dtype=torch.float64)
-        torch.distributed.all_reduce(flags, op=torch.distributed.ReduceOp.MAX, group=self.agree)
-        failed, lag, newest = flags.tolist()
-        if failed:
-            errors = [None] * self.run.world.world_size
-            torch.distributed.all_gather_object(
-                errors,
-                None if error is None else (isinstance(error, EngineError), str(error)),
-                group=self.agree,
-            )
-            if error is not None:
-                raise error
-            rank, (engine, words) = next((k, e) for k, e in enumerate(errors) if e is not None)
-            if engine:
-                raise EngineError(f"rank {rank}: {words}")
-            raise TrainingStopped(f"rank {rank}'s rollout producer failed: {words}")
+        lag, newest = agree(self.run.agree, self.run.world, error, [lag, newest], "rollout producer")
         self._taken(step)
         return produced, int(lag), int(newest)
 

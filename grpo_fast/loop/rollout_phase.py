@@ -3,15 +3,16 @@ then what needs the other ranks or the trainer — the finalize: pass rates, dyn
 round count, reward shaping, the KL in the reward, group-normalized advantages.
 
 The step decides the temperature (the health monitor's boost, rank 0's on every rank), then asks
-the producer for a round of groups; after each round every rank's groups enter the pass-rate
-table (one gather), and with ``rollout.dynamic_sampling`` (DAPO) the groups whose task rewards
-are all equal are dropped and another round is asked for, for at most
-``rollout.max_sampling_rounds`` rounds, until every rank has its share of ``rollout.batch_size``
-responses from informative groups (the reward shaping terms, overlong and KL, do not count:
-they would make every group look informative). With ``rollout.adaptive_group_size`` each
-prompt's group size comes from its pass rate. The shaping terms (overlong, tool errors, KL) are
-added to the kept responses' rewards, then the advantages are normalized over the kept groups;
-each trajectory carries its reward and advantage from here on.
+the producer for a round of groups; under torchrun the ranks agree that each did its round
+(``grpo_fast.loop.agreement``: a rank whose generation failed stops every rank, together); after
+each round every rank's groups enter the pass-rate table (one gather), and with
+``rollout.dynamic_sampling`` (DAPO) the groups whose task rewards are all equal are dropped and
+another round is asked for, for at most ``rollout.max_sampling_rounds`` rounds, until every rank
+has its share of ``rollout.batch_size`` responses from informative groups (the reward shaping
+terms, overlong and KL, do not count: they would make every group look informative). With
+``rollout.adaptive_group_size`` each prompt's group size comes from its pass rate. The shaping
+terms (overlong, tool errors, KL) are added to the kept responses' rewards, then the advantages
+are normalized over the kept groups; each trajectory carries its reward and advantage from here on.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from grpo_fast.algo.advantages import (
     normalize_group_rewards,
     overlong_penalty,
 )
+from grpo_fast.loop.agreement import agree
 from grpo_fast.loop.optimization import response_kl_k1
 from grpo_fast.loop.producer import Production, produce
 from grpo_fast.loop.state import Run
@@ -177,7 +179,11 @@ def _sample_groups(run: Run, step: int, temperature: float, reward_fn, progress)
     have = generated_groups = dropped_groups = 0
     for round_ in range(rounds):
         job = Production(step, round_, temperature, reward_fn)
-        part = produce(run.rollout, run.cfg, run.task, run.world, run.device, job, progress)
+        try:
+            part, error = produce(run.rollout, run.cfg, run.task, run.world, run.device, job, progress), None
+        except BaseException as exc:  # under torchrun every rank raises together: grpo_fast.loop.agreement
+            part, error = None, exc
+        agree(run.agree, run.world, error)
         record_pass_rates(run, part)
         generated_groups += len(part.groups)
         informative = informative_groups(task_rewards(part), part.sizes)

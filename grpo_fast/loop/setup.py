@@ -23,6 +23,7 @@ from grpo_fast.algo.difficulty import PassRateTable
 from grpo_fast.algo.prompt_sampler import PromptSampler
 from grpo_fast.config import Config
 from grpo_fast.errors import ConfigError
+from grpo_fast.loop import agreement
 from grpo_fast.loop.checkpointing import restore, stop_within
 from grpo_fast.loop.optim import build_optimizer, build_scheduler
 from grpo_fast.loop.sft import sft_warm_start
@@ -118,7 +119,8 @@ def setup(cfg: Config, device: torch.device, world: dist.DistInfo, out: Path, en
 
     model_row = _announce_trainable(run)
     if run.trainer.state.step == 0 and cfg.eval_every and run.eval_subset and not logger.has_row(0):
-        with stop_within(run, 0, "the evaluation before GRPO"):  # a signal: the warm start kept
+        # a signal, or a failed engine (on any rank: every rank together): the warm start kept
+        with stop_within(run, 0, "the evaluation before GRPO", together=True):
             row = evaluate_run(run, 0, full=False)
         logger.log(0, {**row, "sft/steps": sft_steps, "world_size": world.world_size, **model_row})
         logger.event(f"step 0 (before GRPO): eval/accuracy {row['eval/accuracy']:.3f}")
@@ -257,6 +259,7 @@ def _build_run(cfg, device, world, out, logger, task, tokenizer, model, amp) -> 
         rollout=RolloutSide(backend=None, sampler=sampler, pass_rates=pass_rates),
         health=HealthMonitor(HealthThresholds(**thresholds)),
         eval_subset=task.eval_subset(cfg.data.eval_subset_size, cfg.seed),
+        agree=agreement.make_group(world, cfg.rollout.request_timeout),
     )
 
 

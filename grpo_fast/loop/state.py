@@ -181,6 +181,9 @@ class Run:
     # the pipeline while a pipelined run trains (grpo_fast.loop.pipeline.Pipeline): what its
     # checkpoints record of the producer's side; None in lockstep
     pipeline: object | None = None
+    # under torchrun, the gloo group the ranks agree on each unit of rollout work over
+    # (grpo_fast.loop.agreement); None in a world of one
+    agree: object | None = None
 
     @property
     def ckpt_root(self) -> Path:

@@ -19,6 +19,7 @@ import torch
 from grpo_fast import dist, threads
 from grpo_fast.errors import EngineError, Preempted, TrainingStopped
 from grpo_fast.loop import preempt
+from grpo_fast.loop.agreement import agree
 from grpo_fast.loop.checkpointing import engine_stopped, save_checkpoint
 from grpo_fast.loop.state import Run
 from grpo_fast.obs.metrics import PhaseProgress
@@ -38,7 +39,14 @@ def evaluate_run(run: Run, step: int, full: bool, progress: PhaseProgress | None
     advance = preempt.unit_callback(progress.advance_phase if progress is not None else None)
     with run.generation_weights(), preempt.rewards_abandonable():  # a reward that hangs: Interrupt
         metrics, records = evaluate(
-            run.eval_backend(), run.task, examples, run.cfg, run.device, world=run.world, progress=advance
+            run.eval_backend(),
+            run.task,
+            examples,
+            run.cfg,
+            run.device,
+            world=run.world,
+            progress=advance,
+            graded=lambda error: agree(run.agree, run.world, error, what="evaluation"),  # every rank together
         )
     if run.world.is_main:
         n = run.cfg.logging.samples_per_dump

@@ -39,33 +39,32 @@ def evaluate(
     device: torch.device,
     world: dist.DistInfo | None = None,
     progress=None,
+    graded=None,
 ):
     """Grade ``examples`` (this rank's share of them under data parallelism).
 
     Returns ``(metrics, records)``: metrics over all ranks; records (prompt, response, ground
-    truth, reward parts, length) for this rank's examples.
+    truth, reward parts, length) for this rank's examples. ``graded``: called on every rank once
+    its share is graded, with what the generation or grading raised (or None), before the ranks'
+    sums; it raises when any rank failed (the loop's agreement, ``grpo_fast.loop.agreement``), so
+    that no rank waits in the sums for one that stopped. Without it an error is raised at once.
     """
     world = world or dist.DistInfo()
     mine = examples[world.dp.rank :: world.dp.size]  # this data-parallel rank's share
     params = sampling_params(cfg.rollout, task.stop, for_eval=True)
     tools = getattr(backend, "tools", None) is not None  # rollout.environment: the turns too
-    records = []
-    if mine:
-        rollout = backend.generate([task.prompt_ids(e) for e in mine], params, progress=progress)
-        backend.sleep()
-        for ex, t in zip(mine, rollout.trajectories):
-            score = task.reward_fn(t.text, ex.answer)
-            records.append(
-                {
-                    "prompt": task.prompt_text(ex),
-                    "response": t.text,
-                    "ground_truth": ex.answer,
-                    **score,
-                    "length": t.num_tokens,
-                    "finish_reason": t.finish_reason,
-                    **(tool_record(t, task.tokenizer) if tools else {}),
-                }
-            )
+    records, error = [], None
+    try:
+        if mine:
+            rollout = backend.generate([task.prompt_ids(e) for e in mine], params, progress=progress)
+            backend.sleep()
+            records = [_record(task, ex, t, tools) for ex, t in zip(mine, rollout.trajectories)]
+    except BaseException as exc:
+        if graded is None:
+            raise
+        error = exc
+    if graded is not None:
+        graded(error)
     acc = sum(rec.get("answer_reward", rec["reward"]) for rec in records)
     fmt = sum(rec.get("format_reward", float("nan")) for rec in records)
     rew = sum(rec["reward"] for rec in records)
@@ -89,6 +88,19 @@ def evaluate(
         calling, calls = dist.all_reduce_sum([calling, calls], device, axis=world.dp)
         metrics.update(tool_call_rate=calling / n, tool_calls_mean=calls / n)
     return metrics, records
+
+
+def _record(task, ex: Example, t, tools: bool) -> dict:
+    """One graded response's sample record (``tools``: with its tool calls and turns)."""
+    return {
+        "prompt": task.prompt_text(ex),
+        "response": t.text,
+        "ground_truth": ex.answer,
+        **task.reward_fn(t.text, ex.answer),
+        "length": t.num_tokens,
+        "finish_reason": t.finish_reason,
+        **(tool_record(t, task.tokenizer) if tools else {}),
+    }
 
 
 def tool_record(t, tokenizer) -> dict:
