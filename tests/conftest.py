@@ -38,6 +38,12 @@ REPO = Path(__file__).resolve().parents[1]
 USER_RUNS = REPO / "runs"  # where `make run` and every preset's output_dir write, relative to the checkout
 _RUNS_BEFORE = pytest.StashKey[dict]()  # stat_tree(USER_RUNS) when the session started
 
+# The tests build their models, tokenizers and data; nothing downloads. The Hugging Face Hub is off
+# for the session and the processes the tests start, so that a preset's Hub dataset fails at once
+# (the dry run's "could not load ... pass a local .jsonl" line) instead of after huggingface_hub's
+# retries on a machine without internet: 23 s of back-off each (measured: a dry run of rtx4090).
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
 XDIST_WORKER = os.environ.get("PYTEST_XDIST_WORKER")  # "gw0", "gw1", ... (unset without -n)
 if XDIST_WORKER:
     os.environ.setdefault("OMP_NUM_THREADS", "1")  # inherited by the processes tests start
@@ -123,6 +129,23 @@ def tiny_preset_run(tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("tiny_preset") / "run"
     res = _cli("tiny", f"output_dir={out}", "logging.progress=false", timeout=1800)
     assert res.returncode == 0, res.stderr[-2000:]
+    return out
+
+
+@pytest.fixture(scope="session")
+def tiny_straight_run(tmp_path_factory) -> Path:
+    """The uninterrupted 10-step tiny run (``test_train._train_cmd``: hf sampler, 40 warm-start
+    steps, an evaluation and a checkpoint every 3 steps) the kill-and-resume tests compare with,
+    run once on the worker that needs it: its output folder, which no test writes to. Read by
+    test_train's SIGKILL test (hf) and test_faults' SIGTERM test, which ran the same command each
+    (~20 s of a worker on CI's machine); both carry ``xdist_group("tiny_straight")``."""
+    import subprocess
+
+    from test_train import _train_cmd
+
+    out = tmp_path_factory.mktemp("tiny_straight") / "run"
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    subprocess.run(_train_cmd(out), check=True, env=env, capture_output=True, timeout=600)
     return out
 
 

@@ -258,24 +258,20 @@ def test_a_signal_checkpoints_the_step_exits_non_zero_and_resume_is_exact(
 
 
 @pytest.mark.slow
-def test_sigterm_then_resume_gives_the_same_metrics(tmp_path):
+@pytest.mark.xdist_group("tiny_straight")  # the straight run is tests/conftest.py's tiny_straight_run
+def test_sigterm_then_resume_gives_the_same_metrics(tmp_path, tiny_straight_run):
     """As tests/test_train.py's SIGKILL test, with SIGTERM: the process checkpoints the step it
     is in, exits with 143 and one line naming the checkpoint; resumed, the metrics and the final
-    weights are those of an uninterrupted run."""
+    weights are those of an uninterrupted run (the same command's, ``tiny_straight_run``)."""
     import signal
     import time
 
+    from test_train import _train_cmd
+
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    cmd = [sys.executable, "-m", "grpo_fast.train", "--preset", "tiny", "steps=10", "sft.steps=40"]
-    cmd += ["eval_every=3", "checkpoint_every=3", "rollout.batch_size=32", "data.eval_subset_size=32"]
-    cmd += ["logging.progress=false"]
-    subprocess.run(
-        [*cmd, f"output_dir={tmp_path / 'straight'}"], check=True, env=env, capture_output=True, timeout=600
-    )
     out = tmp_path / "termed"
-    proc = subprocess.Popen(
-        [*cmd, f"output_dir={out}"], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True
-    )
+    cmd = _train_cmd(out)
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     first = out / "checkpoints" / "step_000003" / "trainer_state.pt"
     deadline = time.time() + 600
     while not first.exists() and proc.poll() is None and time.time() < deadline:
@@ -288,13 +284,11 @@ def test_sigterm_then_resume_gives_the_same_metrics(tmp_path):
     step = int(last.split("/step_")[1][:6])  # the checkpoint it names: the step, or the one before it
     assert 3 <= step < 10 and (out / "checkpoints" / f"step_{step:06d}" / "trainer_state.pt").is_file()
     assert not (out / "final").exists() and not list((out / "checkpoints").glob("*.tmp"))
-    res = subprocess.run(
-        [*cmd, f"output_dir={out}", "resume=true"], env=env, capture_output=True, text=True, timeout=600
-    )
+    res = subprocess.run([*cmd, "resume=true"], env=env, capture_output=True, text=True, timeout=600)
     assert res.returncode == 0, res.stderr[-2000:]
     assert f"resumed from {out / 'checkpoints' / f'step_{step:06d}'}" in res.stderr
-    assert _comparable(out / "metrics.jsonl") == _comparable(tmp_path / "straight" / "metrics.jsonl")
-    assert _same(_weights(out / "final"), _weights(tmp_path / "straight" / "final"))
+    assert _comparable(out / "metrics.jsonl") == _comparable(tiny_straight_run / "metrics.jsonl")
+    assert _same(_weights(out / "final"), _weights(tiny_straight_run / "final"))
 
 
 # ---------------------------------------------------------------------------- failing reward functions

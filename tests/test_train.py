@@ -198,13 +198,18 @@ BACKENDS = ["hf", pytest.param("vllm", marks=pytest.mark.vllm)]
 
 
 @pytest.mark.slow
+@pytest.mark.xdist_group("tiny_straight")  # the hf straight run is tests/conftest.py's tiny_straight_run
 @pytest.mark.parametrize("backend", BACKENDS)
-def test_sigkill_then_resume_gives_the_same_metrics(tmp_path, backend):
+def test_sigkill_then_resume_gives_the_same_metrics(tmp_path, backend, request):
     """With vllm too: its sampling is seeded per (run seed, step, rank), so a resumed run samples
     what the straight run sampled."""
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     cmd = lambda out, *extra: _train_cmd(out, f"rollout.backend={backend}", *extra)
-    subprocess.run(cmd(tmp_path / "straight"), check=True, env=env, capture_output=True, timeout=600)
+    if backend == "hf":  # the default sampler: the shared run of the same command
+        straight = request.getfixturevalue("tiny_straight_run")
+    else:
+        straight = tmp_path / "straight"
+        subprocess.run(cmd(straight), check=True, env=env, capture_output=True, timeout=600)
     killed = tmp_path / "killed"
     proc = subprocess.Popen(cmd(killed), env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     target = killed / "checkpoints" / "step_000006" / "trainer_state.pt"
@@ -217,13 +222,13 @@ def test_sigkill_then_resume_gives_the_same_metrics(tmp_path, backend):
     res = subprocess.run(cmd(killed, "resume=true"), env=env, capture_output=True, text=True, timeout=600)
     assert res.returncode == 0, res.stderr
     assert "resumed from" in res.stderr
-    straight, resumed = _rows(tmp_path / "straight" / "metrics.jsonl"), _rows(killed / "metrics.jsonl")
+    straight_rows, resumed = _rows(straight / "metrics.jsonl"), _rows(killed / "metrics.jsonl")
     assert [r["step"] for r in resumed] == list(range(11))
-    assert _comparable(resumed) == _comparable(straight)
+    assert _comparable(resumed) == _comparable(straight_rows)
     from safetensors.torch import load_file
 
     for (k, v), w in zip(
-        load_file(tmp_path / "straight/final/model.safetensors").items(),
+        load_file(straight / "final/model.safetensors").items(),
         load_file(killed / "final/model.safetensors").values(),
     ):
         assert torch.equal(v, w), k
