@@ -221,6 +221,19 @@ def rank_1_server_dies_at_step_2_s_evaluation(rank: int) -> None:
 DEAD = "the vLLM server at http://127.0.0.1:1 stopped answering during POST /inference/v1/generate (planted)"
 
 
+def _both_stopped(ranks: list[dict], out: Path, during: str) -> Path:
+    """Both ranks exited 2 after rank 1's server died (``DEAD``) during ``during``: rank 1 with
+    its line, rank 0 with it under rank 1's name, each naming step 2's checkpoint, written by
+    both; the checkpoint's folder."""
+    where = out / "checkpoints" / "step_000002"
+    tail = f"(during {during}): checkpoint {where} of step 2 written; resume=true continues from there"
+    assert [r["code"] for r in ranks] == [2, 2], ranks
+    assert ranks[0]["last"] == f"error: rank 1: {DEAD} {tail}", ranks
+    assert ranks[1]["last"] == f"error: {DEAD} {tail}", ranks
+    assert (where / STATE_FILE).is_file()
+    return where
+
+
 def _rank_1_server_dies_at(rank: int, nth: int) -> None:
     lift_the_vllm_check(rank)
     if rank != 1:
@@ -255,15 +268,7 @@ def test_a_producer_that_fails_on_one_rank_stops_both_with_the_checkpoint(tmp_pa
             tmp_path / "a",
             setup="test_vllm_ranks:rank_1_server_dies_at_its_third_batch",
         )
-    where = tmp_path / "checkpoints" / "step_000002"
-    what = DEAD
-    tail = (
-        f"(during step 3's rollout): checkpoint {where} of step 2 written; resume=true continues from there"
-    )
-    assert [r["code"] for r in ranks] == [2, 2], ranks
-    assert ranks[0]["last"] == f"error: rank 1: {what} {tail}", ranks
-    assert ranks[1]["last"] == f"error: {what} {tail}", ranks
-    assert (where / STATE_FILE).is_file()
+    where = _both_stopped(ranks, tmp_path, "step 3's rollout")
     jobs = torch.load(where / STATE_FILE, weights_only=False)["pipeline"]["jobs"]
     assert [(j["step"], j["version"]) for j in jobs] == [(3, 1), (4, 2)]
 
@@ -287,15 +292,7 @@ def test_a_lockstep_rollout_that_fails_on_one_rank_stops_both_with_the_checkpoin
             setup="test_vllm_ranks:rank_1_server_dies_at_its_third_batch",
         )
     stopped, _ = _generations(fake)
-    where = tmp_path / "checkpoints" / "step_000002"
-    what = DEAD
-    tail = (
-        f"(during step 3's rollout): checkpoint {where} of step 2 written; resume=true continues from there"
-    )
-    assert [r["code"] for r in ranks] == [2, 2], ranks
-    assert ranks[0]["last"] == f"error: rank 1: {what} {tail}", ranks
-    assert ranks[1]["last"] == f"error: {what} {tail}", ranks
-    assert (where / STATE_FILE).is_file()
+    _both_stopped(ranks, tmp_path, "step 3's rollout")
     assert [r["step"] for r in _rows(tmp_path) if r["step"] >= 1] == [1, 2]
     assert len(stopped) == 10  # a request a prompt, 2 prompts a rank: steps 1-2 on both, step 3 on rank 0
     with FakeVLLMServer() as fake:
@@ -328,15 +325,7 @@ def test_an_evaluation_that_fails_on_one_rank_stops_both_with_the_step_s_checkpo
             tmp_path / "a",
             setup="test_vllm_ranks:rank_1_server_dies_at_step_2_s_evaluation",
         )
-    where = tmp_path / "checkpoints" / "step_000002"
-    tail = (
-        f"(during step 2's evaluation (the step's row has none)): checkpoint {where} of step 2 written; "
-        "resume=true continues from there"
-    )
-    assert [r["code"] for r in ranks] == [2, 2], ranks
-    assert ranks[0]["last"] == f"error: rank 1: {DEAD} {tail}", ranks
-    assert ranks[1]["last"] == f"error: {DEAD} {tail}", ranks
-    assert (where / STATE_FILE).is_file()
+    _both_stopped(ranks, tmp_path, "step 2's evaluation (the step's row has none)")
     rows = _rows(tmp_path)
     assert [r["step"] for r in rows] == [0, 1, 2]
     assert "eval/accuracy" in rows[0] and "eval/accuracy" not in rows[2]
