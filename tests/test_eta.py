@@ -12,6 +12,7 @@ import json
 import os
 import signal
 import statistics
+import types
 from pathlib import Path
 
 import pytest
@@ -27,6 +28,24 @@ from grpo_fast.train import main
 
 CPU = torch.device("cpu")
 TODAY = datetime.date.today().isoformat()
+
+
+class _Today(datetime.date):
+    """``datetime.date`` whose today is ``TODAY``, the day this module was loaded."""
+
+    @classmethod
+    def today(cls):
+        return cls.fromisoformat(TODAY)
+
+
+@pytest.fixture(autouse=True)
+def _one_day(monkeypatch):
+    """The history records the day of each run (``eta.record_run``): here always ``TODAY``, so
+    that a suite that crosses midnight between loading this module and a run's end compares the
+    same day (CI at 00:06 UTC: "2026-12-05" recorded against "2026-12-04")."""
+    monkeypatch.setattr(eta, "datetime", types.SimpleNamespace(date=_Today))
+
+
 # a tiny run of a few seconds: a 20-step warm start, evaluations, no checkpoints
 QUICK = [
     "--preset",
