@@ -64,17 +64,13 @@ import torch
 from grpo_fast import dist, threads
 from grpo_fast.config import PRESETS, Config, load_config, presets_and_keys_help
 from grpo_fast.config_checks import pipelined
-from grpo_fast.errors import ConfigError, EngineError, Preempted, cli_errors, cwd_on_path, exit_process
-from grpo_fast.loop import pipeline, preempt, sp_group
-from grpo_fast.loop.checkpointing import engine_stopped, stop_within
-from grpo_fast.loop.optimization import optimization_phase
-from grpo_fast.loop.rollout_phase import rollout_phase
+from grpo_fast.errors import ConfigError, Preempted, cli_errors, cwd_on_path, exit_process
+from grpo_fast.loop import pipeline, preempt, step
 from grpo_fast.loop.setup import setup
 from grpo_fast.loop.state import Run
-from grpo_fast.loop.stats import close_step
-from grpo_fast.loop.step_end import end_of_step, finish
+from grpo_fast.loop.step_end import finish
 from grpo_fast.obs import eta, run_folder
-from grpo_fast.obs.metrics import PhaseProgress, reset_peak_memory
+from grpo_fast.obs.metrics import PhaseProgress
 from grpo_fast.policy import sequence_parallel
 from grpo_fast.policy.model import quiet_transformers, resolve_device
 
@@ -174,26 +170,9 @@ def _train(cfg: Config, device: torch.device, world: dist.DistInfo, out: Path, e
 
 
 def lockstep(run: Run, progress: PhaseProgress) -> None:
-    """Per step: rollout phase → optimization phase → weight sync → totals, β and the step
-    counter → metrics → end of step (health, eval, log, stops, checkpoint)."""
-    for step in range(run.trainer.state.step + 1, run.cfg.steps + 1):
-        t0 = time.perf_counter()
-        reset_peak_memory(run.device)
-        # a signal, or a failed engine (on any rank: every rank together): step - 1's checkpoint
-        with stop_within(run, step - 1, f"step {step}'s rollout", together=True):
-            batch = rollout_phase(run, step, progress)
-        # sp groups train their ranks' batches together (loop/sp_group.py); the metrics are each rank's own
-        result = optimization_phase(run, step, sp_group.share_batch(run, batch), progress)
-        failed = None
-        try:
-            run.rollout.sync_weights(run.model, step)  # trainer → rollout side (vllm: push + probe)
-        except EngineError as exc:  # an engine apart died or timed out: the step is done all the same
-            failed = exc
-        row = close_step(run, step, batch, result, t0)  # totals, β, step counter → metrics row
-        if failed is not None:  # the step's row, its checkpoint (a resume pushes its weights), one line
-            run.logger.log(step, row)
-            raise engine_stopped(run, step, failed, f"step {step}'s weight sync") from None
-        end_of_step(run, step, batch, result, row, progress)
+    """The lockstep outline: ``grpo_fast.loop.step.train`` with generation when each step asks
+    for it and the new weights loaded into the backend at once (``step.Lockstep``)."""
+    step.train(run, step.Lockstep(run), progress)
 
 
 def entry() -> None:

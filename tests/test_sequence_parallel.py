@@ -707,10 +707,16 @@ def _torchrun(out: Path, *overrides: str) -> list[dict]:
 @pytest.mark.slow
 def test_torchrun_with_sequence_parallel_trains_as_data_parallel_does(tmp_path):
     """``torchrun --nproc_per_node=2 -m grpo_fast.train --preset tiny train.sequence_parallel=2``
-    samples what 2 data-parallel ranks sample (each rank its own prompts and seed) and trains the
-    same batch: the same rewards, and the loss and gradient norm of plain data parallelism."""
-    ddp = _torchrun(tmp_path / "ddp")
-    sp = _torchrun(tmp_path / "sp", "train.sequence_parallel=2")
+    with the pipeline (``rollout.max_staleness=1``, the sampler's log-probs as π_old) samples what
+    2 data-parallel ranks at staleness 1 sample (each rank its own prompts and seed) and trains the
+    same batch: the same rewards, and the loss and gradient norm of plain data parallelism (the
+    lockstep outline's case is the in-process loop test above; both outlines run one step function,
+    ``grpo_fast.loop.step``). Planted: the pipeline's step without the sp group's batch
+    (``sp_group.share_batch``, ed0dfd1) → each sp rank trains its own half: another loss."""
+    stale = ("rollout.max_staleness=1", "rollout.old_logprobs=sampler")
+    ddp = _torchrun(tmp_path / "ddp", *stale)
+    sp = _torchrun(tmp_path / "sp", "train.sequence_parallel=2", *stale)
+    assert [r["rollout/policy_lag"] for r in sp] == [0.0, 1.0]
     for a, b in zip(ddp, sp, strict=True):
         assert b["train/reward_mean"] == a["train/reward_mean"]
         for key in ("train/loss", "train/grad_norm", "train/entropy_mean"):

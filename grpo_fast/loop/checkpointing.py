@@ -134,25 +134,30 @@ def stop_within(run: Run, step: int, what: str, together: bool = False):
     evaluation before GRPO"), stopped by a signal at the end of its current unit
     (``preempt.Interrupt``, one process only) or by a rollout engine apart from the trainer that
     died or did not answer in time (``EngineError``): the sampler's position, the RNG streams and
-    the pass rates — all such a phase changes — are put back as they were when it began, the
-    checkpoint of ``step`` is written if it is not there, and ``Preempted`` (``TrainingStopped``)
+    the pass rates — all such a phase changes — are put back as they were when it began (while a
+    pipeline runs, its producer owns them: it is stopped instead, and the checkpoint holds its
+    in-flight jobs and the sampler before them), the checkpoint of ``step`` is written if it is not there, and ``Preempted`` (``TrainingStopped``)
     says which. Under torchrun a signal lets the step run to its end (``grpo_fast.loop.preempt``),
     and an engine's failure is handled so only in a phase whose ranks raise it ``together`` (the
-    lockstep rollout's agreement, ``grpo_fast.loop.agreement``): the checkpoint's save is a
+    step's rollout, ``grpo_fast.loop.agreement``): the checkpoint's save is a
     collective; elsewhere it propagates as it is."""
     if run.world.enabled and not together:
         yield
         return
+    pipe = run.pipeline  # a producer apart owns the sampler: it is stopped, its jobs checkpointed
     sampler, rng = run.rollout.sampler.state_dict(), ckpt.rng_state()
     rates = run.rollout.pass_rates.state_dict() if run.rollout.pass_rates is not None else None
     try:
         preempt.check_unit()  # a signal before the phase began: not a unit of it
         yield
     except (preempt.Interrupt, EngineError) as stop:
-        run.rollout.sampler.load_state_dict(sampler)
-        ckpt.set_rng_state(rng)
-        if rates is not None:
-            run.rollout.pass_rates.load_state_dict(rates)
+        if pipe is not None:
+            pipe.close()  # the checkpoint holds its in-flight jobs and the sampler before them
+        else:
+            run.rollout.sampler.load_state_dict(sampler)
+            ckpt.set_rng_state(rng)
+            if rates is not None:
+                run.rollout.pass_rates.load_state_dict(rates)
         if isinstance(stop, EngineError):
             raise engine_stopped(run, step, stop, what) from None
         words = resume_point(run, step)

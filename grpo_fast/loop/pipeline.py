@@ -62,17 +62,15 @@ from datetime import timedelta
 import torch
 
 from grpo_fast import threads as cpu_threads
-from grpo_fast.errors import ConfigError, EngineError, EngineTimeout, Preempted, TrainingStopped
+from grpo_fast.errors import ConfigError, EngineTimeout, TrainingStopped
 from grpo_fast.loop import preempt
 from grpo_fast.loop.agreement import agree
 from grpo_fast.loop.checkpointing import resume_point
-from grpo_fast.loop.optimization import optimization_phase
 from grpo_fast.loop.producer import Production, produce
-from grpo_fast.loop.rollout_phase import finalize, record_pass_rates
+from grpo_fast.loop.rollout_phase import RolloutBatch, finalize, record_pass_rates
 from grpo_fast.loop.state import RolloutSide, Run
-from grpo_fast.loop.stats import close_step
-from grpo_fast.loop.step_end import end_of_step
-from grpo_fast.obs.metrics import PhaseProgress, reset_peak_memory
+from grpo_fast.loop.step import train as train_steps
+from grpo_fast.obs.metrics import PhaseProgress
 from grpo_fast.rollout import Rollout
 from grpo_fast.rollout import backend as backend_spec
 from grpo_fast.rollout.hf import HFBackend
@@ -81,21 +79,10 @@ from grpo_fast.rollout.vllm_ranks import RankShare
 
 
 def train(run: Run, progress: PhaseProgress) -> None:
-    """The pipelined outline: per step, the batch from the producer → finalize → optimization
-    phase → publish the weights → totals, β, step counter → metrics → end of step."""
+    """The pipelined outline: ``grpo_fast.loop.step.train`` with the pipeline as the source (the
+    batch from the producer, finalized; the new weights staged for it)."""
     with Pipeline.start(run) as pipe:
-        for step in range(run.trainer.state.step + 1, run.cfg.steps + 1):
-            t0 = time.perf_counter()
-            reset_peak_memory(run.device)
-            with pipe.stops(step - 1, f"step {step}'s rollout"):  # step - 1's checkpoint, then stop
-                produced = pipe.next_batch(step, progress)
-            record_pass_rates(run, produced.rollout)  # the pass-rate table, when an option keeps one
-            batch = finalize(run, produced.rollout, {}, produced.temperature, produced.reward_fn, t0)
-            result = optimization_phase(run, step, batch, progress)
-            pipe.publish(step)  # trainer → producer: step's weights, staged
-            row = close_step(run, step, batch, result, t0)  # totals, β, step counter → metrics row
-            row.update(pipe.metrics(step, produced))
-            end_of_step(run, step, batch, result, row, progress)
+        train_steps(run, pipe, progress)
 
 
 @dataclass
@@ -187,6 +174,7 @@ class Pipeline:
         self.publish_s = 0.0
         self._loaded = False  # whether the backend has had a version loaded (a resume re-syncs first)
         self.refused: set[int] = set()  # steps whose batch was refused once
+        self.produced: Produced | None = None  # the batch the trainer took last
         # the producer's side: the run's prompt sampler and pass rates, the pipeline's backend
         self.side = RolloutSide(
             backend, run.rollout.sampler, run.rollout.pass_rates, run.rollout.prompts_per_rank
@@ -368,8 +356,16 @@ class Pipeline:
             self._post(Job(nxt, self.need(nxt), self._temperature(nxt)))
         self.publish_s = time.perf_counter() - t0
 
-    def metrics(self, step: int, produced: Produced) -> dict[str, float]:
-        """The step's pipeline metrics (module docstring)."""
+    def batch(self, step: int, progress: PhaseProgress, started: float) -> RolloutBatch:
+        """``step``'s batch from the producer (``next_batch``), its groups in the pass-rate table,
+        finalized (``rollout_phase.finalize``: shaping, advantages)."""
+        produced = self.produced = self.next_batch(step, progress)
+        record_pass_rates(self.run, produced.rollout)  # the pass-rate table, when an option keeps one
+        return finalize(self.run, produced.rollout, {}, produced.temperature, produced.reward_fn, started)
+
+    def metrics(self, step: int) -> dict[str, float]:
+        """The step's pipeline metrics (module docstring), of the batch ``batch`` returned last."""
+        produced = self.produced
         lag, _ = self._lag(step, produced.rollout)
         return {
             "rollout/policy_lag": float(lag),
@@ -397,23 +393,6 @@ class Pipeline:
                 "versions": versions,
             },
         }
-
-    @contextlib.contextmanager
-    def stops(self, step: int, what: str):
-        """A wait of the trainer after step ``step`` (``what``: "step 8's rollout"): a signal, or an
-        engine that failed, writes the checkpoint of ``step`` (with the in-flight jobs) unless it
-        is there, then stops the run with one line."""
-        try:
-            yield
-        except preempt.Interrupt as stop:
-            self.close()
-            words = resume_point(self.run, step)
-            raise Preempted(
-                f"{preempt.signal_name(stop.signum)} during {what}: {words}", stop.signum
-            ) from None
-        except EngineError as exc:
-            self.close()
-            raise TrainingStopped(f"{exc} (during {what}): {resume_point(self.run, step)}") from None
 
     def close(self) -> None:
         """Stop the producer (at its current chunk's end) and its backend (a worker is ended)."""
