@@ -302,25 +302,26 @@ def _loop_worker(rank, world_size, port, root, more=()):
     same folder."""
     from grpo_fast import train
     from grpo_fast.errors import Preempted
+    from grpo_fast.loop import step as loop_step
 
     join_cpu_ranks(rank, world_size, port)
     dist._OWN_GROUP = False  # one process group for the three runs (each run() would destroy it)
     root = Path(root)
     train.run(load_config("tiny", overrides=_loop_overrides(root / "straight", *more)))
-    real = train.end_of_step
+    real = loop_step.end_of_step
 
     def sigterm_in_step_2(run_, step, *args):
         if step == 2 and rank == 1:
             os.kill(os.getpid(), signal.SIGTERM)
         return real(run_, step, *args)
 
-    train.end_of_step = sigterm_in_step_2
+    loop_step.end_of_step = sigterm_in_step_2
     try:
         train.run(load_config("tiny", overrides=_loop_overrides(root / "stopped", *more)))
     except Preempted as stop:
         (root / f"preempted_{rank}.txt").write_text(str(stop))
     finally:
-        train.end_of_step = real
+        loop_step.end_of_step = real
     if rank == 0:
         shutil.copytree(root / "stopped", root / "one_rank")  # the step-2 checkpoint, for 1 rank
     dist.barrier()

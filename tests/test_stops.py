@@ -375,12 +375,12 @@ def test_ctrl_c_in_a_reward_that_hangs_stops_the_run_at_once_saying_what_it_kept
     is: step 2's rollout stops as at a chunk's end (step 1's checkpoint), step 2's evaluation is
     cut short (step 2's checkpoint). Planted: no ``rewards_abandonable`` raise in ``_on_signal``
     (main at 54b861a) → the hang runs its 30 s, and the stop comes after it, at the step's end."""
-    from grpo_fast import train
+    from grpo_fast.loop import step as loop_step
 
     monkeypatch.setitem(_HANG, "how", how)
     monkeypatch.setitem(_HANG, "sent", None)
     if phase == "rollout":
-        _arm_at(monkeypatch, train, "rollout_phase", lambda run, step, progress: step == 2)
+        _arm_at(monkeypatch, loop_step, "rollout_phase", lambda run, step, progress: step == 2)
     else:
         _arm_at(monkeypatch, step_end, "evaluate", _nth_call(2))  # step 0's, then step 2's
     out = tmp_path / "run"
