@@ -109,8 +109,9 @@ def _oracle_backend(ctx):
     from grpo_fast.rollout.hf import HFBackend
 
     class OracleBackend(HFBackend):
-        def update_weights(self, model, step: int = 0) -> None:
+        def load_weights(self, staged, version: int) -> None:
             """The policy trains; the rollouts stay the oracle's."""
+            self.version = version
 
     return OracleBackend(AnswerModel(ctx.tokenizer), ctx.tokenizer, ctx.cfg.rollout.generation_batch_size)
 

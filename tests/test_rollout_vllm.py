@@ -122,7 +122,7 @@ def test_orchestration_order_and_weight_push():
     tok, model = _tiny()
     engine = FakeVLLMEngine(model, tok)
     backend = VLLMBackend(engine, tok, sleep_level=1)
-    with pytest.raises(RuntimeError, match="before any update_weights"):
+    with pytest.raises(RuntimeError, match="before any load_weights"):
         backend.generate([[3, 4]], PARAMS)
     backend.update_weights(model)
     prompts = [tok("12+34=")["input_ids"], tok("5+5=")["input_ids"]]
@@ -242,7 +242,7 @@ def test_host_copies_keep_each_temporary_s_value_and_leave_a_tied_head_out():
 
 def test_a_staged_version_is_pushed_and_probed_as_it_was_when_staged():
     """``stage`` copies the weights and the probe's reference log-probs at once; the trainer then
-    moves on, and ``load_staged`` pushes the copy (not the live model) and probes it against the
+    moves on, and ``load_weights`` pushes the copy (not the live model) and probes it against the
     staged reference: the engine serves version 1 exactly and the probe passes. Planted: a stage
     that keeps views (no copy) or a probe against the live model → the engine's weights differ
     from the staged ones / the probe fails. An engine that drops the push still stops the run."""
@@ -263,7 +263,7 @@ def test_a_staged_version_is_pushed_and_probed_as_it_was_when_staged():
         for p in model.parameters():
             p.mul_(1.3)  # the trainer's next step, before the producer loads version 1
     engine.calls.clear()
-    backend.load_staged(staged, 1, model)
+    backend.load_weights(staged, 1)
     assert engine.calls == ["load_weights", "reset_prefix_cache"]
     assert backend.policy_version == 1 and backend.weight_sync_abs_diff < 1e-5
     served = engine.model.state_dict()
@@ -271,7 +271,7 @@ def test_a_staged_version_is_pushed_and_probed_as_it_was_when_staged():
     engine.drop_pushes = True
     staged2 = backend.stage(model)
     with pytest.raises(WeightSyncError, match=r"step 2: vLLM is not serving the pushed weights"):
-        backend.load_staged(staged2, 2, model)
+        backend.load_weights(staged2, 2)
 
 
 def test_step_seed_is_reproducible_and_differs_by_step_and_rank():

@@ -704,17 +704,15 @@ def _count_generations(monkeypatch) -> list[int]:
 
 def _after_load(monkeypatch, version: int, then):
     """``then()`` once the pipeline's producer has loaded policy version ``version`` into the
-    engine; returns the real ``EngineProducer.load_weights``."""
-    from grpo_fast.loop import pipeline
-
-    real = pipeline.EngineProducer.load_weights
+    engine; returns the real ``VLLMBackend.load_weights``."""
+    real = VLLMBackend.load_weights
 
     def loaded(self, staged, v):
         real(self, staged, v)
         if v == version:
             then()
 
-    monkeypatch.setattr(pipeline.EngineProducer, "load_weights", loaded)
+    monkeypatch.setattr(VLLMBackend, "load_weights", loaded)
     return real
 
 
@@ -748,7 +746,6 @@ def test_a_server_that_dies_under_the_pipeline_stops_with_one_line_and_the_resum
     in-flight job; resumed against a healthy server it pushes version 2 before its first batch
     and trains steps 4-5 at the bound. Planted: the producer's error not reaching the trainer →
     the run waits for the batch until request_timeout (the test's 60 s bound fails)."""
-    from grpo_fast.loop import pipeline
     from grpo_fast.train import main
 
     with FakeVLLMServer() as fake:
@@ -773,7 +770,7 @@ def test_a_server_that_dies_under_the_pipeline_stops_with_one_line_and_the_resum
             f"(during step 4's rollout): checkpoint {where} of step 3 written; resume=true continues from there"
         ), err
         assert [r["step"] for r in _run_rows(tmp_path) if r["step"] >= 1] == [1, 2, 3]
-        monkeypatch.setattr(pipeline.EngineProducer, "load_weights", real)
+        monkeypatch.setattr(VLLMBackend, "load_weights", real)
         fake.behaviour, fake.calls[:] = {}, []
         assert main([*args, "resume=true"]) == 0
         generate = fake.calls.index("/inference/v1/generate")

@@ -3,7 +3,7 @@
 Two sides with one boundary. The **producer** (a thread of the training process) owns generation
 and scoring: it takes jobs in step order, loads the policy version each job names into a backend
 with weights of its own (``grpo_fast.rollout.hf_process``: a copy in this process, or the decoder
-in a worker process; ``EngineProducer``: a vLLM engine apart, pushed and probed), and runs ``produce`` (prompts → generate → rewards; no collective, nothing
+in a worker process; or the run's vLLM engine apart, pushed and probed), and runs ``produce`` (prompts → generate → rewards; no collective, nothing
 of the trainer). The **trainer** (the main thread) owns the optimizer: it takes step k's batch,
 finalizes it (``rollout_phase.finalize``: shaping, advantages), trains on it and publishes its new
 weights. Between them, under one lock: the jobs, the finished batches (the queue) and the staged
@@ -41,7 +41,7 @@ sampler as it was before the first of them drew. A resume generates them again f
 each batch (``_collect``: one all-reduce of the lag, so that every rank refuses a stale batch
 together, and of a failure flag, so that a producer that failed on one rank stops every rank, an
 engine's failure with the step's checkpoint written by all: ``grpo_fast.loop.agreement``). A checkpoint keeps a job until the
-trainers agreed on its batch. One vLLM server for all ranks: ``EngineProducer`` (the producers
+trainers agreed on its batch. One vLLM server for all ranks: the run's ``VLLMBackend`` (the producers
 push over a group of their own, ``grpo_fast.rollout.vllm_ranks``). The hf producers sample from
 a whole copy of the policy: refused under FSDP.
 
@@ -57,7 +57,6 @@ import os
 import threading
 import time
 from dataclasses import dataclass, field
-from datetime import timedelta
 
 import torch
 
@@ -75,7 +74,6 @@ from grpo_fast.rollout import Rollout
 from grpo_fast.rollout import backend as backend_spec
 from grpo_fast.rollout.hf import HFBackend
 from grpo_fast.rollout.hf_process import HFCopyBackend, HFProcessBackend, Timeouts, worker_threads
-from grpo_fast.rollout.vllm_ranks import RankShare
 
 
 def train(run: Run, progress: PhaseProgress) -> None:
@@ -166,6 +164,13 @@ class Pipeline:
 
     def __init__(self, run: Run, backend):
         self.run, self.backend = run, backend
+        # a vLLM engine apart is the run's (closed at its end) and serves an older policy than
+        # the trainer's: evaluations meanwhile generate with the hf decoder on the trainer's model
+        self.owns_backend = backend is not run.rollout.backend
+        self.eval_backend = None
+        if not self.owns_backend:
+            cfg = run.cfg.rollout
+            self.eval_backend = HFBackend(run.model, run.tokenizer, cfg.generation_batch_size, run.amp)
         self.S = run.cfg.rollout.max_staleness
         self.first = run.trainer.state.step
         self.cond = threading.Condition()
@@ -395,11 +400,13 @@ class Pipeline:
         }
 
     def close(self) -> None:
-        """Stop the producer (at its current chunk's end) and its backend (a worker is ended)."""
+        """Stop the producer (at its current chunk's end) and the backend it started (a worker is
+        ended; the run's engine is the run's)."""
         self.stop.set()
         with self.cond:
             self.cond.notify_all()
-        self.backend.close()
+        if self.owns_backend:
+            self.backend.close()
         if self.thread.is_alive() and self.thread is not threading.current_thread():
             self.thread.join(5.0)
 
@@ -456,61 +463,13 @@ class Pipeline:
         return Produced(job, rollout, reward_fn, time.perf_counter() - t0, wait_s, load_s)
 
 
-class EngineProducer:
-    """The producer's backend for a vLLM engine apart from the trainer (``rollout.backend=vllm``,
-    ``rollout.placement=process|server``): the run's own ``VLLMBackend``, given each policy
-    version as ``stage`` copied it when the trainer published it (``load_staged``: push, then
-    the weight-sync probe against the log-probs staged with the weights; a stale engine stops
-    the run). The engine stays awake between batches (its devices are its own) and lives as long
-    as the run (``close`` leaves it to the run's end); evaluations during the pipeline generate
-    with ``eval_backend``, the hf decoder on the trainer's model, since the engine serves an
-    older policy than the one evaluated."""
-
-    def __init__(self, run: Run):
-        self.engine = run.rollout.backend
-        self.model = run.model
-        self.eval_backend = HFBackend(
-            run.model, run.tokenizer, run.cfg.rollout.generation_batch_size, run.amp
-        )
-        # Under torchrun (one server, every rank's producer): the pushes go over a gloo group of
-        # the producers' own, never interleaved with the trainers' collectives (vllm_ranks). Its
-        # waits: a producer finishing its batch, then the leader's push.
-        self.trainers_share = self.engine.ranks
-        if self.trainers_share is not None:
-            r = run.cfg.rollout
-            limit = timedelta(seconds=r.request_timeout + r.sync_timeout + 60)
-            group = torch.distributed.new_group(backend="gloo", timeout=limit)
-            self.engine.ranks = RankShare(self.trainers_share.rank, group)
-
-    @property
-    def version(self) -> int | None:
-        return self.engine.policy_version
-
-    def stage(self, model: torch.nn.Module) -> dict:
-        return self.engine.stage(model)
-
-    def load_weights(self, staged: dict, version: int) -> None:
-        self.engine.load_staged(staged, version, self.model)
-
-    def generate(self, prompt_ids: list[list[int]], params, progress=None) -> Rollout:
-        return self.engine.generate(prompt_ids, params, progress=progress)
-
-    def sleep(self) -> None:
-        """Nothing to free: the engine's devices are not the trainer's."""
-
-    def close(self) -> None:
-        """Nothing to stop: the engine is the run's (and is stopped with it); its pushes are the
-        trainers' again."""
-        self.engine.ranks = self.trainers_share
-
-
 def producer_backend(run: Run):
-    """The producer's backend, with weights of its own: a vLLM engine apart (``EngineProducer``),
+    """The producer's backend, with weights of its own: the run's vLLM engine apart,
     the hf decoder in a worker process (``rollout.placement=process``; the trainer's torch
     threads are cut to the CPUs the worker leaves), or a copy of the policy in this process."""
     r = run.cfg.rollout
     if backend_spec(r.backend).needs_weight_push:
-        return EngineProducer(run)
+        return run.rollout.backend  # the run's own: it stays awake and lives as long as the run
     if r.placement == "process":
         threads = worker_threads(r.worker_threads)
         cpus = len(os.sched_getaffinity(0))

@@ -27,6 +27,7 @@ from grpo_fast.config import Config
 from grpo_fast.obs.health import HealthMonitor
 from grpo_fast.obs.metrics import MetricsLogger
 from grpo_fast.policy import fsdp
+from grpo_fast.rollout.base import sync_weights
 from grpo_fast.rollout.registry import backend
 from grpo_fast.task.loader import Task
 
@@ -154,9 +155,10 @@ class RolloutSide:
                 self.pass_rates.update(indices, correct)
 
     def sync_weights(self, model: torch.nn.Module, step: int) -> None:
-        """The backend gets the weights of optimizer step ``step`` (vllm: push + weight-sync
-        probe, which may stop the run; hf: nothing to move, it samples from ``model``)."""
-        self.backend.update_weights(model, step=step)
+        """The backend serves the weights of optimizer step ``step``: staged and loaded at once
+        (``grpo_fast.rollout.base.sync_weights``; vllm: push + weight-sync probe, which may stop
+        the run; hf: nothing to move, it samples from ``model``)."""
+        sync_weights(self.backend, model, step)
 
 
 @dataclass
@@ -192,8 +194,8 @@ class Run:
     def eval_backend(self):
         """The backend evaluations generate with: the rollout backend, except while a pipeline
         feeds a vLLM engine apart, which serves an older policy than the trainer's: then the hf
-        decoder on the trainer's model (``pipeline.EngineProducer.eval_backend``)."""
-        apart = getattr(getattr(self.pipeline, "backend", None), "eval_backend", None)
+        decoder on the trainer's model (``pipeline.Pipeline.eval_backend``)."""
+        apart = getattr(self.pipeline, "eval_backend", None)
         return self.rollout.backend if apart is None else apart
 
     def generation_weights(self):

@@ -200,20 +200,48 @@ def generate_groups(
 
 
 class RolloutBackend(Protocol):
-    """Generates responses with the *current* policy.
+    """Generates responses with the policy version it was last given: everything the loop calls.
 
-    The loop calls ``update_weights(model, step)`` after every optimizer step that changed the
-    policy (a no-op when the backend samples from the training model itself), then
-    ``generate``. ``sleep()`` frees the backend's GPU memory before the training phase.
+    Weights leave the trainer one way: ``stage(model)`` takes what a load needs of the trainer's
+    weights now (``keep=True``: a host copy that stays valid while the trainer goes on — the
+    pipeline stages each version and its producer loads it later; ``keep=False``: to be loaded at
+    once, so a backend may read the trainer's tensors in place), then ``load_weights(staged,
+    version)`` makes the backend serve them as policy version ``version`` (an engine apart is
+    pushed and probed there: ``WeightSyncError`` when it serves something else, ``EngineError``
+    when it died or timed out). ``sync_weights`` is both at once (lockstep, after every optimizer
+    step). ``version``: the policy version served (``Trajectory.policy_version`` of what it
+    samples; None before the first load). ``sleep()`` frees the backend's GPU memory before the
+    training phase; ``close()`` stops what the backend started (a worker, an engine apart).
     """
+
+    @property
+    def version(self) -> int | None: ...
+
+    def stage(self, model: torch.nn.Module, keep: bool = True) -> Any: ...
+
+    def load_weights(self, staged: Any, version: int) -> None: ...
 
     def generate(self, prompt_ids: list[list[int]], params: SamplingParams, progress=None) -> Rollout:
         """Responses to ``prompt_ids``; ``progress(n)`` (optional) is called as prompts complete."""
         ...
 
-    def update_weights(self, model: torch.nn.Module, step: int = 0) -> None: ...
-
     def sleep(self) -> None: ...
+
+    def close(self) -> None: ...
+
+
+def sync_weights(backend: RolloutBackend, model: torch.nn.Module, version: int) -> None:
+    """``model``'s weights served by ``backend`` as policy version ``version`` now: staged to be
+    loaded at once, then loaded (``RolloutBackend``)."""
+    backend.load_weights(backend.stage(model, keep=False), version)
+
+
+class WeightsFromStage:
+    """``update_weights(model, step)``, the backends' older name for ``sync_weights``, kept for
+    callers of it (one definition for every backend)."""
+
+    def update_weights(self, model: torch.nn.Module, step: int = 0) -> None:
+        sync_weights(self, model, step)
 
 
 @dataclass

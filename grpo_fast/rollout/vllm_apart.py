@@ -7,6 +7,7 @@ server for every rank (``shared_server``: rank 0 starts or attaches, the others 
 from __future__ import annotations
 
 import os
+from datetime import timedelta
 from pathlib import Path
 
 import torch
@@ -22,7 +23,13 @@ def shared_server(cfg, path: str, dtype: str, lora_rank: int, rank: int):
     ``engine_apart``, the others' a follower of its URL; on GPUs a server the run starts must not
     take a trainer rank's GPU."""
     _check_disjoint(cfg.rollout)
-    ranks = RankShare(rank)
+    # the pushes' barrier and outcome go over a gloo group of their own (a collective: every rank
+    # builds its backend at the same point of setup), so that a push from the pipeline's producer
+    # thread never interleaves with the trainers' collectives; its wait: a rank finishing its
+    # batch, then the leader's push
+    r = cfg.rollout
+    limit = timedelta(seconds=r.request_timeout + r.sync_timeout + 60)
+    ranks = RankShare(rank, torch.distributed.new_group(backend="gloo", timeout=limit))
     engine = ranks.attach(
         lambda: engine_apart(cfg, path, dtype, lora_rank), lambda url: _follower(cfg, url, dtype)
     )

@@ -16,9 +16,11 @@ server, a wait past ``rollout.sync_timeout``, a stale engine), or records the sa
 its requests with the same policy version and adapter (``ServerEngine.follow``). A push starts
 once every rank has reached it, so that none has a request in flight while the weights change.
 
-With ``rollout.max_staleness > 0`` (``grpo_fast.loop.pipeline``) the pushes are the producers'
-(a thread on each rank): the trainers stage each version (the gathers, on every rank; the host
-copy on the leader alone) and the producers push it over a gloo group of their own.
+The barrier and the outcome go over a gloo group of the pushes' own (``shared_server``). With
+``rollout.max_staleness > 0`` (``grpo_fast.loop.pipeline``) the pushes are the producers' (a
+thread on each rank): the trainers stage each version (the gathers, on every rank; the host copy
+on the leader alone) and the producers load it, their broadcasts never interleaved with the
+trainers' collectives.
 """
 
 from __future__ import annotations
@@ -42,9 +44,8 @@ class Outcome:
 
 class RankShare:
     """The trainer ranks' share of one engine: ``rank`` 0 leads (module docstring). ``group``:
-    the process group the outcome is broadcast over (None: every rank's default group; the
-    pipeline's producers use a group of their own, so that their broadcasts never interleave
-    with the trainers' collectives)."""
+    the process group the outcome is broadcast over (None: every rank's default group; a run's
+    is a gloo group of the pushes' own, ``vllm_apart.shared_server``)."""
 
     def __init__(self, rank: int, group=None):
         self.rank = rank
