@@ -47,7 +47,9 @@ def test_row_math_splits_clip_sides_and_loss_terms_hand_values():
     stats = StepStats()
     mb = SimpleNamespace(labels=torch.zeros(3, dtype=torch.long), old_logprobs=old, sampler_logprobs=None)
     stats.add(out, mb)
-    rollout = SimpleNamespace(finish_reason=["stop"], sampler_logprobs=None)
+    rollout = SimpleNamespace(
+        finish_reason=["stop"], sampler_logprobs=None, trajectories=[SimpleNamespace(correct=1.0)]
+    )
     meta = {"zero_variance_groups": 0.0, "num_groups": 1.0}
     t = stats.global_totals(dist.DistInfo(), torch.device("cpu"), torch.tensor([1.0]), rollout, meta)
     assert t["clip_fraction_low"] == t["clip_fraction_high"] == pytest.approx(1 / 3)

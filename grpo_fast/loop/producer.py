@@ -26,7 +26,7 @@ from grpo_fast.loop.state import RolloutSide
 from grpo_fast.rollout import Rollout, generate_groups
 from grpo_fast.rollout.sampling import sampling_params, sampling_rng, step_seed
 from grpo_fast.sandbox.pool import default_workers
-from grpo_fast.task.rewards import score_batch
+from grpo_fast.task.rewards import correct, score_batch
 
 
 @dataclass(frozen=True)
@@ -109,3 +109,5 @@ def score(rollout: Rollout, reward_fn, workers="auto") -> None:
     )
     for (t, _), s in zip(rest, scores):
         t.scores = s
+    for t, _ in pairs:
+        t.correct = correct(t.scores)  # the one rule: pass rates, accuracy, evaluation

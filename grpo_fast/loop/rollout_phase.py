@@ -227,7 +227,7 @@ def record_pass_rates(run: Run, rollout: Rollout) -> None:
     if run.rollout.pass_rates is None:
         return
     indices = [g.example_index for g in rollout.groups]
-    correct = [[_correct(t.scores) for t in g.trajectories] for g in rollout.groups]
+    correct = [[t.correct for t in g.trajectories] for g in rollout.groups]
     run.rollout.record_pass_rates(dist.all_gather_objects((indices, correct), axis=run.world.ranks))
 
 
@@ -252,12 +252,6 @@ def _tool_metrics(run: Run, rollout: Rollout) -> dict[str, float]:
     sums = tool_sums(rollout.trajectories)
     total = dist.all_reduce_sum(list(sums.values()), run.device, axis=run.world.dp)
     return tool_metrics(dict(zip(sums, total)), ranks=run.world.dp.size)
-
-
-def _correct(score: dict) -> float:
-    """Whether a response solved its problem, for the pass rates: the answer reward when the
-    reward function reports one, else a positive reward."""
-    return float(score["answer_reward"]) if "answer_reward" in score else float(score["reward"] > 0)
 
 
 def _score_means(scores: list[dict]) -> dict[str, float]:

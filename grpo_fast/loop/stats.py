@@ -104,12 +104,11 @@ class StepStats:
         and the training tokens it held (an sp rank: its slice of each sequence)."""
         r = raw_rewards.double()
         n = len(raw_rewards)
-        acc = reward_meta.get("answer_reward_mean", float((raw_rewards == 1).float().mean().item()))
         local = {
             **self._values(),
             "reward_sum": r.sum().item(),
             "reward_sq": (r * r).sum().item(),
-            "correct": acc * n,
+            "correct": sum(t.correct for t in rollout.trajectories),  # task.rewards.correct
             "formatted": reward_meta.get("format_reward_mean", float("nan")) * n,
             "truncated": sum(f == "length" for f in rollout.finish_reason),
             "sequences": n,

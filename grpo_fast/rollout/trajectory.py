@@ -56,6 +56,8 @@ class Trajectory:
         text: the decoded response (special tokens skipped).
         policy_version: the optimizer steps the sampling weights had taken.
         scores: what the reward function returned (``reward``, ``answer_reward``, parts ...).
+        correct: whether it solved its problem (``grpo_fast.task.rewards.correct`` of ``scores``,
+            set with them).
         reward: the reward the advantage is computed from (the task reward plus any shaping).
         advantage: the response's advantage.
         loss_weights: ``[S]`` fp32, each sampled token's loss weight (the length normalization),
@@ -76,6 +78,7 @@ class Trajectory:
     text: str = ""
     policy_version: int = 0
     scores: dict[str, Any] = field(default_factory=dict)
+    correct: float = 0.0
     reward: float = 0.0
     advantage: float = 0.0
     loss_weights: torch.Tensor | None = None

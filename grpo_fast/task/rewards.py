@@ -436,6 +436,21 @@ def is_equivalent(pred: str, gold: str, grader: MathGrader | None = None) -> boo
 REWARD_FNS: dict[str, RewardFn] = {}
 
 
+def correct(scores: Mapping) -> float:
+    """Whether a response solved its problem, from what the reward function returned for it: the
+    one rule that the pass rates, the step's ``train/accuracy`` and evaluation's ``accuracy`` read
+    (the loop sets it on each trajectory where it scores it, ``Trajectory.correct``). The reward's
+    ``answer_reward`` when it reports one; else 1.0 when its ``reward`` is full (≥ 1), 0.0 if not.
+    Never the shaped reward (overlong, tool-error or KL terms move a reward, not correctness).
+
+        >>> correct({"reward": 0.0, "answer_reward": 1.0}), correct({"reward": 1.0}), correct({"reward": 0.5})
+        (1.0, 1.0, 0.0)
+    """
+    if "answer_reward" in scores:
+        return float(scores["answer_reward"])
+    return float(float(scores["reward"]) >= 1.0)
+
+
 def register_reward(name: str) -> Callable[[RewardFn], RewardFn]:
     """Decorator: register ``reward_fn(response, ground_truth) -> {"reward": float, ...}``.
 

@@ -5,7 +5,7 @@ Standalone, a zero-shot baseline of any checkpoint or hub model:
 
     python -m grpo_fast.evaluate --model PATH [--preset NAME] [--limit N] [--out F.jsonl] [key=value ...]
 
-Metrics: ``accuracy`` (mean answer reward), ``format_rate`` (mean format reward),
+Metrics: ``accuracy`` (the share of responses correct: ``grpo_fast.task.rewards.correct``), ``format_rate`` (mean format reward),
 ``reward_mean``, ``response_length_mean`` (tokens), ``truncated_fraction``; with a tool
 environment (``rollout.environment``) also ``tool_call_rate`` (the share of responses that called
 the tool) and ``tool_calls_mean``, and each record holds its turns.
@@ -29,6 +29,7 @@ from grpo_fast.policy.checkpoint import check_model_folder
 from grpo_fast.rollout.multi_turn import turn_texts
 from grpo_fast.rollout.sampling import sampling_params
 from grpo_fast.task.data import Example
+from grpo_fast.task.rewards import correct
 
 
 def evaluate(
@@ -65,7 +66,7 @@ def evaluate(
         error = exc
     if graded is not None:
         graded(error)
-    acc = sum(rec.get("answer_reward", rec["reward"]) for rec in records)
+    acc = sum(rec["correct"] for rec in records)
     fmt = sum(rec.get("format_reward", float("nan")) for rec in records)
     rew = sum(rec["reward"] for rec in records)
     length = sum(rec["length"] for rec in records)
@@ -96,7 +97,8 @@ def _record(task, ex: Example, t, tools: bool) -> dict:
         "prompt": task.prompt_text(ex),
         "response": t.text,
         "ground_truth": ex.answer,
-        **task.reward_fn(t.text, ex.answer),
+        **(scores := task.reward_fn(t.text, ex.answer)),
+        "correct": correct(scores),  # the loop's rule (grpo_fast.task.rewards.correct)
         "length": t.num_tokens,
         "finish_reason": t.finish_reason,
         **(tool_record(t, task.tokenizer) if tools else {}),
