@@ -71,7 +71,7 @@ from grpo_fast.loop.state import Run
 from grpo_fast.loop.step_end import finish
 from grpo_fast.obs import eta, run_folder
 from grpo_fast.obs.metrics import PhaseProgress
-from grpo_fast.policy import sequence_parallel
+from grpo_fast.policy import parallel
 from grpo_fast.policy.model import quiet_transformers, resolve_device
 
 
@@ -115,7 +115,7 @@ def run(cfg: Config, engine=None) -> Path:
     out = Path(cfg.output_dir)
     if (problem := threads.wait_policy_problem(cfg.threads.wait_policy)) is not None:
         raise ConfigError(problem)
-    sp = sequence_parallel.group_size(cfg)  # ranks that split each sequence (torchrun's world must divide)
+    sp = parallel.group_size(cfg)  # ranks that split each sequence (torchrun's world must divide)
     check_output_dir(out)  # on every rank, before anything loads: a bad path fails in a second
     quiet_transformers()
     device = resolve_device(cfg)

@@ -128,6 +128,18 @@ def test_nothing_imports_the_cli():
     assert [m for m, targets in GRAPH.items() if "grpo_fast.cli" in targets] == []
 
 
+PARALLELISM = {"grpo_fast.policy.fsdp", "grpo_fast.policy.sequence_parallel", "grpo_fast.policy.ulysses"}
+
+
+def test_the_loop_asks_parallelism_of_one_module():
+    """The loop and the outline reach DDP, FSDP and sequence parallelism through
+    ``grpo_fast.policy.parallel`` alone, applied once at setup (planted: ``from grpo_fast.policy
+    import fsdp`` in loop/optimization.py, as at ed0dfd1 → listed)."""
+    loop = [m for m in GRAPH if m.startswith("grpo_fast.loop") or m == "grpo_fast.train"]
+    assert [f"{m} imports {t}" for m in loop for t in sorted(GRAPH[m] & PARALLELISM)] == []
+    assert "grpo_fast.policy.parallel" in GRAPH["grpo_fast.loop.optimization"]
+
+
 def _cycle(graph: dict[str, set[str]]) -> list[str] | None:
     """One import cycle of ``graph`` (as a path that returns to its start), or None."""
     state: dict[str, int] = {}  # 1: on the current path, 2: done

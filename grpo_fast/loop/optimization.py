@@ -8,7 +8,6 @@ once, on the last microbatch). ``optimize_on_rollout`` is that loop on its own, 
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import math
 import time
@@ -24,7 +23,7 @@ from grpo_fast.config import Config, shares_prompts
 from grpo_fast.loop.state import Run, Trainer
 from grpo_fast.loop.stats import StepStats
 from grpo_fast.obs.metrics import MetricsLogger, PhaseProgress
-from grpo_fast.policy import fsdp, sequence_parallel
+from grpo_fast.policy import parallel
 from grpo_fast.policy.batch import Microbatch, Sequence, loss_trajectories, make_microbatches
 from grpo_fast.rollout import Rollout, Trajectory
 
@@ -84,7 +83,7 @@ def optimization_phase(run: Run, step: int, batch, progress: PhaseProgress) -> O
     skipped_tokens = sum(t.num_sampled for t in trained_rows) - sum(t.num_sampled for t in trained)
     skipped_tokens *= run.world.sp.rank == 0  # the group's batch, counted by one rank (totals sum all)
     mbs = [
-        sequence_parallel.shard(mb, run.world.sp).to(run.device)  # sp: this rank's 1/N of the tokens
+        parallel.on_rank(mb, run.world, run.device)  # sp: this rank's 1/N of the tokens
         for mb in make_microbatches(
             trained,
             int(cfg.train.micro_batch_size),
@@ -97,13 +96,15 @@ def optimization_phase(run: Run, step: int, batch, progress: PhaseProgress) -> O
     sft_mbs = _sft_microbatches(run, batch.examples) if cfg.sft.mix_coef > 0 else []
     # FSDP gathers every unit in every forward: each rank runs as many passes as the most any
     # rank runs (zero-weight fillers; one collective). Nothing under DDP.
-    pad_id, sharded = run.tokenizer.pad_token_id, fsdp.is_sharded(trainer.policy_loss)
-    n_scoring, n_train = fsdp.padding_count([len(mbs), len(mbs) + len(sft_mbs)], run.device, sharded)
-    fillers = fsdp.fillers(n_scoring, mbs[0], pad_id, run.device)
+    pad_id = run.tokenizer.pad_token_id
+    n_scoring, n_train = parallel.filler_counts(
+        [len(mbs), len(mbs) + len(sft_mbs)], trainer.policy_loss, run.device
+    )
+    fillers = parallel.fillers(n_scoring, mbs[0], pad_id, run.device)
     mbs, extra = prepare_old_and_ref(
         cfg, mbs, trainer.policy_loss, ref_loss, batch.temperature, trainer.scoring_options(), fillers
     )
-    fillers = fsdp.fillers(n_train, mbs[0], pad_id, run.device)
+    fillers = parallel.fillers(n_train, mbs[0], pad_id, run.device)
     progress.phase("train", cfg.train.epochs_per_rollout_batch * (len(mbs) + len(sft_mbs)))
     stats = optimize_on_rollout(
         trainer,
@@ -190,7 +191,7 @@ def prepare_old_and_ref(
                 mb.sampler_logprobs,
                 mb.sequence_ids,
                 level=r.is_level,
-                across=sequence_parallel.across(mb),
+                across=parallel.across(mb),
             )
             rho = cut_importance_weights(raw, mode=r.is_mode, cap=r.is_cap)
             loss_weights = loss_weights * rho
@@ -235,21 +236,12 @@ def _sft_microbatches(run: Run, examples: list) -> list[Microbatch]:
     seqs = [Sequence(list(p) + list(s), len(p), advantage=1.0, weight=w) for p, s in pairs]
     mb_size = int(cfg.train.micro_batch_size)
     mbs = make_microbatches(seqs, mb_size, tok.pad_token_id, cfg.train.packing)
-    return [sequence_parallel.shard(mb, run.world.sp).to(run.device) for mb in mbs]
+    return [parallel.on_rank(mb, run.world, run.device) for mb in mbs]
 
 
 def _step_cast_cache(trainer: Trainer):
     """``PolicyLoss.step_cast_cache`` of the trainer's loss module (DDP: the wrapped module)."""
-    return getattr(trainer.policy, "module", trainer.policy).step_cast_cache(trainer.device)
-
-
-def _deferred_sync(trainer: Trainer, defer: bool):
-    """DDP: no all-reduce in this microbatch's backward when ``defer`` (the last one syncs).
-    FSDP reduce-scatters every microbatch's gradients (``grpo_fast.policy.fsdp``: deferring would
-    keep a whole unsharded gradient per rank)."""
-    if defer and trainer.world.enabled and not fsdp.is_sharded(trainer.policy):
-        return trainer.policy.no_sync()
-    return contextlib.nullcontext()
+    return parallel.unwrap(trainer.policy).step_cast_cache(trainer.device)
 
 
 def _accumulate_gradients(
@@ -268,14 +260,14 @@ def _accumulate_gradients(
     cfg, world = trainer.cfg, trainer.world
     sft_options = LossOptions()  # advantage 1, on-policy: the plain NLL
     for mb in sft_mbs:
-        with _deferred_sync(trainer, True):
+        with parallel.accumulating(trainer.policy, world, True):
             out_mb = trainer.sft_loss(mb, sft_options, 1.0)
             (out_mb.loss * world.world_size).backward()
         epoch_stats.add_sft(out_mb, mb, cfg.sft.mix_coef)
         if on_microbatch is not None:
             on_microbatch(1)
     for i, mb in enumerate(mbs):
-        with _deferred_sync(trainer, i < len(mbs) - 1):
+        with parallel.accumulating(trainer.policy, world, i < len(mbs) - 1):
             out_mb = trainer.policy(mb, options, temperature)
             # DDP (and FSDP) average gradients over ranks; the weights already hold global
             # normalizers, so scale by the world size to recover the sum.
@@ -283,12 +275,7 @@ def _accumulate_gradients(
         epoch_stats.add(out_mb, mb)
         if on_microbatch is not None:
             on_microbatch(1)
-    # weight 0: no loss, no gradient, no statistics. β = 0: a filler's π_ref is a placeholder 0,
-    # and k3 = exp(0 − log π) overflows to inf below log π ≈ −88.7 (0 · inf = NaN, reduce-scattered
-    # to every rank); the ratio exp(log π − 0) ≤ 1 stays finite
-    filler_options = dataclasses.replace(options, beta=0.0)
-    for mb in fillers:
-        trainer.policy(mb, filler_options, temperature).loss.backward()
+    parallel.filler_passes(trainer.policy, fillers, options, temperature)
 
 
 def optimize_on_rollout(
@@ -314,7 +301,7 @@ def optimize_on_rollout(
     far, theirs included.
 
     ``fillers`` (FSDP): zero-weight microbatches that top this rank up to the most passes any
-    rank runs (``grpo_fast.policy.fsdp.padding_count``).
+    rank runs (``grpo_fast.policy.parallel.filler_counts``).
 
     The gradients are freed (set to None) after every optimizer step, so none are allocated
     while the next rollout runs. Returns the first epoch's token-level statistics (what the
@@ -330,8 +317,7 @@ def optimize_on_rollout(
             _accumulate_gradients(
                 trainer, mbs, sft_mbs, epoch_stats, options, temperature, on_microbatch, fillers
             )
-        grad_norm = torch.nn.utils.clip_grad_norm_(trainer.params, cfg.train.grad_clip or float("inf"))
-        grad_norm = fsdp.to_local_value(grad_norm)  # FSDP: the norm over every rank's shards
+        grad_norm = parallel.clip_grad_norm(trainer.params, cfg.train.grad_clip or float("inf"))
         # host-device sync, once per optimizer step: a NaN/inf loss or gradient norm must not
         # reach the weights (nor AdamW's moments), so it is checked before the step.
         loss_v, norm_v = torch.stack([epoch_stats.sums["loss"], grad_norm.float()]).tolist()
@@ -391,14 +377,14 @@ def response_kl_k1(
     )
     options = trainer.scoring_options()
     # FSDP: as many passes on every rank (zero-weight fillers); none under DDP
-    (missing,) = fsdp.padding_count([len(mbs)], run.device, fsdp.is_sharded(trainer.policy_loss))
+    (missing,) = parallel.filler_counts([len(mbs)], trainer.policy_loss, run.device)
     with torch.no_grad():
         for mb in mbs:
             mb = mb.to(run.device)
             policy = trainer.policy_loss(mb, options, temperature).logprobs
             k1 = policy - trainer.ref_loss(mb, options, temperature).logprobs
             sums.index_add_(0, index.to(run.device)[mb.response_index], k1.double())
-        for filler in fsdp.fillers(missing, None, run.tokenizer.pad_token_id, run.device):
+        for filler in parallel.fillers(missing, None, run.tokenizer.pad_token_id, run.device):
             trainer.policy_loss(filler, options, temperature)
             trainer.ref_loss(filler, options, temperature)
     sums = sums.float().cpu()  # host-device sync, once per step

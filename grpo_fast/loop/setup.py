@@ -33,7 +33,7 @@ from grpo_fast.obs import eta, run_folder
 from grpo_fast.obs.health import HealthMonitor, HealthThresholds
 from grpo_fast.obs.metrics import MetricsLogger
 from grpo_fast.policy import checkpoint as ckpt
-from grpo_fast.policy import fsdp, ulysses
+from grpo_fast.policy import parallel
 from grpo_fast.policy.batch import Sequence, make_microbatches
 from grpo_fast.policy.lora import AdapterOffLoss, is_lora, trainable_counts
 from grpo_fast.policy.loss import PolicyLoss, build_policy_loss
@@ -71,8 +71,7 @@ def setup(cfg: Config, device: torch.device, world: dist.DistInfo, out: Path, en
     tokenizer = load_tokenizer(cfg.model.name_or_path)
     task.tokenizer = tokenizer
     model, warm_base = _load_model(cfg, out, tokenizer, device, world)
-    if world.sp.enabled:  # heads that do not divide, a model outside the attention interface: one line now
-        ulysses.check_model(model, world.sp.size)
+    parallel.check_model(model, world)  # sp: heads that do not divide, ...: one line now
     amp = autocast_dtype(cfg, device)
     cpu_threads = _set_threads(cfg, model, device, other_work)  # before the plan: its estimate counts them
     # what the run will do, its inputs loaded
@@ -201,8 +200,7 @@ def _build_run(cfg, device, world, out, logger, task, tokenizer, model, amp) -> 
     # LoRA it is the same model with the adapter off: no second copy.
     ref_model = ref_loss = None
     lora = is_lora(model)
-    if world.sp.enabled:  # attention by all-to-all over the sp group (the KL reference's too)
-        ulysses.enable(model, world.sp.size)
+    parallel.prepare_model(model, world)  # sp: attention by all-to-all (the KL reference's too)
     policy_loss = build_policy_loss(cfg, model, amp)
     if (cfg.loss.beta > 0 or kl_ctl is not None) and lora:
         ref_loss = AdapterOffLoss(policy_loss)
@@ -211,18 +209,12 @@ def _build_run(cfg, device, world, out, logger, task, tokenizer, model, amp) -> 
         if amp is not None:
             ref_model.to(amp)
         ref_loss = build_policy_loss(cfg, ref_model, amp)
-    sharded = cfg.train.parallelism == "fsdp" and world.enabled
-    if sharded:  # FSDP2: each rank holds 1/N of the weights, gradients and optimizer state
-        offload = cfg.train.fsdp_cpu_offload
-        fsdp.shard_policy(policy_loss, amp, device, world.world_size, offload)
-        if ref_model is not None:
-            fsdp.shard_policy(ref_loss, amp, device, world.world_size, offload)
+    # FSDP2: each rank holds 1/N of the weights, gradients and optimizer state
+    sharded = parallel.shard(
+        cfg, world, [policy_loss] + ([ref_loss] if ref_model is not None else []), amp, device
+    )
     optimizer = build_optimizer(cfg, model.parameters())  # over the shards, under FSDP
-    policy = policy_loss
-    if world.enabled and not sharded:
-        from torch.nn.parallel import DistributedDataParallel as DDP
-
-        policy = DDP(policy_loss, device_ids=[device.index] if device.type == "cuda" else None)
+    policy = parallel.wrap(policy_loss, world, device)  # DDP when data parallel and not sharded
     pass_rates, sampler = _prompt_sampler(cfg, task)
     sft_loss = None
     if cfg.sft.mix_coef > 0 and sharded:  # the sharded root itself, on the full vocabulary
@@ -395,13 +387,15 @@ def _make_backend(run: Run, engine):
     from grpo_fast.rollout.vllm import WeightSyncProbe, vllm_dtype, weight_sync_tolerance
 
     if engine is None and is_lora(model):  # the engine serves the base; the adapter (or merge) is pushed
-        ctx.model_path = getattr(model, "module", model).peft_config["default"].base_model_name_or_path
+        ctx.model_path = parallel.unwrap(model).peft_config["default"].base_model_name_or_path
     elif engine is None and (cfg.model.name_or_path.startswith("builtin:") or run.sft_steps > 0):
         model_path = run.out / "rollout_init"
-        if fsdp.is_sharded(run.trainer.policy_loss):
-            fsdp.save_full_model(model, tokenizer, model_path, world.is_main, vllm_dtype(model, run.amp))
-        elif world.is_main:
-            ckpt.save_pretrained_atomic(model, tokenizer, model_path, dtype=vllm_dtype(model, run.amp))
+        dtype = vllm_dtype(model, run.amp)
+        whole = parallel.save_full_model(
+            model, run.trainer.policy_loss, tokenizer, model_path, world.is_main, dtype
+        )
+        if not whole and world.is_main:  # FSDP gathered and wrote it; else rank 0 writes it
+            ckpt.save_pretrained_atomic(model, tokenizer, model_path, dtype=dtype)
         dist.barrier()
         ctx.model_path = str(model_path)
     # The probe: a fixed, real sequence of this task (the first eval problem and its answer).

@@ -26,7 +26,7 @@ from grpo_fast.algo.prompt_sampler import PromptSampler
 from grpo_fast.config import Config
 from grpo_fast.obs.health import HealthMonitor
 from grpo_fast.obs.metrics import MetricsLogger
-from grpo_fast.policy import fsdp
+from grpo_fast.policy import parallel
 from grpo_fast.rollout.base import sync_weights
 from grpo_fast.rollout.registry import backend
 from grpo_fast.task.loader import Task
@@ -200,8 +200,8 @@ class Run:
 
     def generation_weights(self):
         """A context for a phase that generates: under FSDP with a backend that samples from the
-        training model itself (hf), every unit gathered for its length (``fsdp.gathered``); a
-        no-op otherwise (a backend with its own weights, vllm, needs none of the trainer's)."""
-        if backend(self.cfg.rollout.backend).needs_weight_push:
-            return fsdp.gathered(None)
-        return fsdp.gathered(self.trainer.policy_loss)
+        training model itself (hf), every unit gathered for its length
+        (``parallel.generation_weights``); a no-op otherwise (a backend with its own weights,
+        vllm, needs none of the trainer's)."""
+        own = backend(self.cfg.rollout.backend).needs_weight_push
+        return parallel.generation_weights(None if own else self.trainer.policy_loss)

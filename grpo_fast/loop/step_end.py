@@ -24,7 +24,7 @@ from grpo_fast.loop.checkpointing import engine_stopped, save_checkpoint
 from grpo_fast.loop.state import Run
 from grpo_fast.obs.metrics import PhaseProgress
 from grpo_fast.policy import checkpoint as ckpt
-from grpo_fast.policy import fsdp
+from grpo_fast.policy import parallel
 from grpo_fast.policy.lora import is_lora, merged_model
 from grpo_fast.tools.evaluate import evaluate, tool_record
 
@@ -139,9 +139,11 @@ def finish(run: Run, t_start: float, first: int = 0) -> None:
     if cfg.checkpoint_every and (last is None or last.name != ckpt.step_dir_name(run.trainer.state.step)):
         save_checkpoint(run, run.trainer.state.step)
     save_dtype = None if cfg.train.save_dtype == "auto" else getattr(torch, cfg.train.save_dtype)
-    sharded = fsdp.is_sharded(run.trainer.policy_loss)
-    if sharded:  # gathered once, by every rank; written by rank 0 (under LoRA: the adapter)
-        fsdp.save_full_model(run.model, run.tokenizer, run.out / "final", run.world.is_main, save_dtype)
+    # FSDP: gathered once, by every rank; written by rank 0 (under LoRA: the adapter)
+    final, is_main = run.out / "final", run.world.is_main
+    sharded = parallel.save_full_model(
+        run.model, run.trainer.policy_loss, run.tokenizer, final, is_main, save_dtype
+    )
     if run.world.is_main:
         if is_lora(run.model):  # the adapter in peft's format; merged for serving on request
             if not sharded:
