@@ -7,8 +7,11 @@ Timeouts here are generous where the call should end by itself (the interpreter 
 
 from __future__ import annotations
 
+import ast
 import json
+import math
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -89,7 +92,7 @@ def test_an_infinite_loop_is_killed_at_the_wall_clock_limit():
 def test_cpu_time_is_limited_per_process():
     box = Sandbox(Limits(timeout_s=SLACK_S + 30, cpu_s=1), workers=1)
     r = box.run("while True:\n    pass")
-    assert r.status == "cpu" and r.exit_code == 128 + signal.SIGXCPU
+    assert (r.status, r.exit_code, r.signal) == ("cpu", None, signal.SIGXCPU)
     assert r.status_line().startswith("cpu: killed at the 1 s CPU-time limit after ")
     assert_nothing_left()
 
@@ -136,6 +139,8 @@ def test_a_fork_bomb_stops_at_the_process_limit(box):
     r = box.run("import os\nwhile True:\n    os.fork()")
     assert r.status == "processes", r.output[-500:]
     assert "BlockingIOError: [Errno 11] Resource temporarily unavailable" in r.output
+    # the runner's os.fork wrapper is not the code's (ed0dfd1: 'File "<string>", line 112, in fork')
+    assert '"<string>"' not in r.output and ", in fork\n" not in r.output, r.output[-500:]
     assert r.status_line().startswith("processes: a new process failed at the 16-process limit after ")
     assert_nothing_left()
 
@@ -197,6 +202,24 @@ def test_host_files_can_be_neither_read_nor_written(box, tmp_path):
     assert not (tmp_path / "pwned.txt").exists() and not Path(f"/tmp/pwned-{tag}").exists()
     assert not list(Path(sys.prefix).rglob(f"pwned-{tag}*"))
     assert_nothing_left()
+
+
+@needs_bwrap
+def test_of_a_directory_above_the_interpreter_only_the_path_down_to_it_shows(box):
+    """docs/tools.md's filesystem row: an interpreter under /root (pyenv) or in the checkout (a
+    virtual environment) is bound where it is, read-only; each directory above it holds nothing
+    but the path down to it (here: /root holds .pyenv alone, the checkout .venv alone)."""
+    prefixes = box._prefixes
+    above: dict[str, set[str]] = {}
+    for prefix in prefixes:
+        parts = Path(prefix).parts
+        for i in range(2, len(parts)):
+            parent = str(Path(*parts[:i]))
+            if not any(parent == p or parent.startswith(p + "/") for p in prefixes):
+                above.setdefault(parent, set()).add(parts[i])
+    r = box.run(f"import os\nprint({{d: sorted(os.listdir(d)) for d in {sorted(above)!r}}})")
+    assert r.status == "ok", r.output
+    assert ast.literal_eval(r.output) == {d: sorted(names) for d, names in above.items()}
 
 
 @needs_bwrap
@@ -348,20 +371,159 @@ def test_an_exception_shows_its_traceback_from_the_code_on(box):
 
 
 @pytest.mark.parametrize(
-    ("code", "status", "exit_code", "output"),
+    ("code", "status", "exit_code", "sig", "output"),
     [
-        ("import sys; sys.exit(3)", "error", 3, ""),
-        ("import sys; sys.exit(0)", "ok", 0, ""),
-        ("import sys; sys.exit('bad input')", "error", 1, "bad input\n"),
-        ("import os; os._exit(0)", "ok", 0, ""),
-        ("import os, signal; os.kill(os.getpid(), signal.SIGSEGV)", "signal", 128 + signal.SIGSEGV, ""),
+        ("import sys; sys.exit(3)", "error", 3, None, ""),
+        ("import sys; sys.exit(0)", "ok", 0, None, ""),
+        ("import sys; sys.exit('bad input')", "error", 1, None, "bad input\n"),
+        ("import os; os._exit(0)", "ok", 0, None, ""),
+        ("import os, signal; os.kill(os.getpid(), signal.SIGSEGV)", "signal", None, signal.SIGSEGV, ""),
     ],
     ids=["exit-3", "exit-0", "exit-message", "os-exit", "segv"],
 )
 @needs_bwrap
-def test_exit_codes(box, code, status, exit_code, output):
+def test_exit_codes(box, code, status, exit_code, sig, output):
     r = box.run(code)
-    assert (r.status, r.exit_code, r.output) == (status, exit_code, output)
+    assert (r.status, r.exit_code, r.signal, r.output) == (status, exit_code, sig, output)
+
+
+# Exit codes that look like the runner's old ones (113 memory, 114 processes, 115 set-up) or like a
+# signal's 128 + N (152: SIGXCPU, the CPU-time limit; 137: SIGKILL; 139: SIGSEGV); -1 is 255.
+CHOSEN_EXIT_CODES = (-1, 113, 114, 115, 137, 139, 152, 255)
+
+
+@needs_bwrap
+def test_an_exit_code_the_code_chose_is_named_never_a_limit_or_a_signal(box):
+    """ed0dfd1 read the status from bubblewrap's exit code: sys.exit(113) was "memory", 152 "cpu",
+    137 "killed by SIGKILL", -1 "killed by signal 127". Planted: a status from "exit" > 128 → signal."""
+    results = box.run_batch([f"import sys; sys.exit({n})" for n in CHOSEN_EXIT_CODES])
+    for n, r in zip(CHOSEN_EXIT_CODES, results):
+        assert (r.status, r.exit_code, r.signal) == ("error", n & 0xFF, None), (n, r)
+        assert r.status_line().startswith(f"error: exit code {n & 0xFF} after "), (n, r)
+
+
+@needs_bwrap
+def test_a_signal_the_code_sends_itself_is_a_signal_never_the_cpu_limit(box):
+    """SIGXCPU is what the CPU-time limit sends, but this one came from the code, far under the
+    limit's CPU time. Planted: "cpu" on SIGXCPU alone."""
+    kill = "import os, signal\nos.kill(os.getpid(), signal.{})"
+    xcpu, sigkill = box.run_batch([kill.format("SIGXCPU"), kill.format("SIGKILL")])
+    assert (xcpu.status, xcpu.exit_code, xcpu.signal) == ("signal", None, signal.SIGXCPU)
+    assert xcpu.status_line().startswith("signal: killed by SIGXCPU after ")
+    assert (sigkill.status, sigkill.signal) == ("signal", signal.SIGKILL)
+
+
+# Write a report that says "ran to completion" wherever the code can reach, then kill the runner's
+# supervisor so that only a forged report could be read.
+FORGE_THE_REPORT = """
+import json, os, signal
+fake = json.dumps({"exit": 0, "cpu_s": 0.0, "said": None}).encode()
+for fd in range(3, 64):
+    try:
+        os.write(fd, fake)
+    except OSError:
+        pass
+for n in range(64):
+    try:
+        fd = os.open(f"/proc/{os.getppid()}/fd/{n}", os.O_WRONLY | os.O_NONBLOCK)
+        os.write(fd, fake)
+    except OSError:
+        pass
+os.kill(os.getppid(), signal.SIGKILL)
+"""
+
+
+@needs_bwrap
+def test_the_code_can_neither_forge_the_runners_report_nor_hide_that_it_killed_it(box):
+    """The report's pipe is closed in the code's process before its code runs, and the supervisor
+    that holds it is not dumpable (no /proc/PID/fd). Planted: the code's process keeps the pipe →
+    the fake report is read and the call is "ok"."""
+    r = box.run(FORGE_THE_REPORT)
+    assert (r.status, r.exit_code, r.signal) == ("error", None, None), r
+    assert r.status_line().startswith("error: the sandbox's runner ended without a report"), r
+    assert_nothing_left()
+
+
+# The sandbox as user nobody, from a copy of the package any user can read (the checkout, or the
+# pytest folders, may be closed to others); the system's interpreter (root's may be, too).
+AS_NOBODY = """
+import sys, types
+package = types.ModuleType("grpo_fast")
+package.__path__ = [{package!r}]
+sys.modules["grpo_fast"] = package
+from grpo_fast.sandbox import Limits, Sandbox, SandboxUnavailable
+try:
+    box = Sandbox(Limits(timeout_s=60), workers=1, python=sys.executable)
+except SandboxUnavailable as exc:
+    print("unavailable:", exc)
+    sys.exit(0)
+print(box.run({code!r}).status_line())
+"""
+SYSTEM_PYTHON = "/usr/bin/python3"
+
+
+@needs_bwrap
+def test_as_another_user_the_runners_report_is_out_of_the_codes_reach_too():
+    """As root, the runner's drop to the call's uid already leaves its supervisor not dumpable; as
+    another user (a user namespace: one uid for bubblewrap, the runner and the code) only the
+    runner's prctl does. Planted: no set_dumpable(False) → the code writes its report through
+    /proc/PPID/fd and the call is "ok"."""
+    setpriv = shutil.which("setpriv")
+    if os.geteuid() != 0 or setpriv is None or not os.access(SYSTEM_PYTHON, os.X_OK):
+        pytest.skip("needs root, setpriv (util-linux) and /usr/bin/python3 to run as nobody")
+    folder = Path(tempfile.mkdtemp(prefix="grpo-fast-as-nobody-"))
+    try:
+        folder.chmod(0o755)
+        package = folder / "grpo_fast"
+        shutil.copytree(
+            ROOT / "grpo_fast" / "sandbox", package / "sandbox", ignore=shutil.ignore_patterns("__pycache__")
+        )
+        shutil.copy(ROOT / "grpo_fast" / "errors.py", package)
+        script = AS_NOBODY.format(package=str(package), code=FORGE_THE_REPORT)
+        nobody = [setpriv, "--reuid=65534", "--regid=65534", "--clear-groups", SYSTEM_PYTHON, "-c", script]
+        res = subprocess.run(nobody, capture_output=True, text=True, timeout=300, cwd="/")
+    finally:
+        shutil.rmtree(folder)
+    if res.stdout.startswith("unavailable:"):  # no unprivileged user namespaces here
+        pytest.skip(res.stdout.strip())
+    assert res.returncode == 0, res.stderr[-2000:]
+    assert res.stdout.startswith("error: the sandbox's runner ended without a report"), res.stdout
+
+
+THREAD_AFTER_MAIN = """
+import threading, time
+def late():
+    time.sleep(0.5)
+    print("late")
+threading.Thread(target=late).start()
+print("main done")
+"""
+
+
+@needs_bwrap
+def test_a_thread_left_running_is_waited_for_within_the_timeout(box):
+    """The call ends as ``python file.py`` does: after its non-daemon threads (ed0dfd1 cut them off
+    and said "ok"). One that never ends is the timeout. Planted: os._exit once the cell is done."""
+    r = box.run(THREAD_AFTER_MAIN)
+    assert (r.status, r.output) == ("ok", "main done\nlate\n")
+    forever = (
+        "import threading, time\nthreading.Thread(target=time.sleep, args=(600,)).start()\nprint('main done')"
+    )
+    r = Sandbox(Limits(timeout_s=2.0, cpu_s=600), workers=1).run(forever)
+    assert r.status == "timeout" and "main done\n".startswith(r.output)  # (a slow start: no output)
+    assert_nothing_left()
+
+
+@needs_bwrap
+def test_control_characters_of_the_output_are_escaped(box):
+    """NUL, ESC (a terminal's title, clear, cursor sequences), a carriage return, a C1 CSI and a
+    bidi override reach neither a terminal nor the model raw; tab and newline stay. The status
+    line's exception is escaped too. Planted: the output decoded as it came."""
+    code = "import sys\nsys.stdout.write('a\\x00b\\x1b]0;title\\x07c\\r\\n\\tx\\u202ey\\x9b2J\\n')\nraise ValueError('\\x1b[2J')"
+    r = box.run(code)
+    assert r.output.startswith("a\\x00b\\x1b]0;title\\x07c\\x0d\n\tx\\u202ey\\x9b2J\nTraceback"), r.output
+    assert r.output.rstrip().endswith("ValueError: \\x1b[2J")
+    assert r.status_line().startswith("error: exit code 1 (ValueError: \\x1b[2J) after ")
 
 
 @needs_bwrap
@@ -379,7 +541,7 @@ def test_a_batch_runs_concurrently_in_order_each_call_in_its_own_namespace(box):
     results = box.run_batch([code.format(k=k) for k in range(4)])
     rows = [r.output.split() for r in results]
     assert [int(row[0]) for row in rows] == [0, 1, 2, 3]
-    assert {row[1] for row in rows} == {"2"}  # pid 2 in its own pid namespace, each time
+    assert {row[1] for row in rows} == {"3"}  # pid 3 in its own pid namespace (bwrap 1, the runner 2)
     spans = [(float(row[2]), float(row[3])) for row in rows]
     assert most_at_once(spans) == 2  # the pool's width: two ran at once, never three
     assert_nothing_left()
@@ -417,8 +579,28 @@ def test_bad_limits_are_named():
         Limits(processes=2)
     with pytest.raises(ValueError, match=r"cpu_s must be a whole number of seconds >= 1, got 0\.5"):
         Limits(cpu_s=0.5)
+    # ed0dfd1: inf and 1e30 passed, then OverflowError (ceil, select); 2**44 MB passed, then the
+    # runner's setrlimit failed and the trial call blamed bubblewrap; 1.5 MB failed at `<<`
+    for value in (math.inf, 1e30, math.nan):
+        with pytest.raises(ValueError, match="sandbox limit timeout_s must be"):
+            Limits(timeout_s=value)
+    with pytest.raises(ValueError, match="sandbox limit memory_mb must be under 8,796,093,022,207, got"):
+        Limits(memory_mb=17592186044416)
+    with pytest.raises(ValueError, match=r"sandbox limit memory_mb must be a whole number, got 1\.5"):
+        Limits(memory_mb=1.5)
     with pytest.raises(ValueError, match="isolation must be one of bwrap, unsafe, got 'none'"):
         Sandbox(isolation="none")
+
+
+@needs_bwrap
+def test_limits_the_kernel_refuses_are_named_not_blamed_on_bubblewrap():
+    """The runner's set-up failure comes back in its report. ed0dfd1 said "bubblewrap cannot run the
+    code sandbox here … forbids namespaces". 2**31 files: above any fs.nr_open (at most 2**30)."""
+    with pytest.raises(SandboxUnavailable) as info:
+        Sandbox(Limits(open_files=2**31), workers=1)
+    assert str(info.value).startswith(
+        "the code sandbox cannot set a call's user or limits here: ValueError: "
+    )
 
 
 def test_unsafe_isolation_runs_code_with_the_limits_and_cleans_up(tmp_path, monkeypatch):

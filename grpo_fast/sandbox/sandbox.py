@@ -7,15 +7,25 @@ Each call is a fresh interpreter (``_runner.py``) in its own process group, with
   when the code's main process ends, every process it started is killed with the namespace),
   IPC and UTS namespaces; a root filesystem that holds the interpreter's prefixes, its
   site-packages and ``/usr``, all read-only, and a fresh empty writable ``/tmp`` (a tmpfs of
-  ``tmp_mb``); no ``/etc``, ``/home``, ``/root`` or working tree; an emptied environment; a
-  new session (no terminal); killed if its parent dies. As root, the code runs as a uid of its
-  own (``10**9`` + a slot per running call), which makes the process limit hold (root is exempt
-  from it) and gives concurrent calls separate counts;
+  ``tmp_mb``); no ``/etc``, ``/home``, ``/root`` or working tree, but for the path down to an
+  interpreter's prefix that lives in one (a pyenv under ``/root``, a virtual environment in the
+  checkout: the prefix itself, read-only, and empty directories above it); an emptied
+  environment; a new session (no terminal); killed if its parent dies. As root, the code runs
+  as a uid of its own (``10**9`` + a slot per running call), which makes the process limit
+  hold (root is exempt from it) and gives concurrent calls separate counts;
 - **limits** (rlimits, set by the runner on itself before any of the code runs, inherited by
   every process it starts): address space ``memory_mb`` per process, CPU time per process,
   processes + threads, file size (``tmp_mb``), open files, no core dumps;
 - **the caller's watch**: a wall-clock ``timeout_s`` for the whole call, past which the group
-  and its namespace are killed; at most ``output_bytes`` of output kept, past which the same.
+  and its namespace are killed; at most ``output_bytes`` of output kept, past which the same;
+- **a report the code cannot write**: the runner's supervisor waits for the code's process and
+  says how it ended (its exit code, or the signal that killed it, and its CPU time) on a pipe
+  the code's process closed before any of its code ran (``_runner.py``). An exit code is the
+  code's own choice, so no status is read from one: ``sys.exit(137)`` is ``error: exit code
+  137``, a real SIGKILL is ``signal``; ``cpu`` needs SIGXCPU or SIGKILL *and* the CPU time of
+  the limit. ``memory`` and ``processes`` come from the runner inside the code's process (a
+  ``MemoryError``, a fork refused at the limit, reached it): code that raises those on purpose
+  can show them, an exit code cannot. Control characters of the output are escaped (``\\x1b``).
 
 Isolation ``"unsafe"`` (an explicit opt-in for trusted setups, where bubblewrap cannot run): the
 same runner, limits, emptied environment, process group and timeout, and a fresh temporary
@@ -34,6 +44,7 @@ replay and what it costs). Standard library only (a low floor).
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import math
 import os
@@ -71,10 +82,15 @@ STATUSES = ("ok", "error", "timeout", "memory", "cpu", "processes", "output", "s
 BWRAP_FIX = "apt-get install -y bubblewrap"
 MIN_BWRAP = (0, 7)  # --size for the /tmp tmpfs (bubblewrap 0.7.0)
 RUNNER = (Path(__file__).parent / "_runner.py").read_text()
-EXIT_MEMORY, EXIT_PROCESSES, EXIT_SETUP = 113, 114, 115  # the runner's own exit codes
+MAX_TIMEOUT_S = 86_400.0  # a day: past it a deadline is no bound (and select() overflows near 1e10 s)
+MAX_RLIMIT = 2**63 - 1  # the largest limit setrlimit takes short of "unlimited"
 UID_BASE = 10**9  # as root, each running call gets uid UID_BASE + (pid % 2**22) * 256 + slot
 _UID_SLOTS = 256
-_EXCEPTION_LINE = re.compile(r"[A-Za-z_][\w.]*(Error|Exception|Interrupt|Exit)\b")  # a traceback's last line
+# What the output may not carry as it is: C0 controls but tab and newline, DEL, C1 controls, and
+# the format characters that reorder text or break lines (bidi overrides, U+2028/U+2029). On a
+# terminal they move the cursor, clear the screen, set its title; in the model's block they hide
+# or reorder what the code printed.
+_CONTROL = re.compile("[\x00-\x08\x0b-\x1f\x7f-\x9f\u200e\u200f\u2028-\u202e\u2066-\u2069]")
 
 # The environment inside: nothing of the caller's. One BLAS thread (a thread counts against the
 # process limit); PYTHONHASHSEED fixed so that a replayed cell iterates a set as it did.
@@ -123,12 +139,24 @@ class Limits:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
                 raise ValueError(f"sandbox limit {name} must be a positive number, got {value!r}")
+            if name != "timeout_s" and not isinstance(value, int):
+                raise ValueError(f"sandbox limit {name} must be a whole number, got {value!r}")
+        if not self.timeout_s <= MAX_TIMEOUT_S:  # inf and nan too
+            raise ValueError(
+                f"sandbox limit timeout_s must be at most {MAX_TIMEOUT_S:g} s (a day), got {self.timeout_s!r}"
+            )
         if self.cpu_s is not None and (not isinstance(self.cpu_s, int) or self.cpu_s < 1):
             raise ValueError(
                 f"sandbox limit cpu_s must be a whole number of seconds >= 1, got {self.cpu_s!r}"
             )
         if self.processes < 4:  # the interpreter and bubblewrap's own processes
             raise ValueError(f"sandbox limit processes must be >= 4, got {self.processes}")
+        in_bytes = {"memory_mb": 1 << 20, "tmp_mb": 1 << 20}
+        for name in ("memory_mb", "tmp_mb", "cpu_s", "processes", "open_files"):
+            scale = in_bytes.get(name, 1)
+            value = getattr(self, name)
+            if value is not None and value * scale >= MAX_RLIMIT:  # setrlimit and --size take no more
+                raise ValueError(f"sandbox limit {name} must be under {MAX_RLIMIT // scale:,}, got {value:,}")
 
     @property
     def cpu_seconds(self) -> int:
@@ -141,12 +169,15 @@ class SandboxResult:
 
     Attributes:
         output: stdout and stderr as written, interleaved (at most ``output_bytes`` of it,
-            decoded as UTF-8 with replacement characters), what the model is shown.
+            decoded as UTF-8 with replacement characters, control characters escaped as
+            ``\\x1b``), what the model is shown.
         status: one of ``STATUSES``.
-        exit_code: the interpreter's exit code (128 + N when signal N killed it; None when the
-            call was stopped by the timeout or the output limit).
+        exit_code: the code's exit code as ``waitpid`` saw it (``sys.exit(-1)`` is 255); None
+            when a signal killed it, when the call was stopped by the timeout or the output
+            limit, or when the runner could not say.
         seconds: wall time of the call.
         detail: what the status line says after the status.
+        signal: the signal that killed the code's process (None: it exited, or was stopped).
     """
 
     output: str
@@ -154,6 +185,7 @@ class SandboxResult:
     exit_code: int | None
     seconds: float
     detail: str
+    signal: int | None = None
 
     @property
     def ok(self) -> bool:
@@ -275,14 +307,7 @@ class Sandbox:
 
     def run(self, code: str, history: Sequence[str] = ()) -> SandboxResult:
         """Run ``code`` after replaying ``history`` (earlier cells, output dropped)."""
-        request = json.dumps({"cells": list(history), "code": code}).encode()
-        with self._slots:
-            uid = _UIDS.take() if self._root and self._bwrap is not None else -1
-            try:
-                return self._call(request, uid)
-            finally:
-                if uid >= 0 and _sweep_uid(uid):  # a uid goes back only with no task left
-                    _UIDS.give(uid)
+        return self._run(code, history, self.limits)[0]
 
     def run_batch(self, calls: Sequence[str | tuple[str, Sequence[str]]]) -> list[SandboxResult]:
         """``run`` on each call (``code`` or ``(code, history)``), up to ``workers`` at once;
@@ -292,39 +317,57 @@ class Sandbox:
 
     # -- one call ---------------------------------------------------------------------------
 
-    def _call(self, request: bytes, uid: int) -> SandboxResult:
-        lim = self.limits
+    def _run(self, code: str, history: Sequence[str], lim: Limits) -> tuple[SandboxResult, dict | None]:
+        """``(the result, the runner's report or None)`` of one call under ``lim``."""
+        request = json.dumps({"cells": list(history), "code": code}).encode()
+        with self._slots:
+            uid = _UIDS.take() if self._root and self._bwrap is not None else -1
+            try:
+                return self._call(request, uid, lim)
+            finally:
+                if uid >= 0 and _sweep_uid(uid):  # a uid goes back only with no task left
+                    _UIDS.give(uid)
+
+    def _call(self, request: bytes, uid: int, lim: Limits) -> tuple[SandboxResult, dict | None]:
         start = time.monotonic()
+        report_r, report_w = os.pipe()  # the runner's report: see _runner.py
         if self._bwrap is not None:  # the runner drops to uid inside
-            workdir, argv, env = None, self._bwrap_argv(uid), {}
+            workdir, argv, env = None, self._bwrap_argv(uid, report_w, lim), {}
         else:
             workdir = tempfile.mkdtemp(prefix="grpo-fast-sandbox-")
-            argv, env = self._runner_argv(-1), {**SANDBOX_ENV, "HOME": workdir, "TMPDIR": workdir}
+            argv = self._runner_argv(-1, report_w, lim)
+            env = {**SANDBOX_ENV, "HOME": workdir, "TMPDIR": workdir}
         try:
-            proc = subprocess.Popen(
-                argv,
-                stdin=subprocess.PIPE,
-                stdout=subprocess.PIPE,
-                stderr=subprocess.STDOUT,
-                cwd=workdir or "/",
-                env=env,
-                start_new_session=True,
-            )
+            try:
+                proc = subprocess.Popen(
+                    argv,
+                    stdin=subprocess.PIPE,
+                    stdout=subprocess.PIPE,
+                    stderr=subprocess.STDOUT,
+                    cwd=workdir or "/",
+                    env=env,
+                    start_new_session=True,
+                    pass_fds=(report_w,),
+                )
+            finally:
+                os.close(report_w)
             try:
                 output, stopped = _collect(proc, request, start + lim.timeout_s, lim.output_bytes)
             finally:
                 _kill(proc, bwrap=self._bwrap is not None)
+            report = _read_report(report_r)
         finally:
+            os.close(report_r)
             if workdir is not None:
                 shutil.rmtree(workdir, ignore_errors=True)
         seconds = time.monotonic() - start
-        rc = None if stopped else _exit_code(proc.returncode)
         killed = "every process of the call killed" if self._bwrap else "its process group killed"
-        return _result(output.decode("utf-8", errors="replace"), stopped, rc, seconds, lim, killed)
+        text = _printable(output.decode("utf-8", errors="replace"))
+        return _result(text, stopped, report, proc.returncode, seconds, lim, killed), report
 
-    def _runner_argv(self, uid: int) -> list[str]:
-        lim = self.limits
+    def _runner_argv(self, uid: int, report_fd: int, lim: Limits) -> list[str]:
         numbers = (
+            report_fd,
             uid,
             uid,
             lim.memory_mb << 20,
@@ -335,7 +378,7 @@ class Sandbox:
         )
         return [self.python, "-s", "-u", "-B", "-c", RUNNER, *map(str, numbers)]
 
-    def _bwrap_argv(self, uid: int) -> list[str]:
+    def _bwrap_argv(self, uid: int, report_fd: int, lim: Limits) -> list[str]:
         """The bubblewrap command line for one call (``uid`` >= 0: as root, see the module doc)."""
         if self._root:  # no user namespace (root's would map to root): the runner drops to uid
             argv = [self._bwrap, "--unshare-pid", "--unshare-net", "--unshare-ipc", "--unshare-uts"]
@@ -346,20 +389,31 @@ class Sandbox:
         argv += ["--die-with-parent", "--new-session", "--hostname", "sandbox", "--clearenv"]
         for key, value in {**SANDBOX_ENV, "HOME": "/tmp", "TMPDIR": "/tmp"}.items():
             argv += ["--setenv", key, value]
-        argv += ["--perms", "1777", "--size", str(self.limits.tmp_mb << 20), "--tmpfs", "/tmp"]
+        argv += ["--perms", "1777", "--size", str(lim.tmp_mb << 20), "--tmpfs", "/tmp"]
         argv += _filesystem_binds(self._prefixes)
         argv += ["--proc", "/proc", "--dev", "/dev", "--remount-ro", "/", "--chdir", "/tmp"]
-        return [*argv, "--", *self._runner_argv(uid)]
+        return [*argv, "--", *self._runner_argv(uid, report_fd, lim)]
 
     def _check_bwrap_runs(self) -> None:
-        """One trivial call: bubblewrap can create its namespaces here, the interpreter starts."""
-        result = self.run("print('ok')")
-        if result.output != "ok\n" or not result.ok:
-            why = " ".join(result.output.split())[-300:] or result.status_line()
+        """One trivial call: bubblewrap can create its namespaces here, the interpreter starts
+        and sets the limits, and ``print`` runs under them. Its wall clock is at least the
+        default's (a call as short as ``timeout_s`` says nothing about bubblewrap)."""
+        trial = dataclasses.replace(self.limits, timeout_s=max(self.limits.timeout_s, Limits.timeout_s))
+        result, report = self._run("print('ok')", (), trial)
+        if result.output == "ok\n" and result.ok:
+            return
+        if report is not None and "setup" in report:
+            why = _printable(str(report["setup"]))[:300]
+            raise SandboxUnavailable(f"the code sandbox cannot set a call's user or limits here: {why}")
+        if report is not None:  # bubblewrap and the runner ran; the limits leave no room for print()
             raise SandboxUnavailable(
-                f"bubblewrap cannot run the code sandbox here ({why}); on a machine that forbids "
-                "namespaces (some containers) allow them, or use isolation=unsafe for trusted code"
+                f"print('ok') fails under the sandbox's limits ({result.status_line()}): raise them"
             )
+        why = " ".join(result.output.split())[-300:] or result.status_line()
+        raise SandboxUnavailable(
+            f"bubblewrap cannot run the code sandbox here ({why}); on a machine that forbids "
+            "namespaces (some containers) allow them, or use isolation=unsafe for trusted code"
+        )
 
 
 def _filesystem_binds(prefixes: list[str]) -> list[str]:
@@ -472,9 +526,30 @@ def _children(pid: int) -> list[int]:
         return found
 
 
-def _exit_code(returncode: int) -> int:
-    """The shell's convention: 128 + N for a process killed by signal N."""
-    return 128 - returncode if returncode < 0 else returncode
+def _read_report(fd: int) -> dict | None:
+    """The runner's report (``_runner.py``), None when it wrote none: bubblewrap failed before
+    the runner started, or the runner was killed (by the code: it runs as the same uid)."""
+    os.set_blocking(fd, False)  # every writer is gone once the call's processes are
+    data = b""
+    with contextlib.suppress(BlockingIOError):
+        while chunk := os.read(fd, 1 << 16):
+            data += chunk
+    try:
+        report = json.loads(data)
+    except ValueError:
+        return None
+    return report if isinstance(report, dict) else None
+
+
+def _printable(text: str) -> str:
+    """``text`` with each control character (``_CONTROL``) written as its escape: ``\\x1b``,
+    ``\\u202e``. Tab and newline stay."""
+
+    def escape(m: re.Match) -> str:
+        code = ord(m.group())
+        return f"\\x{code:02x}" if code < 0x100 else f"\\u{code:04x}"
+
+    return _CONTROL.sub(escape, text)
 
 
 def _signal_name(number: int) -> str:
@@ -484,10 +559,31 @@ def _signal_name(number: int) -> str:
         return f"signal {number}"
 
 
+def _said(report: dict) -> tuple[str, str | None]:
+    """What the runner in the code's process said (it may be the code's doing): ``(the
+    exception's last line, "memory" | "processes" | None)``."""
+    said = report.get("said")
+    if not isinstance(said, dict):
+        return "", None
+    exception = said.get("exception")
+    limit = said.get("limit")
+    line = _printable(" ".join(exception.split()))[:120] if isinstance(exception, str) else ""
+    return line, limit if limit in ("memory", "processes") else None
+
+
 def _result(
-    output: str, stopped: str | None, rc: int | None, seconds: float, lim: Limits, killed: str
+    output: str,
+    stopped: str | None,
+    report: dict | None,
+    returncode: int,
+    seconds: float,
+    lim: Limits,
+    killed: str,
 ) -> SandboxResult:
+    """The status of a call from what the caller saw (``stopped``) and the runner's report:
+    never from an exit code alone, which the code chooses."""
     took = f"after {seconds:.2f} s"
+    exit_code = sig = None
     if stopped == "timeout":
         status, detail = "timeout", f"stopped at the {lim.timeout_s:g} s wall-clock limit; {killed}"
     elif stopped == "output":
@@ -495,18 +591,31 @@ def _result(
             "output",
             f"stopped after {lim.output_bytes:,} bytes of output (the output limit) {took}; {killed}",
         )
-    elif rc == 0:
-        status, detail = "ok", f"ran to completion in {seconds:.2f} s"
-    elif rc == EXIT_MEMORY:
-        status, detail = "memory", f"MemoryError at the {lim.memory_mb} MB memory limit {took}"
-    elif rc == EXIT_PROCESSES:
-        status, detail = "processes", f"a new process failed at the {lim.processes}-process limit {took}"
-    elif rc == 128 + signal.SIGXCPU:
-        status, detail = "cpu", f"killed at the {lim.cpu_seconds} s CPU-time limit {took}"
-    elif rc is not None and rc > 128:
-        status, detail = "signal", f"killed by {_signal_name(rc - 128)} {took}"
+    elif report is None:
+        status = "error"
+        detail = f"the sandbox's runner ended without a report (exit code {returncode}: killed?) {took}"
+    elif "setup" in report:
+        status, detail = "error", f"the call could not be set up: {_printable(str(report['setup']))[:300]}"
+    elif isinstance(report.get("signal"), int):
+        sig, cpu = report["signal"], report.get("cpu_s")
+        # the kernel's SIGXCPU comes with the process's runtime read 0.97-1.05 s at a 1 s limit
+        # (the scheduler's count, 16 calls at load 3 on 2 cores; /proc's ticks read 0.92): 10%
+        # short still counts as the limit; code that signals itself earlier is a signal
+        at_cpu_limit = isinstance(cpu, (int, float)) and cpu >= 0.9 * lim.cpu_seconds
+        if sig in (signal.SIGXCPU, signal.SIGKILL) and at_cpu_limit:  # soft limit, then hard
+            status, detail = "cpu", f"killed at the {lim.cpu_seconds} s CPU-time limit {took}"
+        else:
+            status, detail = "signal", f"killed by {_signal_name(sig)} {took}"
     else:
-        last = next((line.strip() for line in reversed(output.splitlines()) if line.strip()), "")
-        why = f" ({last[:120]})" if rc == 1 and _EXCEPTION_LINE.match(last) else ""
-        status, detail = "error", f"exit code {rc}{why} {took}"
-    return SandboxResult(output=output, status=status, exit_code=rc, seconds=seconds, detail=detail)
+        exit_code = report.get("exit")
+        exception, limit = _said(report)
+        if exit_code == 0:
+            status, detail = "ok", f"ran to completion in {seconds:.2f} s"
+        elif exit_code == 1 and limit == "memory":
+            status, detail = "memory", f"MemoryError at the {lim.memory_mb} MB memory limit {took}"
+        elif exit_code == 1 and limit == "processes":
+            status, detail = "processes", f"a new process failed at the {lim.processes}-process limit {took}"
+        else:
+            why = f" ({exception})" if exit_code == 1 and exception else ""
+            status, detail = "error", f"exit code {exit_code}{why} {took}"
+    return SandboxResult(output, status, exit_code, seconds, detail, signal=sig)
