@@ -26,6 +26,7 @@ dropped (docs/tools.md: what that costs). Cells that hit a limit are not replaye
 from __future__ import annotations
 
 import dataclasses
+import re
 from collections.abc import Sequence
 
 from grpo_fast.env.base import (
@@ -44,6 +45,7 @@ __all__ = ["ENVIRONMENT", "PythonEnvironment"]
 OPEN_CODE = "```python"
 OPEN_OUTPUT = "```output"
 CLOSE = "```"
+_FENCE = re.compile(r"^([ \t]*)(```)", re.MULTILINE)  # a line of the output that opens or closes a block
 _REPLAYED = ("ok", "error")  # a cell that hit a limit would hit it again at every later call
 
 
@@ -53,7 +55,7 @@ def _note(result: SandboxResult, limits: Limits) -> str:
     notes = {
         "timeout": f"[timed out after {limits.timeout_s:g} s]",
         "cpu": f"[killed at the {limits.cpu_seconds} s CPU-time limit]",
-        "signal": f"[killed by signal {result.exit_code - 128}]" if result.exit_code else "[killed]",
+        "signal": f"[killed by signal {result.signal}]",
         "output": f"[stopped: more than {limits.output_bytes:,} bytes of output]",
     }
     return notes.get(result.status, "")
@@ -115,13 +117,17 @@ class PythonEnvironment(Environment):
         return out
 
     def result_for(self, call: ToolCall, result: SandboxResult, limit: OutputLimit) -> ToolResult:
-        """The ToolResult of one sandbox call: the output block the model is shown."""
-        shown = result.output.rstrip("\n")
+        """The ToolResult of one sandbox call: the output block the model is shown. A line of the
+        output that would close the block (a fence, ```` ``` ````) is escaped (``\\```…``): the
+        block's end is ours (the sandbox has escaped control characters already)."""
+        shown = _FENCE.sub(r"\1\\\2", result.output.rstrip("\n"))
         note = _note(result, self.sandbox.limits)
         if note:
             shown = f"{shown}\n{note}" if shown else note
         opening = "\n" if call.stop == OPEN_OUTPUT else f"\n{OPEN_OUTPUT}\n"  # the model's or ours
-        shown, truncated = truncate(shown, limit.inside(f"{opening}\n{CLOSE}\n"))
+        # a cut can bring one fence to the start of a line (the kept tail's): room for its "\\"
+        shown, truncated = truncate(shown, limit.inside(f"{opening}\n{CLOSE}\n\\"))
+        shown = _FENCE.sub(r"\1\\\2", shown)
         text = f"{opening}{shown}\n{CLOSE}\n" if shown else f"{opening}{CLOSE}\n"
         return ToolResult(
             text, result.ok, result.status, truncated or result.status == "output", result.seconds

@@ -6,32 +6,61 @@ environment inserts), then one status line on stderr (``ok: ran to completion in
 ``timeout: stopped at the 10 s wall-clock limit; every process of the call killed``, ...).
 
 Exit code: 0 when the code ran to completion, 1 when it failed or hit a limit (the status line
-names which), 2 for a usage error (no such file, a bad limit, no bubblewrap: one line).
+names which), 2 for a usage error (no such file, not a regular file, a bad limit, no bubblewrap:
+one line). The code's control characters are escaped and its fences too: what it prints stays
+inside the block.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
+import stat
 import sys
-from pathlib import Path
 
 from grpo_fast.env.base import OutputLimit, ToolCall
 from grpo_fast.env.python import PythonEnvironment
 from grpo_fast.errors import UserError, cli_errors
 from grpo_fast.sandbox import Limits
 
+MAX_FILE_BYTES = 16 << 20  # a tool call's cell is a few kB; past this it is not one
+
+_KINDS = {
+    stat.S_IFIFO: "FIFO",
+    stat.S_IFCHR: "character device",
+    stat.S_IFBLK: "block device",
+    stat.S_IFSOCK: "socket",
+}
+
 
 def _read(path: str) -> str:
+    """The file's text; a ``UserError`` naming it when it is no regular UTF-8 file of at most
+    ``MAX_FILE_BYTES`` (a FIFO or a device is refused before it is read: it could block or never end)."""
     try:
-        return Path(path).read_text(encoding="utf-8")
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)  # a FIFO without a writer: no wait
     except FileNotFoundError:
         raise UserError(f"{path}: no such file") from None
-    except IsADirectoryError:
-        raise UserError(f"{path}: a directory, not a Python file") from None
-    except UnicodeDecodeError as exc:
-        raise UserError(f"{path}: not UTF-8 text ({exc.reason} at byte {exc.start})") from None
+    except (OSError, ValueError) as exc:
+        raise UserError(f"{path}: cannot read it ({getattr(exc, 'strerror', None) or exc})") from None
+    try:
+        mode = os.fstat(fd).st_mode
+        if stat.S_ISDIR(mode):
+            raise UserError(f"{path}: a directory, not a Python file")
+        if not stat.S_ISREG(mode):
+            raise UserError(f"{path}: not a regular file (a {_KINDS.get(stat.S_IFMT(mode), 'special file')})")
+        data = b""
+        while len(data) <= MAX_FILE_BYTES and (chunk := os.read(fd, 1 << 20)):
+            data += chunk
     except OSError as exc:
         raise UserError(f"{path}: cannot read it ({exc.strerror})") from None
+    finally:
+        os.close(fd)
+    if len(data) > MAX_FILE_BYTES:
+        raise UserError(f"{path}: larger than {MAX_FILE_BYTES >> 20} MiB, not one cell of code")
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise UserError(f"{path}: not UTF-8 text ({exc.reason} at byte {exc.start})") from None
 
 
 @cli_errors
