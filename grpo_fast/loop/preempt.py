@@ -17,7 +17,9 @@ the evaluations, one process), the first signal stops the reward call it lands i
 handler raises ``Interrupt`` there (through a ``BaseException`` the reward's own ``except
 Exception`` cannot swallow), and the phase stops as at a unit's end. Code that never returns to
 the interpreter (a C extension holding the GIL) is out of any signal handler's reach; so is code
-that catches ``BaseException`` and carries on: the second signal is then the way out.
+that catches ``BaseException`` and carries on: the second signal is then the way out. A user's
+tool environment runs on a worker thread the rollout waits for (``grpo_fast.env.guarded``): the
+first signal ends that wait (``_tools_stopping``), and the chunk ends with its calls failed.
 
 What each phase writes then (``grpo_fast.loop.checkpointing``) ends in ``Preempted``: one line
 saying what was written, exit code 128 + the signal number. A second signal does not wait: it
@@ -38,6 +40,7 @@ from pathlib import Path
 import torch
 
 from grpo_fast import dist
+from grpo_fast.env import guarded
 from grpo_fast.obs import run_folder
 from grpo_fast.task.rewards import GuardedReward
 
@@ -149,6 +152,14 @@ def check_unit() -> None:
     evaluation): ``Interrupt`` when a signal has arrived and units are interruptible."""
     if _received and _units["interruptible"]:
         raise Interrupt(_received[0])
+
+
+def _tools_stopping() -> str | None:
+    """The signal a wait on a user's tool call ends for (units interruptible), or None."""
+    return signal_name(_received[0]) if _received and _units["interruptible"] else None
+
+
+guarded.stop_waiting_when(_tools_stopping)
 
 
 def unit_callback(progress):

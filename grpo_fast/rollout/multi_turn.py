@@ -34,7 +34,9 @@ cap reads 0 as "unlimited"). A response that hits one ends with a finish reason 
                                       room for one more sampled token ends the response
                                       (``"max_response_tokens"``)
 ``max_tokens``                        sampled tokens, all turns together (``"length"``)
-``tool_timeout_s``                    the environment's (python: the sandbox's wall clock)
+``tool_timeout_s``                    the environment's (python: the sandbox's wall clock); a
+                                      user's module: each call into it, after which the
+                                      call is failed and abandoned (``grpo_fast.env.guarded``)
 ====================================  =====================================================
 
 Example (a scripted turn: the calculator's stop string ends it, the result comes back):
@@ -58,7 +60,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from grpo_fast.domains import AUTO
-from grpo_fast.env import Environment, OutputLimit, make_environment, truncate
+from grpo_fast.env import Environment, OutputLimit, environments, make_environment, truncate
+from grpo_fast.env.guarded import GuardedEnvironment
 from grpo_fast.env.registry import environment as environment_spec
 from grpo_fast.rollout.base import SamplingParams
 from grpo_fast.rollout.trajectory import Role, Trajectory
@@ -177,7 +180,10 @@ def max_response_tokens(rollout_cfg) -> int:
 def from_config(cfg, tokenizer) -> ToolRollout | None:
     """The run's ``ToolRollout`` (``rollout.environment`` and the caps), or None without an
     environment. The environment is built here: one line naming the fix when it cannot run on
-    this machine (``python`` without bubblewrap)."""
+    this machine (``python`` without bubblewrap), or naming the module when a user's build fails;
+    a user's module is wrapped so that each call is bounded by ``rollout.tool_timeout_s``, ends at
+    a signal and has what it returns checked (``grpo_fast.env.guarded``). ``tokenizer`` may be
+    None for a build that runs nothing (the dry run's)."""
     r = cfg.rollout
     if r.environment == "none":
         return None
@@ -188,6 +194,8 @@ def from_config(cfg, tokenizer) -> ToolRollout | None:
     }
     takes = environment_spec(r.environment).takes
     env = make_environment(r.environment, **{k: v for k, v in settings.items() if k in takes})
+    if r.environment not in environments():  # a user's module: bounded, stoppable, checked
+        env = GuardedEnvironment(env, r.environment, float(r.tool_timeout_s))
     return ToolRollout(
         env,
         tokenizer,
