@@ -1,19 +1,23 @@
 """The config's checks (``grpo_fast.config.validate`` runs them): each key against its domain
 (the table: ``option(default, domain)`` beside every default in ``grpo_fast.config``), then the
-relations between keys, the rollout backend's own checks, and what this machine must have. Each
-raises ``ConfigError`` with one line naming the key at fault.
+relations between keys, the rollout backend's own checks, and what this machine and this launch
+must have (paths the filesystem can hold; under torchrun, what the ranks it started must split).
+Each raises ``ConfigError`` with one line naming the key at fault.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import difflib
+import errno
 import math
+import os
 from typing import TYPE_CHECKING, Any
 
 from grpo_fast.domains import AUTO, DomainError, check_fields
+from grpo_fast.env.registry import cannot_run_here
 from grpo_fast.env.registry import environment as environment_spec
-from grpo_fast.errors import ConfigError
+from grpo_fast.errors import ConfigError, shown
 from grpo_fast.ops._backend import triton_unavailable
 from grpo_fast.rollout.registry import backend as rollout_backend
 from grpo_fast.rollout.registry import backends as rollout_backends
@@ -379,13 +383,73 @@ def _check_machine(cfg: Config, preset: str | None) -> None:
         raise ConfigError(missing)
     r = cfg.rollout
     if r.environment != "none" and r.tool_isolation != "unsafe":  # the sandbox: bubblewrap here
-        problem = environment_spec(r.environment).missing()
+        problem = cannot_run_here(r.environment)
         if problem is not None:
             raise ConfigError(f"rollout.environment={r.environment} cannot run here: {problem}")
     if cfg.model.load_in_4bit:
         why = nf4_unavailable(cfg.device)
         if why is not None:
             raise ConfigError(f"model.load_in_4bit=true: {why}")
+    check_paths(cfg)
+    _check_launch(cfg)
+
+
+def check_paths(cfg: Config) -> None:
+    """The keys that name a file or folder: a name this filesystem cannot hold (a part longer
+    than 255 bytes, the whole longer than PATH_MAX) or with a NUL in it is one line here, not an
+    ``OSError`` wherever it is first opened."""
+    d = cfg.data
+    named = (
+        ("output_dir", cfg.output_dir),
+        ("model.name_or_path", cfg.model.name_or_path),
+        ("data.train_path", d.train_path),
+        ("data.eval_path", d.eval_path),
+    )
+    for key, value in named:
+        if value is None:
+            continue
+        try:
+            os.stat(os.path.expanduser(value))
+        except ValueError:  # a NUL character
+            raise ConfigError(f"{key}={shown(value)} holds a NUL character, which no path can") from None
+        except OSError as exc:
+            if exc.errno == errno.ENAMETOOLONG:
+                raise ConfigError(
+                    f"{key}={shown(value)} is not a path this machine can open: {exc.strerror}"
+                ) from None
+
+
+def _check_launch(cfg: Config) -> None:
+    """Under torchrun (``WORLD_SIZE`` ranks, read from the environment as
+    ``grpo_fast.policy.sequence_parallel.group_size`` reads it): what those ranks must split or
+    cannot share, refused here on every rank before any model loads, with the line the run's own
+    later check (in ``grpo_fast.loop.setup``, ``loop.pipeline``, ``rollout.vllm``) gives."""
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world <= 1:
+        return
+    r = cfg.rollout
+    n_prompts = r.batch_size // r.group_size
+    if n_prompts % world:  # each rank generates its share (under sequence parallelism too)
+        raise ConfigError(
+            f"rollout.batch_size / rollout.group_size = {n_prompts} prompts per step do not split "
+            f"evenly over {world} ranks"
+        )
+    if (
+        cfg.train.parallelism == "fsdp"
+        and pipelined(cfg)
+        and not rollout_backend(r.backend).needs_weight_push
+    ):
+        raise ConfigError(
+            f"rollout.backend={r.backend} with rollout.max_staleness={r.max_staleness} / rollout.placement="
+            f"{r.placement} samples from a whole copy of the policy, which FSDP shards: use "
+            "train.parallelism=ddp, or rollout.backend=vllm with rollout.placement=server"
+        )
+    if r.backend == "vllm" and r.placement == "process":
+        raise ConfigError(
+            "rollout.placement=process starts one engine for one trainer process: under torchrun use "
+            "rollout.placement=server (one server every rank shares, on rollout.engine_devices) or "
+            "colocated (one engine per rank)"
+        )
 
 
 def nf4_unavailable(device: str) -> str | None:

@@ -318,9 +318,14 @@ def test_fuzz_yaml_config_files_are_one_line_exit_2(tmp_path, capsys, name, cont
 )
 def test_a_custom_prompt_template_on_the_command_line_is_the_text_as_typed(tmp_path, capsys, typed, template):
     """README and docs/tasks.md: "any string holding {question}", given as
-    data.prompt_template=...: the run uses exactly that text (the dry run shows its prompt)."""
+    data.prompt_template=...: the run uses exactly that text (the dry run shows its prompt). A
+    model whose tokenizer writes any text (the tiny one refuses these characters:
+    tests/test_dry_run_refuses.py)."""
     assert load_config("tiny", overrides=[f"data.prompt_template={typed}"]).data.prompt_template == template
-    code = main([*QUICK, "--dry-run", f"data.prompt_template={typed}", f"output_dir={tmp_path / 'run'}"])
+    anything = "model.name_or_path=Qwen/Qwen2.5-Math-1.5B"
+    code = main(
+        [*QUICK, "--dry-run", anything, f"data.prompt_template={typed}", f"output_dir={tmp_path / 'run'}"]
+    )
     out = capsys.readouterr().out
     assert code == 0 and f"template {template!r}" in out
     prompt = out.split("sample prompt (")[1].splitlines()[1].strip()
@@ -479,7 +484,7 @@ def test_hostile_overrides_through_the_real_command(tmp_path):
         [sys.executable, "-m", "grpo_fast.train", *QUICK, "--dry-run", f"output_dir={tmp_path}", *a],
         capture_output=True, text=True, timeout=300,
     )  # fmt: skip
-    works = run("data.prompt_template={question}{oops}")
+    works = run("data.prompt_template={question}{oops}", "model.name_or_path=Qwen/Qwen2.5-Math-1.5B")
     assert works.returncode == 0 and "'75+60={oops}'" in works.stdout, works.stderr[-2000:]
     refused = run("rollout.batch_size=99999999999999999992")
     assert refused.returncode == 2 and refused.stdout == ""

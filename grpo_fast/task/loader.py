@@ -18,9 +18,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from grpo_fast.config import AUTO, Config
-from grpo_fast.errors import ConfigError
+from grpo_fast.errors import ConfigError, shown
 from grpo_fast.task.data import Example, TaskSpec, load_examples
-from grpo_fast.task.prompts import get_template
+from grpo_fast.task.prompts import PLACEHOLDER, PromptTemplate, get_template
 from grpo_fast.task.registry import task as task_spec
 from grpo_fast.task.rewards import GuardedReward, WeightedReward, get_reward_fn
 
@@ -121,6 +121,8 @@ def load_task(cfg: Config, tokenizer=None) -> Task:
     train = _examples(spec, d.train_path, "train", dict(fields, alphabet=alphabet), d.hub_name)
     evals = _examples(spec, d.eval_path, "eval", dict(fields, alphabet=alphabet), d.hub_name)
     template = get_template(d.prompt_template)
+    if alphabet is not None:
+        _check_template_alphabet(d.prompt_template, template, alphabet)
     if isinstance(d.reward, str):
         reward_fn = _guarded_reward(d.reward, d.task, d.reward_errors)
     else:
@@ -145,6 +147,18 @@ def load_task(cfg: Config, tokenizer=None) -> Task:
         tokenizer=tokenizer,
         max_prompt_tokens=cfg.rollout.max_prompt_tokens,
     )
+
+
+def _check_template_alphabet(asked: str, template: PromptTemplate, alphabet: str) -> None:
+    """The template's own text (all but ``{question}``) within ``alphabet``, the characters the
+    model's tokenizer knows, as a data file's text is (``grpo_fast.task.data``): any other would
+    become ``<unk>`` in every prompt."""
+    unknown = sorted({ch for ch in template.text.replace(PLACEHOLDER, "") if ch not in alphabet})
+    if unknown:
+        raise ConfigError(
+            f"data.prompt_template={shown(asked)} holds {''.join(unknown)!r}, which the tokenizer does not "
+            f"know (it knows only {alphabet!r}): it would become <unk> in every prompt"
+        )
 
 
 def _examples(

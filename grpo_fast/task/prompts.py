@@ -21,7 +21,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from grpo_fast.errors import ConfigError
+from grpo_fast.errors import ConfigError, shown
 
 __all__ = ["PLACEHOLDER", "TEMPLATES", "PromptTemplate", "format_prompt", "get_template", "stop_strings"]
 
@@ -94,7 +94,7 @@ def get_template(name_or_text: str) -> PromptTemplate:
     if PLACEHOLDER in name_or_text:
         return PromptTemplate(name="custom", text=name_or_text)
     raise ConfigError(
-        f"unknown prompt template {name_or_text!r}: use one of {', '.join(sorted(TEMPLATES))}, "
+        f"unknown prompt template {shown(name_or_text)}: use one of {', '.join(sorted(TEMPLATES))}, "
         f"or a custom template string containing {PLACEHOLDER}"
     )
 

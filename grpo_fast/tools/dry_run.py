@@ -2,7 +2,9 @@
 
 The resolved config with each value's source, the memory plan for the device, the data (counts,
 a prompt as the model sees it). Touches no network for the model (hub configs and tokenizers come
-from the local cache only).
+from the local cache only). It refuses what the run refuses before it trains, with the run's own
+lines (``tests/test_dry_run_refuses.py`` runs both over the same bad configs), except what only
+the model's modules can tell (LoRA target modules, the heads sequence parallelism splits).
 """
 
 from __future__ import annotations
@@ -12,7 +14,8 @@ import sys
 from pathlib import Path
 
 from grpo_fast.config import AUTO, Config, config_sources, load_config, validate
-from grpo_fast.errors import ConfigError, UserError
+from grpo_fast.config_checks import check_paths
+from grpo_fast.errors import ConfigError, UserError, one_line
 
 
 def dry_run(preset: str, config_files: list[str], overrides: list[str]) -> int:
@@ -30,12 +33,19 @@ def dry_run(preset: str, config_files: list[str], overrides: list[str]) -> int:
     quiet_transformers()
     sources = config_sources(preset, config_files, overrides, check_device=False)
     cfg = load_config(preset, config_files, overrides, check_device=False)
+    try:
+        check_paths(cfg)  # a name no file can have: nothing below could open it, nor could the run
+    except ConfigError as exc:
+        print(f"error: {one_line(str(exc))}", file=sys.stderr)
+        return 2
     problems: list[str] = []
     try:
         validate(cfg, preset, check_device=True)
     except ConfigError as exc:
         problems.append(str(exc))
     problems += _run_problems(cfg)  # what the real run checks before it trains, the same lines
+    if not problems:  # a user's tool environment, built (its module's code runs: after the checks)
+        problems += _environment_problems(cfg)
 
     print(f"dry run of preset {preset!r}: the resolved config (value  # source)")
     width = max(map(len, sources))
@@ -68,11 +78,11 @@ def dry_run(preset: str, config_files: list[str], overrides: list[str]) -> int:
             f"{cfg.steps * n_prompts / max(len(task.train), 1):.2f} passes over the train set"
         )
         subset = min(cfg.data.eval_subset_size, len(task.eval))
-        print(f"  eval: {subset} problems every {cfg.eval_every} steps (eval_every)")
+        print(f"  eval: {evaluations(cfg) or 'none (eval_every=0)'}, {subset} problems each (eval_every)")
         if task.train:
             _print_sample_prompt(task, cfg)
     for msg in problems:
-        print(f"error: {' '.join(msg.split())}", file=sys.stderr)
+        print(f"error: {one_line(msg)}", file=sys.stderr)
     print("\ndry run: no model was loaded")
     return 2 if problems else 0
 
@@ -93,14 +103,49 @@ def _trainable_text(cfg: Config, plan) -> str:
     )
 
 
+def evaluations(cfg: Config, start: int = 0) -> str:
+    """When the run evaluates the eval subset, in words (``""``: never): at step 0 (a fresh start),
+    every ``eval_every`` steps and at the last step (``grpo_fast.loop.step_end``).
+
+    Example:
+        >>> from grpo_fast.config import load_config
+        >>> evaluations(load_config("tiny", overrides=["steps=6"]))  # eval_every=25
+        'an evaluation at steps 0 and 6'
+        >>> evaluations(load_config("tiny", overrides=["steps=60"]))
+        'an evaluation every 25 steps and at step 60'
+    """
+    every, last = cfg.eval_every, cfg.steps
+    if not every or cfg.data.eval_subset_size == 0 or last <= start:
+        return ""
+    first = (start // every + 1) * every  # the first multiple of eval_every after the start
+    multiples = (last - first) // every + 1 if first <= last else 0
+    if multiples > 1:
+        return f"an evaluation every {every} steps" + (f" and at step {last}" if last % every else "")
+    steps = sorted({*([0] if start == 0 else []), *([first] if multiples else []), last})
+    listed = ", ".join(map(str, steps[:-1])) + " and " if len(steps) > 1 else ""
+    return f"an evaluation at step{'s' * (len(steps) > 1)} {listed}{steps[-1]}"
+
+
 def _run_problems(cfg: Config) -> list[str]:
-    """The real run's stops before training that need no model: ``output_dir`` (not creatable, not
-    writable, in use, holding a run, a resume that changes a run-defining key), a local model
-    folder that is missing or damaged. Nothing is created or locked."""
+    """The real run's stops before training that need no model: the OpenMP wait this process
+    runs with (``threads.wait_policy``), a sequence-parallel group the ranks do not hold,
+    ``output_dir`` (not creatable, not writable, in use, holding a run, a resume that changes a
+    run-defining key), a local model folder that is missing or damaged. Nothing is created or
+    locked."""
+    from grpo_fast import threads
     from grpo_fast.obs import run_folder
+    from grpo_fast.policy import sequence_parallel
     from grpo_fast.policy.checkpoint import check_model_folder
 
     found = []
+    asked = cfg.threads.wait_policy
+    restarts = threads.wait_policy_restart(asked) is not None and threads.started_by_command
+    if not restarts and (problem := threads.wait_policy_problem(asked)) is not None:  # as train.run
+        found.append(problem)
+    try:
+        sequence_parallel.group_size(cfg)
+    except ConfigError as exc:
+        found.append(str(exc))
     out = Path(cfg.output_dir)
     why = run_folder.output_dir_problem(out)
     owner = run_folder.in_use(out) if why is None and out.is_dir() else None
@@ -119,6 +164,30 @@ def _run_problems(cfg: Config) -> list[str]:
     except UserError as exc:
         found.append(str(exc))
     return found
+
+
+def _environment_problems(cfg: Config) -> list[str]:
+    """A user's tool environment (``rollout.environment=my_tools``) built as the run builds it
+    (``multi_turn.from_config``: its build must return an environment with non-empty stop
+    strings), its ``new_state`` called, and its ``parse`` given a turn that is one of its stop
+    strings (it must return a ``ToolCall`` or None); then closed. No call is executed."""
+    from grpo_fast.env import environments
+    from grpo_fast.rollout import multi_turn
+
+    r = cfg.rollout
+    if r.environment == "none" or r.environment in environments():
+        return []
+    try:
+        env = multi_turn.from_config(cfg, tokenizer=None).env
+        try:
+            env.new_state()
+            for stop in env.stop_strings:
+                env.parse(stop)
+        finally:
+            env.close()
+    except UserError as exc:
+        return [str(exc)]
+    return []
 
 
 def _plan_text(cfg: Config, torch) -> str:
