@@ -118,7 +118,7 @@ def test_a_run_s_end_records_its_setup_and_the_next_plan_line_quotes_it(tmp_path
     assert main([*QUICK, "steps=2", f"output_dir={tmp_path / 'b'}"]) == 0
     total = 20 * entry["sft_step_s"] + 2 * entry["grpo_step_s"] + 2 * entry["eval_s"]  # evals: 0, 2
     assert _plan_line(capsys.readouterr().err).endswith(
-        f", an evaluation every 2 steps; {plan_threads_note()}; about {eta.format_duration(total)} on this machine (from its "
+        f", an evaluation at steps 0 and 2; {plan_threads_note()}; about {eta.format_duration(total)} on this machine (from its "
         f"last run of this setup on {TODAY}: 20 warm-start steps, "
         f"{eta.format_seconds(entry['grpo_step_s'])} s a GRPO step)"
     )

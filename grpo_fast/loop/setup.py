@@ -42,7 +42,7 @@ from grpo_fast.rollout import BackendContext, backend, make_backend
 from grpo_fast.task import tiny
 from grpo_fast.task.loader import Task, load_task
 from grpo_fast.task.registry import task as task_spec
-from grpo_fast.tools import plan
+from grpo_fast.tools import dry_run, plan
 
 
 def seed_everything(seed: int) -> None:
@@ -312,7 +312,8 @@ def _announce_plan(
             )
         first = f"an SFT warm start of up to {s.steps} steps{until}, then "
     grpo = f"GRPO to step {cfg.steps}, {r.batch_size // r.group_size} prompts × {r.group_size} responses each"
-    evals = f", an evaluation every {cfg.eval_every} steps{_eval_source(cfg)}" if cfg.eval_every else ""
+    said = dry_run.evaluations(cfg)  # "an evaluation every 25 steps", "… at steps 0 and 6"
+    evals = f", {said}{_eval_source(cfg)}" if said else ""
     ranks = f", on {world.world_size} ranks" if world.enabled else ""
     if world.is_main:  # the other ranks print nothing
         threads_note = f"; {cpu_threads}" if cpu_threads else ""  # before the estimate, which ends the line
