@@ -237,7 +237,8 @@ def _sync_model(which: str, folder):
 def _sync_engine(placement: str, folder, tmp_path):
     from grpo_fast.config import load_config
     from grpo_fast.rollout.vllm import VLLMEngine
-    from grpo_fast.rollout.vllm_transfer import Timeouts, free_port
+    from grpo_fast.rollout.vllm.deadline import Timeouts
+    from grpo_fast.rollout.vllm.transfer.transport import free_port
 
     common = dict(max_model_len=32, seed=0, dtype="float32")
     extra = dict(load_config("tiny", check_device=False).rollout.vllm_kwargs)
@@ -245,10 +246,10 @@ def _sync_engine(placement: str, folder, tmp_path):
     if placement == "colocated":
         return VLLMEngine(str(folder), gpu_memory_utilization=0.3, extra_args=extra, **common)
     if placement == "process":
-        from grpo_fast.rollout.vllm_process import ProcessEngine
+        from grpo_fast.rollout.vllm.placement.process import ProcessEngine
 
         return ProcessEngine(str(folder), timeouts=timeouts, extra_args=extra, **common)
-    from grpo_fast.rollout.vllm_server import ServerEngine, server_command, start_server
+    from grpo_fast.rollout.vllm.placement.server import ServerEngine, server_command, start_server
 
     port = free_port()
     proc = start_server(

@@ -211,7 +211,7 @@ def test_hf_backend_keeps_each_response_with_its_prompt():
 
 def test_hf_backend_cuts_at_a_stop_string_and_keeps_it():
     tok = tiny.build_tokenizer()
-    from grpo_fast.rollout.hf import _trim
+    from grpo_fast.rollout.hf.decoder import _trim
 
     params = SamplingParams(n=1, temperature=1.0, top_p=1.0, max_tokens=6, min_tokens=0, stop=("+",))
     ids = tok("12+3")["input_ids"] + [tok.pad_token_id] * 2

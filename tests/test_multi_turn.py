@@ -305,12 +305,12 @@ def test_math_tir_prompt_python_environment_and_boxed_reward_fit_together():
 
 
 def test_every_engine_placement_takes_one_sampling_params_per_request():
-    """``vllm_parts.request_params``, what the colocated, process and server engines build their
+    """``vllm.placement.shared.request_params``, what the colocated, process and server engines build their
     requests from: one ``SamplingParams`` for all prompts (prompt j seeded seed + j·n), or one per
     prompt with its own budget and seed (a multi-turn rollout's continuations)."""
     from dataclasses import replace
 
-    from grpo_fast.rollout.vllm_parts import request_params, sampling_fields
+    from grpo_fast.rollout.vllm.placement.shared import request_params, sampling_fields
 
     one = SamplingParams(4, 1.0, 1.0, 20, 0, seed=100)
     assert [(p, s) for p, s in request_params(one, 3)] == [(one, 100), (one, 104), (one, 108)]

@@ -25,9 +25,10 @@ import torch
 from grpo_fast.config import load_config
 from grpo_fast.errors import ConfigError, EngineDied, EngineTimeout
 from grpo_fast.loop import pipeline
-from grpo_fast.rollout import hf_process
 from grpo_fast.rollout.base import SamplingParams
-from grpo_fast.rollout.hf_process import HFCopyBackend, HFProcessBackend, Timeouts, trainable_tensors
+from grpo_fast.rollout.hf import process as hf_process
+from grpo_fast.rollout.hf.copied import HFCopyBackend, trainable_tensors
+from grpo_fast.rollout.hf.process import HFProcessBackend, Timeouts
 from grpo_fast.task import tiny
 from grpo_fast.train import main
 

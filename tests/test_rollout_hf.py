@@ -1,4 +1,4 @@
-"""The hf backend's own decoding (grpo_fast/rollout/hf.py ``decode`` and ``sample_next``): each
+"""The hf backend's own decoding (grpo_fast/rollout/hf/decoder.py ``decode`` and ``sample_next``): each
 prompt prefilled once for its ``n`` samples, one uniform per row drawn against the cumulative
 probabilities, the sampled tokens' log-probs returned. The same distribution as
 ``torch.multinomial`` (a χ² test), greedy the same tokens as transformers' ``generate``, the

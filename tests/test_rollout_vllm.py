@@ -1,8 +1,8 @@
 """The vLLM backend's orchestration, on CPU, against a FAKE engine at the ``Engine`` boundary.
 
 ``FakeVLLMEngine`` is not vLLM: it is a clearly labelled stand-in with the methods of
-``grpo_fast.rollout.vllm_engine.VLLMEngine`` (generate / prompt_logprobs / load_weights / wake_up /
-reset_prefix_cache / sleep). It keeps its own copy of the weights (filled only through
+``grpo_fast.rollout.vllm.placement.colocated.VLLMEngine`` (generate / prompt_logprobs /
+load_weights / wake_up / reset_prefix_cache / sleep). It keeps its own copy of the weights (filled only through
 ``load_weights``, by Hugging Face names, like vLLM), refuses to generate while asleep or before a
 push, and samples with transformers. The real engine runs in tests/test_vllm_engine.py.
 """

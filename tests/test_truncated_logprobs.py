@@ -271,22 +271,22 @@ def test_config_keys_reach_the_samplers_and_the_trainer():
 def test_hf_backend_hands_top_k_to_its_sampler(monkeypatch):
     """The hf backend's decode draws every token with the run's temperature, top-k (0 = off) and
     top-p (applied in that order, as vLLM; tests/test_rollout_hf.py checks the draws)."""
-    from grpo_fast.rollout import hf
+    from grpo_fast.rollout.hf import decoder
     from grpo_fast.task import tiny
 
     tok = tiny.build_tokenizer()
     model = tiny.build_model(tok, seed=0)
     seen = []
-    original = hf.sample_next
+    original = decoder.sample_next
 
     def spy(logits, params, *rest):  # rest: the backend's generator
         seen.append((params.temperature, params.top_k, params.top_p))
         return original(logits, params, *rest)
 
-    monkeypatch.setattr(hf, "sample_next", spy)
+    monkeypatch.setattr(decoder, "sample_next", spy)
     cfg = load_config("tiny", overrides=["rollout.top_k=4", "rollout.top_p=0.8", "rollout.group_size=2"])
     params = sampling_params(cfg.rollout)
-    hf.HFBackend(model, tok, 8).generate([tok("1+2=")["input_ids"]], params)
+    decoder.HFBackend(model, tok, 8).generate([tok("1+2=")["input_ids"]], params)
     assert seen and set(seen) == {(params.temperature, 4, 0.8)}
 
 

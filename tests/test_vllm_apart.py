@@ -28,19 +28,12 @@ from grpo_fast.policy.checkpoint import STATE_FILE
 from grpo_fast.rollout import BackendContext, backend
 from grpo_fast.rollout.base import Rollout, SamplingParams
 from grpo_fast.rollout.vllm import EngineDied, EngineError, EngineTimeout, VLLMBackend
-from grpo_fast.rollout.vllm_process import EventLoopThread
-from grpo_fast.rollout.vllm_server import ServerEngine, ServerProcess, server_command
-from grpo_fast.rollout.vllm_transfer import (
-    AdapterSlots,
-    Deadline,
-    ShmTransport,
-    Timeouts,
-    free_port,
-    sampled_versions,
-    sync,
-    unique_tensors,
-)
-from grpo_fast.rollout.vllm_weights import tied_names
+from grpo_fast.rollout.vllm.deadline import Deadline, Timeouts
+from grpo_fast.rollout.vllm.placement.process import EventLoopThread
+from grpo_fast.rollout.vllm.placement.server import ServerEngine, ServerProcess, server_command
+from grpo_fast.rollout.vllm.placement.shared import AdapterSlots, sampled_versions
+from grpo_fast.rollout.vllm.transfer.transport import ShmTransport, free_port, sync, unique_tensors
+from grpo_fast.rollout.vllm.transfer.weights import tied_names
 from grpo_fast.task import tiny
 
 FAKE = str(Path(__file__).with_name("fake_vllm_server.py"))
@@ -194,7 +187,7 @@ def test_attaching_to_a_server_without_our_weight_transfer_names_the_flags():
     text = _one_line(err.value)
     assert not isinstance(err.value, EngineDied)  # the server is up: it lacks the transport
     assert '--weight-transfer-config \'{"backend": "grpo_fast_shm"}\'' in text
-    assert "--worker-extension-cls grpo_fast.rollout._vllm_worker.WorkerExtension" in text
+    assert "--worker-extension-cls grpo_fast.rollout.vllm.transfer._worker.WorkerExtension" in text
 
 
 def test_the_event_loop_wait_times_out_and_cancels_the_coroutine():
@@ -254,7 +247,7 @@ def test_the_timeout_keys_bound_the_waits_of_a_run(tmp_path):
 
 
 def test_start_timeout_bounds_the_start_of_the_server_the_run_starts(tmp_path, monkeypatch):
-    import grpo_fast.rollout.vllm_server as vs
+    import grpo_fast.rollout.vllm.placement.server as vs
 
     monkeypatch.setattr(
         vs, "server_command", lambda *a, **k: [sys.executable, "-c", "import time; time.sleep(600)"]
@@ -277,7 +270,7 @@ def test_the_server_command_carries_the_transport_and_the_users_flags():
     for part in ("--host 127.0.0.1 --port 8123", "--dtype bfloat16", "--max-model-len 64", "--seed 3",
                  "--enable-scale-out", "--logprobs-mode processed_logprobs", "--generation-config vllm",
                  '--weight-transfer-config {"backend": "grpo_fast_shm"}', "--tensor-parallel-size 2",
-                 "--worker-extension-cls grpo_fast.rollout._vllm_worker.WorkerExtension",
+                 "--worker-extension-cls grpo_fast.rollout.vllm.transfer._worker.WorkerExtension",
                  "--enable-lora --max-lora-rank 8 --max-loras 2", "--enforce-eager", "--max-num-seqs 16",
                  "--no-enable-chunked-prefill"):  # fmt: skip
         assert part in line, part
@@ -669,18 +662,18 @@ def test_a_server_logs_at_info_even_after_an_in_process_engine_quieted_this_proc
     """An in-process engine sets VLLM_LOGGING_LEVEL=WARNING for this process (its INFO lines each
     step); a server started later writes its own log file, at INFO (the configuration it started
     with, e.g. the weight-transfer backend), unless the user chose a level."""
-    from grpo_fast.rollout import vllm_parts
+    from grpo_fast.rollout.vllm.placement import shared
 
     monkeypatch.delenv("VLLM_LOGGING_LEVEL", raising=False)
-    monkeypatch.setattr(vllm_parts, "_quieted_here", False)
-    assert vllm_parts.apart_logging_level() == "INFO"
-    vllm_parts.quiet_in_process_logging()
+    monkeypatch.setattr(shared, "_quieted_here", False)
+    assert shared.apart_logging_level() == "INFO"
+    shared.quiet_in_process_logging()
     assert os.environ["VLLM_LOGGING_LEVEL"] == "WARNING"
-    assert vllm_parts.apart_logging_level() == "INFO"
-    monkeypatch.setattr(vllm_parts, "_quieted_here", False)  # a new process where the user set it
+    assert shared.apart_logging_level() == "INFO"
+    monkeypatch.setattr(shared, "_quieted_here", False)  # a new process where the user set it
     monkeypatch.setenv("VLLM_LOGGING_LEVEL", "DEBUG")
-    vllm_parts.quiet_in_process_logging()
-    assert os.environ["VLLM_LOGGING_LEVEL"] == "DEBUG" and vllm_parts.apart_logging_level() == "DEBUG"
+    shared.quiet_in_process_logging()
+    assert os.environ["VLLM_LOGGING_LEVEL"] == "DEBUG" and shared.apart_logging_level() == "DEBUG"
 
 
 # ---------------------------------------------------------------------------- staleness: the pipeline

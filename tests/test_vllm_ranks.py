@@ -1,6 +1,6 @@
 """One vLLM server for every trainer rank (``rollout.placement=server`` under torchrun):
-``grpo_fast.rollout.vllm_ranks``, on 2 gloo ranks and the FAKE server (``tests/fake_vllm_server.py``,
-a thread of the test's process).
+``grpo_fast.rollout.vllm.placement.ranks``, on 2 gloo ranks and the FAKE server
+(``tests/fake_vllm_server.py``, a thread of the test's process).
 
 Rank 0 pushes every version once and probes it; rank 1 takes part in the push's gathers (FSDP)
 and sends its own prompts with its own seeds; a server that stops answering a sync stops both
@@ -99,7 +99,7 @@ def test_a_failed_start_and_a_failed_push_reach_every_rank(monkeypatch, rank):
     rank raises it (rank 1 after its own side, the gathers). Planted: a leader that raises
     without broadcasting → rank 1 waits for ever (under torchrun: until the group's timeout)."""
     from grpo_fast.errors import EngineTimeout
-    from grpo_fast.rollout.vllm_ranks import Outcome, RankShare
+    from grpo_fast.rollout.vllm.placement.ranks import Outcome, RankShare
 
     failed = EngineTimeout("the vLLM server's start on http://127.0.0.1:9 did not finish within 2 s")
     share = RankShare(rank)

@@ -25,7 +25,7 @@ from grpo_fast.config import load_config
 from grpo_fast.rollout import BackendContext, backend
 from grpo_fast.rollout.base import SamplingParams
 from grpo_fast.rollout.vllm import WeightSyncProbe
-from grpo_fast.rollout.vllm_server import ServerEngine
+from grpo_fast.rollout.vllm.placement.server import ServerEngine
 from grpo_fast.task import tiny
 
 pytestmark = [pytest.mark.vllm, pytest.mark.xdist_group("vllm_server")]

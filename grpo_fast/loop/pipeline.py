@@ -2,7 +2,7 @@
 
 Two sides with one boundary. The **producer** (a thread of the training process) owns generation
 and scoring: it takes jobs in step order, loads the policy version each job names into a backend
-with weights of its own (``grpo_fast.rollout.hf_process``: a copy in this process, or the decoder
+with weights of its own (``grpo_fast.rollout.hf``: a copy in this process, or the decoder
 in a worker process; or the run's vLLM engine apart, pushed and probed), and runs ``produce`` (prompts → generate → rewards; no collective, nothing
 of the trainer). The **trainer** (the main thread) owns the optimizer: it takes step k's batch,
 finalizes it (``rollout_phase.finalize``: shaping, advantages), trains on it and publishes its new
@@ -42,7 +42,7 @@ each batch (``_collect``: one all-reduce of the lag, so that every rank refuses 
 together, and of a failure flag, so that a producer that failed on one rank stops every rank, an
 engine's failure with the step's checkpoint written by all: ``grpo_fast.loop.agreement``). A checkpoint keeps a job until the
 trainers agreed on its batch. One vLLM server for all ranks: the run's ``VLLMBackend`` (the producers
-push over a group of their own, ``grpo_fast.rollout.vllm_ranks``). The hf producers sample from
+push over a group of their own, ``grpo_fast.rollout.vllm.placement.ranks``). The hf producers sample from
 a whole copy of the policy: refused under FSDP.
 
 Not with the pipeline (``config_checks._check_pipeline``): dynamic sampling (extra rounds inside a
@@ -73,7 +73,8 @@ from grpo_fast.obs.metrics import PhaseProgress
 from grpo_fast.rollout import Rollout
 from grpo_fast.rollout import backend as backend_spec
 from grpo_fast.rollout.hf import HFBackend
-from grpo_fast.rollout.hf_process import HFCopyBackend, HFProcessBackend, Timeouts, worker_threads
+from grpo_fast.rollout.hf.copied import HFCopyBackend
+from grpo_fast.rollout.hf.process import HFProcessBackend, Timeouts, worker_threads
 
 
 def train(run: Run, progress: PhaseProgress) -> None:

@@ -1,8 +1,10 @@
 """Rollout backends behind one interface (``RolloutBackend``), found by registry (``registry``).
 
-``hf`` (transformers ``generate`` on the training model) and ``vllm`` (a colocated in-process
-engine) are the two modules that declare a ``BACKEND``; ``make_backend`` builds the configured
-one. Backend modules take the run's config as a plain object and import nothing above them.
+``hf`` (transformers decoding: ``rollout/hf/``) and ``vllm`` (a vLLM engine: ``rollout/vllm/``,
+its placements in ``placement/``, its weight transport in ``transfer/``) are the two packages
+that declare a ``BACKEND``; ``make_backend`` builds the configured one. Beside them: the backend
+protocol (``base.py``), the registry, sampling settings, the trajectory type and multi-turn
+rollouts. Backends take the run's config as a plain object and import nothing above them.
 """
 
 from __future__ import annotations

@@ -1,11 +1,11 @@
-"""The rollout backends by name: each backend module declares a ``BACKEND = BackendSpec(...)``.
+"""The rollout backends by name: each backend declares a ``BACKEND = BackendSpec(...)``.
 
-A backend module of ``grpo_fast.rollout`` (``hf.py``, ``vllm.py``, ...) declares its name, what
-it can do, its config checks and how it is built (``BackendSpec``, in ``rollout/base.py``: a
-backend module imports nothing of the registry); ``backends()`` finds every such module of the
-package by its files, so the config's choices for ``rollout.backend``, ``make_backend``, the loop and
-``grpo-fast doctor`` read them here. Adding a backend is one module (and its tests): no list to
-edit elsewhere.
+A backend of ``grpo_fast.rollout`` (a module, or a package such as ``hf/`` and ``vllm/`` whose
+``__init__.py`` exports it) declares its name, what it can do, its config checks and how it is
+built (``BackendSpec``, in ``rollout/base.py``: a backend imports nothing of the registry);
+``backends()`` finds every such module or package of ``grpo_fast.rollout`` by its files, so the
+config's choices for ``rollout.backend``, ``make_backend``, the loop and ``grpo-fast doctor`` read
+them here. Adding a backend is one module or package (and its tests): no list to edit elsewhere.
 
 Capabilities the rest of the engine asks about instead of a backend's name:
 
@@ -32,14 +32,15 @@ _FOUND: dict[str, BackendSpec] | None = None
 
 
 def backends() -> dict[str, BackendSpec]:
-    """Every backend of ``grpo_fast.rollout``, by name: the modules that define ``BACKEND``
-    (imported once; importing one does not import its engine library, e.g. vLLM). A private
-    module (``_name.py``) is never imported here: it may import its engine library at the top."""
+    """Every backend of ``grpo_fast.rollout``, by name: the modules and packages directly in it
+    that define ``BACKEND`` (imported once; importing one does not import its engine library,
+    e.g. vLLM). A private module (``_name.py``) is never imported here: it may import its engine
+    library at the top."""
     global _FOUND
     if _FOUND is None:
         found = {}
         for info in sorted(pkgutil.iter_modules([str(Path(__file__).parent)]), key=lambda m: m.name):
-            if info.name.startswith("_"):  # private helpers (e.g. _vllm_worker, imported by vLLM's workers)
+            if info.name.startswith("_"):  # private: it may import its engine library at the top
                 continue
             module = importlib.import_module(f"{__package__}.{info.name}")
             spec = getattr(module, "BACKEND", None)

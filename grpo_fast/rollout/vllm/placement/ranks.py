@@ -45,7 +45,7 @@ class Outcome:
 class RankShare:
     """The trainer ranks' share of one engine: ``rank`` 0 leads (module docstring). ``group``:
     the process group the outcome is broadcast over (None: every rank's default group; a run's
-    is a gloo group of the pushes' own, ``vllm_apart.shared_server``)."""
+    is a gloo group of the pushes' own, ``placement/apart.py: shared_server``)."""
 
     def __init__(self, rank: int, group=None):
         self.rank = rank

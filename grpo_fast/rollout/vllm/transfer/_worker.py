@@ -2,25 +2,27 @@
 
 A vLLM engine apart from the trainer (``rollout.placement=process`` or ``server``) is started
 with ``weight_transfer_config={"backend": "grpo_fast_shm"}`` and
-``worker_extension_cls="grpo_fast.rollout._vllm_worker.WorkerExtension"``. vLLM imports this
-module in every worker before it builds the model's weight-transfer engine, so importing it
-registers ``ShmWeightTransferEngine`` with vLLM's ``WeightTransferEngineFactory``. The engine
-then takes vLLM's native weight-sync calls (``init_weight_transfer_engine``,
-``start_weight_update``, ``update_weights``, ``finish_weight_update``: from ``AsyncLLM``, or
-over HTTP from a server run with ``VLLM_SERVER_DEV_MODE=1``):
+``worker_extension_cls="grpo_fast.rollout.vllm.transfer._worker.WorkerExtension"``
+(``transport.WORKER_EXTENSION``). vLLM imports this module in every worker before it builds the
+model's weight-transfer engine, so importing it registers ``ShmWeightTransferEngine`` with vLLM's
+``WeightTransferEngineFactory``. The engine then takes vLLM's native weight-sync calls
+(``init_weight_transfer_engine``, ``start_weight_update``, ``update_weights``,
+``finish_weight_update``: from ``AsyncLLM``, or over HTTP from a server run with
+``VLLM_SERVER_DEV_MODE=1``):
 
 - ``update_weights({"path": FILE})``: FILE is a safetensors file the trainer wrote into
-  ``/dev/shm`` (``grpo_fast.rollout.vllm_transfer.ShmTransport``); its tensors, under Hugging
-  Face names, are loaded with vLLM's layerwise reload (``grpo_fast.rollout.vllm_parts.WeightReload``,
-  which also repacks a tied ``lm_head`` on CPU). A sync may send several files, one per chunk.
+  ``/dev/shm`` (``transport.ShmTransport``); its tensors, under Hugging Face names, are loaded
+  with vLLM's layerwise reload (``reload.WeightReload``, which also repacks a tied ``lm_head``
+  on CPU). A sync may send several files, one per chunk.
 - ``start_weight_update`` / ``finish_weight_update``: open and close the layerwise reload.
 
 Why a transport of our own: vLLM 0.32's transports (``nccl``, ``ipc``, ``sparse_nccl``,
 ``nccl_m2n``, ``sharded_rdt``) all need CUDA (or Ray + NIXL); on a CPU none runs. Files in RAM
 work on every platform (GPU too, at the cost of a copy through host memory).
 
-A private module (leading underscore): it imports vLLM at the top, so the backend registry,
-which imports every other module of ``grpo_fast.rollout``, skips it.
+A private module (leading underscore): it imports vLLM at the top, so nothing in grpo_fast
+imports it (the backend registry imports the ``grpo_fast.rollout.vllm`` package, which leaves
+it out); vLLM's workers import it by name.
 """
 
 from __future__ import annotations
@@ -36,8 +38,8 @@ from vllm.distributed.weight_transfer.base import (
     WeightTransferUpdateInfo,
 )
 
-from grpo_fast.rollout.vllm_parts import WeightReload
-from grpo_fast.rollout.vllm_transfer import SHM_BACKEND
+from grpo_fast.rollout.vllm.transfer.reload import WeightReload
+from grpo_fast.rollout.vllm.transfer.transport import SHM_BACKEND
 
 
 @dataclass

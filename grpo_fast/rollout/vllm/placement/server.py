@@ -17,7 +17,7 @@ attached to by URL (``rollout.server_url``), driven over HTTP with the standard 
   is re-tokenized. (``/v1/completions`` with a token-id prompt also takes ids, but returns the
   log-probs keyed by decoded token strings, not ids.) One request per prompt, all in flight at
   once (the server batches them), under one deadline: ``rollout.request_timeout``.
-- **Weights** through vLLM's HTTP weight-transfer routes (``grpo_fast.rollout.vllm_transfer``;
+- **Weights** through vLLM's HTTP weight-transfer routes (``grpo_fast.rollout.vllm.transfer.transport``;
   the shared-memory transport needs the server on this machine). **LoRA** adapters as adapters:
   ``/v1/load_lora_adapter`` (the server started with ``VLLM_ALLOW_RUNTIME_LORA_UPDATING=1``,
   ``--enable-lora``), each request naming the adapter as its ``model``.
@@ -49,27 +49,25 @@ from typing import Any
 
 import torch
 
+from grpo_fast.errors import EngineDied, EngineError
 from grpo_fast.rollout.base import SamplingParams
-from grpo_fast.rollout.vllm_parts import (
-    EngineDied,
-    EngineError,
+from grpo_fast.rollout.vllm.deadline import Deadline, Timeouts
+from grpo_fast.rollout.vllm.placement.shared import (
+    AdapterSlots,
     apart_logging_level,
     lora_rank_slot,
     request_params,
-    sampling_fields,
-)
-from grpo_fast.rollout.vllm_transfer import (
-    SHM_BACKEND,
-    WORKER_EXTENSION,
-    AdapterSlots,
-    Deadline,
-    Timeouts,
-    make_transport,
-    nccl_address,
     sampled_versions,
-    sync,
+    sampling_fields,
     versions_fields,
     visible_devices,
+)
+from grpo_fast.rollout.vllm.transfer.transport import (
+    SHM_BACKEND,
+    WORKER_EXTENSION,
+    make_transport,
+    nccl_address,
+    sync,
 )
 
 log = logging.getLogger("grpo_fast")
@@ -116,7 +114,7 @@ def server_command(
     if lora_rank:
         cmd += ["--enable-lora", "--max-lora-rank", str(lora_rank_slot(lora_rank)), "--max-loras", "2"]
     if cpu and "enable_chunked_prefill" not in (extra_args or {}):
-        cmd.append("--no-enable-chunked-prefill")  # CPU_PREFILL_WORKAROUND (vllm_parts)
+        cmd.append("--no-enable-chunked-prefill")  # CPU_PREFILL_WORKAROUND (placement/shared.py)
     for key, value in (extra_args or {}).items():
         flag = "--" + key.replace("_", "-")
         if value is True:
@@ -206,13 +204,13 @@ def _stop_group(proc: subprocess.Popen) -> None:
 
 
 class ServerEngine:
-    """A vLLM server behind the ``Engine`` boundary of ``grpo_fast.rollout.vllm`` (module
+    """A vLLM server behind the ``Engine`` boundary of ``grpo_fast.rollout.vllm.placement`` (module
     docstring); thread-safe: ``generate`` and ``load_weights`` may run at once.
 
     ``url``: the server's base URL (``http://127.0.0.1:8000``); ``process``: the
     ``ServerProcess`` when this run started it (its exit is reported as such), else None.
-    ``follower``: a trainer rank other than 0 under torchrun (``grpo_fast.rollout.vllm_ranks``):
-    it generates and probes, and rank 0 pushes (no weight transport here; ``follow`` records
+    ``follower``: a trainer rank other than 0 under torchrun (``placement/ranks.py``): it
+    generates and probes, and rank 0 pushes (no weight transport here; ``follow`` records
     what rank 0 loaded).
     """
 
@@ -281,7 +279,7 @@ class ServerEngine:
                 time.sleep(0.05)
         return EngineDied(f"the vLLM server at {self.url} stopped answering during {doing} ({reason})")
 
-    # -- the control plane of a sync (grpo_fast.rollout.vllm_transfer.Control) --
+    # -- the control plane of a sync (grpo_fast.rollout.vllm.transfer.transport.Control) --
 
     def init_weight_transfer_engine(self, init_info: dict, deadline: Deadline) -> None:
         try:
@@ -325,7 +323,7 @@ class ServerEngine:
             "/update_weight_version", {"new_version": weight_version}, deadline, "POST /update_weight_version"
         )
 
-    # -- the Engine boundary (grpo_fast.rollout.vllm_engine.Engine) --
+    # -- the Engine boundary (grpo_fast.rollout.vllm.placement.Engine) --
 
     def load_weights(
         self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int | None = None

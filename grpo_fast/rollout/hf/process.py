@@ -1,18 +1,12 @@
-"""The hf decoder with weights of its own, for a producer apart from the trainer
-(``grpo_fast.loop.pipeline``): the trainer changes its weights while these sample from theirs.
+"""``HFProcessBackend``: the hf decoder in a worker process (``rollout.placement=process``), for
+a producer apart from the trainer (``grpo_fast.loop.pipeline``), with its own copy of the weights
+and its own torch threads (``rollout.worker_threads``), so that on a CPU generation and the
+optimizer's step run on separate cores.
 
-- ``HFCopyBackend``: a copy of the policy in the training process (``rollout.placement=colocated``
-  with ``rollout.max_staleness > 0``: the producer's thread samples from it);
-- ``HFProcessBackend``: the decoder in a worker process (``rollout.placement=process``), with its
-  own copy of the weights and its own torch threads (``rollout.worker_threads``), so that on a
-  CPU generation and the optimizer's step run on separate cores.
-
-Both take the weights of a policy version as ``load_weights(tensors, version)``: the trainable
-parameters by name (``trainable_tensors``: what an optimizer step changes; the frozen ones, the
-buffers and the tied head came with the copy), copied exactly (``Tensor.copy_``: the sampler's
-weights are the trainer's, bit for bit). The worker gets them through shared memory: one
-``[numel]`` buffer per tensor, allocated once, written by the parent, read by the worker on a
-``load`` message.
+It takes the weights of a policy version as ``HFCopyBackend`` does
+(``grpo_fast.rollout.hf.copied``: ``load_weights(tensors, version)``, the trainable parameters by
+name, copied exactly). The worker gets them through shared memory: one ``[numel]`` buffer per
+tensor, allocated once, written by the parent, read by the worker on a ``load`` message.
 
 Every wait on the worker has a limit and raises one line (``grpo_fast.errors.EngineTimeout``,
 ``EngineDied``): its start (``rollout.start_timeout``), a rollout (``request_timeout``), a weight
@@ -23,7 +17,6 @@ the whole process group) and exits when its parent is gone.
 from __future__ import annotations
 
 import contextlib
-import copy
 import itertools
 import os
 import pickle
@@ -37,75 +30,8 @@ import torch
 
 from grpo_fast.errors import EngineDied, EngineTimeout
 from grpo_fast.rollout.base import Rollout, SamplingParams, WeightsFromStage
-from grpo_fast.rollout.hf import HFBackend
-
-
-def trainable_tensors(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """``{name: tensor}`` of ``model``'s parameters that train (``requires_grad``), detached, in
-    ``named_parameters`` order: what a policy version adds to the copy a sampler started from."""
-    return {name: p.detach() for name, p in model.named_parameters() if p.requires_grad}
-
-
-def staged_tensors(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """``trainable_tensors`` copied to the host: a policy version, as the trainer publishes it
-    for ``load_weights`` (the producer loads it later, while the trainer has moved on)."""
-    return {name: t.to("cpu", copy=True) for name, t in trainable_tensors(model).items()}
-
-
-def stage_trainable(model: torch.nn.Module, keep: bool = True) -> dict[str, torch.Tensor]:
-    """A policy version of ``model`` for a backend with a copy of its own (``load_weights``): the
-    trainable tensors, copied to the host (``staged_tensors``) unless they are loaded at once
-    (``keep=False``: read in place)."""
-    return staged_tensors(model) if keep else trainable_tensors(model)
-
-
-def _generator(params: SamplingParams, device: torch.device) -> torch.Generator | None:
-    """A random stream of the call's own, seeded by ``params.seed`` (None: torch's global one): a
-    sampler apart from the trainer draws the same tokens whatever runs beside it."""
-    if params.seed is None:
-        return None
-    return torch.Generator(device=device).manual_seed(int(params.seed))
-
-
-class HFCopyBackend(WeightsFromStage):
-    """hf sampling from a copy of the policy in this process: the trainer's model stays the
-    trainer's while a producer thread samples from the copy. ``version``: the policy version the
-    copy holds (``Trajectory.policy_version`` of what it samples).
-
-    The copy is a ``deepcopy`` made once, with no gradients; ``load_weights`` then refreshes its
-    trainable parameters, exactly."""
-
-    def __init__(self, model: torch.nn.Module, tokenizer, generation_batch_size: int, autocast_dtype=None):
-        self.model = copy.deepcopy(model).requires_grad_(False)
-        self._params = dict(self.model.named_parameters())
-        self._hf = HFBackend(self.model, tokenizer, generation_batch_size, autocast_dtype)
-        self.sync_seconds: float | None = None  # the last load's duration
-
-    @property
-    def version(self) -> int:
-        return self._hf.version
-
-    stage = staticmethod(stage_trainable)  # a policy version of ``model``, for ``load_weights``
-
-    def load_weights(self, tensors: dict[str, torch.Tensor], version: int) -> None:
-        """The trainable parameters of policy version ``version`` (``trainable_tensors``)."""
-        t0 = time.perf_counter()
-        with torch.no_grad():
-            for name, value in tensors.items():
-                self._params[name].copy_(value)
-        self._hf.version = version
-        self.sync_seconds = time.perf_counter() - t0
-
-    def generate(self, prompt_ids: list[list[int]], params: SamplingParams, progress=None) -> Rollout:
-        device = next(self.model.parameters()).device
-        self._hf.generator = _generator(params, device)
-        return self._hf.generate(prompt_ids, params, progress=progress)
-
-    def sleep(self) -> None:
-        """Nothing to free."""
-
-    def close(self) -> None:
-        """Nothing to stop."""
+from grpo_fast.rollout.hf.copied import _generator, stage_trainable, trainable_tensors
+from grpo_fast.rollout.hf.decoder import HFBackend
 
 
 @dataclass(frozen=True)

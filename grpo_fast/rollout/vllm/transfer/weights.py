@@ -1,4 +1,4 @@
-"""What a push to a vLLM engine sends, and how it is checked (``grpo_fast.rollout.vllm``'s
+"""What a push to a vLLM engine sends, and how it is checked (``grpo_fast.rollout.vllm.backend``'s
 ``VLLMBackend`` uses both): the policy's tensors under their Hugging Face names (as views; merged
 under ``rollout.lora_sync=merged``; a QLoRA base dequantized), their host copies for a push made
 later (the asynchronous pipeline), the dtype vLLM serves in, and the weight-sync probe that

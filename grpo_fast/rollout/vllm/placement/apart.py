@@ -1,8 +1,9 @@
 """Where a vLLM engine apart from the trainer runs (``rollout.placement=process|server``): an
-``AsyncLLM`` engine in a process of its own (``vllm_process``), a server the run starts on
-127.0.0.1 or attaches to at ``rollout.server_url`` (``vllm_server``), and under torchrun one
-server for every rank (``shared_server``: rank 0 starts or attaches, the others follow it,
-``vllm_ranks``). ``grpo_fast.rollout.vllm._build`` picks one; ``VLLMBackend`` drives it."""
+``AsyncLLM`` engine in a process of its own (``placement/process.py``), a server the run starts
+on 127.0.0.1 or attaches to at ``rollout.server_url`` (``placement/server.py``), and under
+torchrun one server for every rank (``shared_server``: rank 0 starts or attaches, the others
+follow it, ``placement/ranks.py``). ``grpo_fast.rollout.vllm.backend._build`` picks one;
+``VLLMBackend`` drives it."""
 
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ import torch
 from grpo_fast.domains import AUTO
 from grpo_fast.errors import ConfigError
 from grpo_fast.rollout import multi_turn
-from grpo_fast.rollout.vllm_ranks import RankShare
+from grpo_fast.rollout.vllm.placement.ranks import RankShare
 
 
 def shared_server(cfg, path: str, dtype: str, lora_rank: int, rank: int):
@@ -38,7 +39,7 @@ def shared_server(cfg, path: str, dtype: str, lora_rank: int, rank: int):
 
 def engine_apart(cfg, path: str, dtype: str, lora_rank: int):
     """A ``ProcessEngine`` or ``ServerEngine`` (started here, or attached at ``rollout.server_url``)."""
-    from grpo_fast.rollout.vllm_transfer import free_port
+    from grpo_fast.rollout.vllm.transfer.transport import free_port
 
     r = cfg.rollout
     timeouts = _timeouts(r)
@@ -48,11 +49,11 @@ def engine_apart(cfg, path: str, dtype: str, lora_rank: int):
     memory = 0.9 if r.gpu_memory_utilization == AUTO else float(r.gpu_memory_utilization)
     devices = None if r.engine_devices is None else list(r.engine_devices)
     if r.placement == "process":
-        from grpo_fast.rollout.vllm_process import ProcessEngine
+        from grpo_fast.rollout.vllm.placement.process import ProcessEngine
 
         return ProcessEngine(path, timeouts=timeouts, gpu_memory_utilization=memory, extra_args=dict(r.vllm_kwargs),
                              lora_rank=lora_rank, weight_transfer=r.weight_transfer, devices=devices, **common)  # fmt: skip
-    from grpo_fast.rollout.vllm_server import ServerEngine, server_command, start_server
+    from grpo_fast.rollout.vllm.placement.server import ServerEngine, server_command, start_server
 
     process = None
     if r.server_url is None:
@@ -94,8 +95,8 @@ def _check_disjoint(r) -> None:
 
 
 def _follower(cfg, url: str, dtype: str):
-    """A trainer rank's view of the server rank 0 started or attached to (``vllm_ranks``)."""
-    from grpo_fast.rollout.vllm_server import ServerEngine
+    """A trainer rank's view of the server rank 0 started or attached to (``placement/ranks.py``)."""
+    from grpo_fast.rollout.vllm.placement.server import ServerEngine
 
     r = cfg.rollout
     return ServerEngine(
@@ -104,6 +105,6 @@ def _follower(cfg, url: str, dtype: str):
 
 
 def _timeouts(r):
-    from grpo_fast.rollout.vllm_transfer import Timeouts
+    from grpo_fast.rollout.vllm.deadline import Timeouts
 
     return Timeouts(start=r.start_timeout, request=r.request_timeout, sync=r.sync_timeout)

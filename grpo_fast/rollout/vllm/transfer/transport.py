@@ -1,5 +1,5 @@
 """The trainer side of a weight sync into a vLLM engine apart from the trainer, through vLLM's
-native weight-transfer API, and the deadlines every wait runs under.
+native weight-transfer API.
 
 A sync is vLLM's handshake, driven through a *control* (``ProcessEngine``: ``AsyncLLM`` calls;
 ``ServerEngine``: the HTTP routes of a server run with ``VLLM_SERVER_DEV_MODE=1``)::
@@ -13,73 +13,35 @@ cache with the new weights on resume), so a push does not wait for the generatio
 Transports (``rollout.weight_transfer``):
 
 - ``shm`` (``ShmTransport``): each chunk a safetensors file in a private folder of
-  ``/dev/shm``, loaded by ``grpo_fast.rollout._vllm_worker.ShmWeightTransferEngine`` inside the
+  ``/dev/shm``, loaded by ``grpo_fast.rollout.vllm.transfer._worker.ShmWeightTransferEngine`` inside the
   engine's workers (so the engine must run on this machine). Works on CPU and GPU.
 - ``nccl`` (``NCCLTransport``): vLLM's own NCCL engines (``WeightTransferTrainerFactory``), a
   broadcast from this process's GPU to the engine's GPUs. Written against vLLM 0.32's API; it
   cannot run on a CPU, so no test here runs it (``tools/gpu_check.sh`` does, on a GPU machine).
 
-Each wait has a deadline: a wait that outlives it raises ``EngineTimeout`` naming what it
-waited for and for how long.
+Each wait has a deadline (``grpo_fast.rollout.vllm.deadline``): a wait that outlives it raises
+``EngineTimeout`` naming what it waited for and for how long.
 """
 
 from __future__ import annotations
 
 import contextlib
-import os
 import shutil
 import socket
 import tempfile
 import threading
-import time
 import weakref
 from collections.abc import Callable, Iterable, Iterator
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
 import torch
 
-from grpo_fast.rollout.vllm_parts import EngineTimeout
+from grpo_fast.rollout.vllm.deadline import Deadline
 
-SHM_BACKEND = "grpo_fast_shm"  # grpo_fast.rollout._vllm_worker registers its engine under this name
-WORKER_EXTENSION = "grpo_fast.rollout._vllm_worker.WorkerExtension"
+SHM_BACKEND = "grpo_fast_shm"  # grpo_fast.rollout.vllm.transfer._worker registers its engine under this name
+WORKER_EXTENSION = "grpo_fast.rollout.vllm.transfer._worker.WorkerExtension"
 CHUNK_BYTES = 256 * 2**20  # one safetensors file per 256 MiB: /dev/shm holds one chunk at a time
-
-
-@dataclass(frozen=True)
-class Timeouts:
-    """Seconds: an engine's start (``rollout.start_timeout``), one ``generate`` call
-    (``rollout.request_timeout``), one weight sync (``rollout.sync_timeout``)."""
-
-    start: float
-    request: float
-    sync: float
-
-
-class Deadline:
-    """``seconds`` from now, for ``what`` (a phrase: "the weight sync of step 3").
-
-    ``left(doing)`` is the time that remains, or raises ``EngineTimeout`` naming ``what`` and
-    ``doing`` once none does."""
-
-    def __init__(self, seconds: float, what: str, key: str):
-        self.seconds = float(seconds)
-        self.what = what
-        self.key = key  # the config key that sets the timeout
-        self.end = time.monotonic() + self.seconds
-
-    def left(self, doing: str = "") -> float:
-        remaining = self.end - time.monotonic()
-        if remaining <= 0:
-            raise self.expired(doing)
-        return remaining
-
-    def expired(self, doing: str = "") -> EngineTimeout:
-        at = f" (waiting for {doing})" if doing else ""
-        return EngineTimeout(
-            f"{self.what} did not finish within {self.seconds:g} s{at}; {self.key} sets this limit"
-        )
 
 
 def bounded(fn: Callable[[], Any], deadline: Deadline, doing: str) -> Any:
@@ -282,14 +244,6 @@ class _ListSource:
         return iter(list(self.items))
 
 
-def visible_devices(devices: list[int]) -> str:
-    """``CUDA_VISIBLE_DEVICES`` for a child that should see ``devices`` (indices as this process
-    numbers its GPUs, which may itself be a subset of the machine's)."""
-    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
-    ids = visible.split(",") if visible else [str(i) for i in range(max(devices) + 1)]
-    return ",".join(ids[i] for i in devices)
-
-
 def nccl_address(url: str) -> str:
     """This machine's address as seen from the server at ``url``: 127.0.0.1 for a local one,
     else the address of the interface that routes to it (no packet is sent)."""
@@ -335,59 +289,3 @@ def make_transport(
     transport = ShmTransport(getattr(torch, dtype))
     control.init_weight_transfer_engine(transport.init_info(), deadline)
     return transport
-
-
-def sampled_versions(spans, fallback: int | None) -> list[int | None]:
-    """The policy versions, oldest first, that sampled one response, from vLLM's weight-version
-    spans (``CompletionOutput.weight_versions``: objects, or dicts over HTTP); ``[fallback]`` when
-    there are none or one is not a step number (a label another client set)."""
-    try:
-        versions = {int(s["version"] if isinstance(s, dict) else s.version) for s in spans or []}
-    except (TypeError, ValueError, KeyError, AttributeError):
-        return [fallback]
-    return sorted(versions) if versions else [fallback]
-
-
-def versions_fields(versions: list[int | None]) -> dict[str, Any]:
-    """A completion's ``version`` (the oldest) and ``versions`` (all, oldest first)."""
-    return {"version": versions[0], "versions": versions}
-
-
-class AdapterSlots:
-    """The LoRA adapters an engine holds: ``current`` serves new requests; an older one stays
-    until the last request in flight that uses it finishes (the caller unloads what ``switch``
-    and ``release`` return). Thread-safe."""
-
-    def __init__(self):
-        self.current: Any = None
-        self.version: int | None = None
-        self.next_id = 1
-        self._in_flight: dict[int, int] = {}  # id(adapter) → requests in flight
-        self._lock = threading.Lock()
-
-    def acquire(self, version: int | None) -> tuple[Any, int | None]:
-        """The adapter for a new request (None: the base) and the version it serves."""
-        with self._lock:
-            if self.current is None:
-                return None, version
-            self._in_flight[id(self.current)] = self._in_flight.get(id(self.current), 0) + 1
-            return self.current, self.version
-
-    def release(self, adapter: Any) -> list[Any]:
-        with self._lock:
-            if adapter is None:
-                return []
-            self._in_flight[id(adapter)] -= 1
-            if adapter is not self.current and not self._in_flight[id(adapter)]:
-                del self._in_flight[id(adapter)]
-                return [adapter]
-            return []
-
-    def switch(self, adapter: Any, version: int) -> list[Any]:
-        with self._lock:
-            old, self.current, self.version = self.current, adapter, version
-            self.next_id += 1
-            if old is not None and not self._in_flight.get(id(old)):
-                self._in_flight.pop(id(old), None)
-                return [old]
-            return []

@@ -1,7 +1,7 @@
-"""The in-process vLLM engine: ``VLLMEngine``, a real ``vllm.LLM`` in the trainer's process (the
-colocated placement), and ``Engine``, the boundary every engine meets (this one, the engine
-process of ``vllm_process``, the server of ``vllm_server``, the tests' fakes). ``VLLMBackend``
-(``grpo_fast.rollout.vllm``) drives one of them.
+"""``rollout.placement=colocated``: ``VLLMEngine``, a real ``vllm.LLM`` in the trainer's process.
+It meets ``Engine`` (``grpo_fast.rollout.vllm.placement``), as the engine process of
+``placement/process.py``, the server of ``placement/server.py`` and the tests' fakes do;
+``VLLMBackend`` (``grpo_fast.rollout.vllm.backend``) drives one of them.
 """
 
 from __future__ import annotations
@@ -9,55 +9,20 @@ from __future__ import annotations
 import logging
 import os
 from collections.abc import Iterable
-from typing import Any, Protocol
+from typing import Any
 
 import torch
 
 from grpo_fast.rollout.base import SamplingParams
-from grpo_fast.rollout.vllm_parts import (
-    WeightReload,
+from grpo_fast.rollout.vllm.placement.shared import (
     lora_rank_slot,
     quiet_in_process_logging,
     request_params,
     sampling_fields,
 )
+from grpo_fast.rollout.vllm.transfer.reload import WeightReload
 
 log = logging.getLogger("grpo_fast")
-
-
-class Engine(Protocol):
-    """The boundary with vLLM: what the backend needs from it.
-
-    ``generate`` returns, per prompt, ``n`` dicts with ``token_ids``, ``text``,
-    ``finish_reason``, ``logprobs`` and, where the engine knows it, ``version``: the policy
-    version (``load_weights``' ``version``) that sampled the response (the oldest one when an
-    update landed while it was sampled; the engines apart add ``versions``, all of them). ``concurrent_updates``: ``load_weights`` may run while
-    a ``generate`` is in flight (engines apart from the trainer); else the backend serializes them.
-    """
-
-    supports_sleep: bool
-
-    def generate(
-        self, prompt_ids: list[list[int]], params: SamplingParams | list[SamplingParams]
-    ) -> list[list[dict[str, Any]]]:
-        """Per prompt, ``n`` dicts (``token_ids``, ``text``, ``finish_reason``, ``logprobs``);
-        ``params`` one for all prompts (prompt j's samples seeded ``seed + j·n + k``) or one per
-        prompt (its own ``seed``)."""
-        ...
-
-    def prompt_logprobs(self, token_ids: list[int]) -> list[float]: ...
-
-    def load_weights(
-        self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int | None = None
-    ) -> None: ...
-
-    def load_adapter(self, folder: str, version: int | None = None) -> None: ...
-
-    def wake_up(self, tags: list[str]) -> None: ...
-
-    def reset_prefix_cache(self) -> None: ...
-
-    def sleep(self, level: int) -> None: ...
 
 
 class VLLMEngine:
@@ -136,7 +101,7 @@ class VLLMEngine:
         if lora_rank:  # rollout.lora_sync=adapter: the base serves, one adapter at a time on top
             extra.update(enable_lora=True, max_lora_rank=lora_rank_slot(lora_rank), max_loras=1)
         if current_platform.is_cpu() and "enable_chunked_prefill" not in (extra_args or {}):
-            # CPU_PREFILL_WORKAROUND (vllm_parts): a multi-turn rollout's continuations are seeded
+            # CPU_PREFILL_WORKAROUND (placement/shared.py): a multi-turn rollout's continuations are seeded
             # prefills of whole contexts (tiny_tools: 256 × up to 60 tokens in one generate), more
             # than a step's token budget: chunked, they killed the engine ("CPU Generator does not
             # use offset")

@@ -8,9 +8,10 @@ loop in a daemon thread of ours, and every call from the trainer's or the produc
 coroutine submitted there and waited for under a deadline.
 
 Weights cannot be pushed into another process's model: they go through vLLM's native
-weight-transfer API (``grpo_fast.rollout.vllm_transfer``: pause "keep", start, chunks, finish
-with the step as ``weight_version``, resume), the engine started with the transport's backend
-and ``grpo_fast.rollout._vllm_worker.WorkerExtension`` (which registers the shared-memory one).
+weight-transfer API (``grpo_fast.rollout.vllm.transfer.transport``: pause "keep", start, chunks,
+finish with the step as ``weight_version``, resume), the engine started with the transport's
+backend and ``grpo_fast.rollout.vllm.transfer._worker.WorkerExtension`` (which registers the
+shared-memory one).
 A LoRA adapter is synced as an adapter (``rollout.lora_sync=adapter``): ``add_lora`` of the
 saved folder; requests in flight keep the adapter they started with, which is unloaded once the
 last of them finishes.
@@ -37,26 +38,19 @@ from typing import Any
 
 import torch
 
+from grpo_fast.errors import EngineDied, EngineError
 from grpo_fast.rollout.base import SamplingParams
-from grpo_fast.rollout.vllm_parts import (
-    EngineDied,
-    EngineError,
+from grpo_fast.rollout.vllm.deadline import Deadline, Timeouts
+from grpo_fast.rollout.vllm.placement.shared import (
+    AdapterSlots,
     lora_rank_slot,
     request_params,
-    sampling_fields,
-)
-from grpo_fast.rollout.vllm_transfer import (
-    SHM_BACKEND,
-    WORKER_EXTENSION,
-    AdapterSlots,
-    Deadline,
-    Timeouts,
-    make_transport,
     sampled_versions,
-    sync,
+    sampling_fields,
     versions_fields,
     visible_devices,
 )
+from grpo_fast.rollout.vllm.transfer.transport import SHM_BACKEND, WORKER_EXTENSION, make_transport, sync
 
 log = logging.getLogger("grpo_fast")
 
@@ -118,7 +112,8 @@ class EventLoopThread:
 
 class ProcessEngine:
     """An ``AsyncLLM`` (engine core in a child process) behind the ``Engine`` boundary of
-    ``grpo_fast.rollout.vllm``; thread-safe: ``generate`` and ``load_weights`` may run at once.
+    ``grpo_fast.rollout.vllm.placement``; thread-safe: ``generate`` and ``load_weights`` may run
+    at once.
 
     Started with the model folder ``model_path``; ``extra_args``: more ``AsyncEngineArgs``
     (``rollout.vllm_kwargs``); ``lora_rank`` > 0 serves LoRA adapters (two at a time: the one in
@@ -171,7 +166,7 @@ class ProcessEngine:
         from vllm.platforms import current_platform
 
         if current_platform.is_cpu():
-            args.setdefault("enable_chunked_prefill", False)  # CPU_PREFILL_WORKAROUND (vllm_parts)
+            args.setdefault("enable_chunked_prefill", False)  # CPU_PREFILL_WORKAROUND (placement/shared.py)
         deadline = Deadline(timeouts.start, "the vLLM engine process's start", "rollout.start_timeout")
         self._start(args, devices, deadline)
         self._finalizer = weakref.finalize(self, _shutdown, self.llm, self.loop)
@@ -217,7 +212,7 @@ class ProcessEngine:
                 else:
                     os.environ[k] = v
 
-    # -- the control plane of a sync (grpo_fast.rollout.vllm_transfer.Control) --
+    # -- the control plane of a sync (grpo_fast.rollout.vllm.transfer.transport.Control) --
 
     def _run(self, coro: Coroutine, deadline: Deadline, doing: str) -> Any:
         from vllm.v1.engine.exceptions import EngineDeadError
@@ -267,7 +262,7 @@ class ProcessEngine:
     def update_weight_version(self, weight_version: str, deadline: Deadline) -> None:
         self._run(self.llm.update_weight_version(weight_version), deadline, "update_weight_version")
 
-    # -- the Engine boundary (grpo_fast.rollout.vllm_engine.Engine) --
+    # -- the Engine boundary (grpo_fast.rollout.vllm.placement.Engine) --
 
     def load_weights(
         self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int | None = None
