@@ -92,7 +92,7 @@ def _rank_worker(rank, world_size, port, out_path):
     stats = StepStats()
     stats.sums = {k: torch.zeros(()) for k in FIELDS}
     stats.sums["entropy"], stats.sums["tokens"] = torch.tensor([2.0, 12.0][rank]), torch.tensor(10.0)
-    rollout = SimpleNamespace(finish_reason=["stop"] * 2, sampler_logprobs=None)
+    rollout = SimpleNamespace(finish_reason=["stop"] * 2, sampler_logprobs=None, trajectories=[])
     meta = {"zero_variance_groups": 0.0, "num_groups": 1.0}
     totals = stats.global_totals(world, torch.device("cpu"), torch.tensor([1.0, 0.0]), rollout, meta)
     state = TrainState(entropy_coef=0.02)
