@@ -205,14 +205,15 @@ class HFProcessBackend(WeightsFromStage):
 
 
 def _plain_attention(model: torch.nn.Module) -> None:
-    """An attention implementation the trainer's process registered as a wrapper around a base
-    (``grpo_fast_shared+sdpa``: ``train.share_prompts``) is not registered here: the worker runs
-    its base, which is what the wrapper runs for every call without a shared-prompt layout
-    (generation makes none)."""
+    """The attention implementations the trainer's process registered as wrappers around a base
+    (``grpo_fast_shared+sdpa``: ``train.share_prompts``; ``grpo_fast_sp+grpo_fast_shared+sdpa``:
+    sequence parallelism around it) are not registered here: the worker runs the innermost base,
+    which is what each wrapper runs for every call without a shared-prompt layout or an sp shard
+    (generation makes neither)."""
     config = getattr(model, "config", None)
     impl = getattr(config, "_attn_implementation", None)
     if impl and "+" in impl:
-        config._attn_implementation = impl.split("+", 1)[1]
+        config._attn_implementation = impl.rsplit("+", 1)[1]
 
 
 def _watch_parent(parent_pid: int) -> None:
