@@ -181,15 +181,19 @@ def _lora_base(cfg: Config, out: Path, tokenizer, world: dist.DistInfo) -> str |
     ``base_model_name_or_path`` resolves and a 4-bit base loads through bitsandbytes. None
     otherwise (the base is ``model.name_or_path``)."""
     folder = out / "base"
-    if cfg.model.lora.r and (folder / "config.json").is_file():  # made by this run's warm start, or before
-        return str(folder.resolve())
-    if not (cfg.model.lora.r and cfg.model.name_or_path in tiny.BUILTINS):
+    if not cfg.model.lora.r:
         return None
-    if world.is_main and not (folder / "config.json").is_file():
-        base = tiny.build_model(tokenizer, seed=cfg.seed)
-        ckpt.save_pretrained_atomic(base, tokenizer, folder)
-    dist.barrier()
-    return str(folder.resolve())
+    if cfg.model.name_or_path in tiny.BUILTINS:
+        if world.is_main and not (folder / "config.json").is_file():
+            base = tiny.build_model(tokenizer, seed=cfg.seed)
+            ckpt.save_pretrained_atomic(base, tokenizer, folder)
+        # every rank, the folder there before or not: a rank that saw rank 0's new folder and
+        # skipped the barrier left rank 0 in it (a hang, 6 of 24 two-rank LoRA runs)
+        dist.barrier()
+        return str(folder.resolve())
+    if (folder / "config.json").is_file():  # made by this run's warm start, or before
+        return str(folder.resolve())
+    return None
 
 
 def _build_run(cfg, device, world, out, logger, task, tokenizer, model, amp) -> Run:
