@@ -433,3 +433,22 @@ def test_under_two_ranks_rank_0_holds_the_lock_and_a_refusal_stops_both(finished
     used = _copy(finished, tmp_path / "used")
     rank0, rank1 = two_ranks(used)
     assert rank0["error"] == rank1["error"] and " holds a run (" in rank0["error"]  # both stop
+
+
+@pytest.mark.parametrize("preset", sorted(config_mod.PRESETS))
+def test_the_config_tree_is_what_config_yaml_holds(preset):
+    """``run_folder._tree`` (the plain tree the resume and the ``auto`` record compare) is what
+    ``config.yaml`` reads back as, values and types, on every preset and a tuple-valued key."""
+    cfg = load_config(preset, overrides=["train.betas=[0.8,0.9]"], check_device=False)
+    want = yaml.safe_load(config_mod.to_yaml(cfg))
+    got = run_folder._tree(cfg)
+    assert got == want
+
+    def types(a, b):
+        if isinstance(a, dict):
+            return all(types(a[k], b[k]) for k in a)
+        if isinstance(a, list):
+            return all(types(x, y) for x, y in zip(a, b))
+        return type(a) is type(b)
+
+    assert types(got, want)

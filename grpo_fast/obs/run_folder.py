@@ -24,6 +24,7 @@ the keys it changed (a comment: the file still loads as the run's config).
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import datetime
 import errno
 import fcntl
@@ -370,7 +371,18 @@ def _original_config(out: Path) -> dict | None:
 
 
 def _tree(cfg: Config) -> dict:
-    return yaml.safe_load(to_yaml(cfg))
+    """``cfg`` as the plain tree ``config.yaml`` holds (what ``yaml.safe_load(to_yaml(cfg))`` gives:
+    the same values and types, tuples as lists, for every preset), without the YAML round trip
+    through OmegaConf (0.04 s a call, two a run; measured on the tiny preset)."""
+    return _plain(dataclasses.asdict(cfg))
+
+
+def _plain(x: Any) -> Any:
+    if isinstance(x, dict):
+        return {k: _plain(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [_plain(v) for v in x]
+    return x
 
 
 _MISSING = object()
