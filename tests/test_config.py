@@ -1,10 +1,9 @@
 """Config layering and validation, and the CLI's one-line errors for bad configs."""
 
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from support.inprocess import one_error_line, run_main
 
 from grpo_fast.config import PRESETS, Config, load_config, to_yaml
 from grpo_fast.errors import ConfigError
@@ -107,12 +106,6 @@ def test_gpu_presets_refuse_a_cpu_machine_but_can_be_planned():
     assert load_config("rtx4090", check_device=False).train.optimizer == "adamw8bit"
 
 
-def _cli(*args):
-    return subprocess.run(
-        [sys.executable, "-m", "grpo_fast.train", *args], capture_output=True, text=True, timeout=120
-    )
-
-
 @pytest.mark.parametrize(
     ("args", "needle"),
     [
@@ -127,11 +120,9 @@ def _cli(*args):
     ],
 )
 def test_cli_bad_config_is_one_line_exit_2_no_traceback(args, needle):
-    res = _cli(*args)
-    assert res.returncode == 2, res.stderr
-    lines = [ln for ln in res.stderr.splitlines() if ln.strip()]
-    assert len(lines) == 1 and lines[0].startswith("error: ") and needle in lines[0], res.stderr
-    assert "Traceback" not in res.stderr
+    """``grpo_fast.train.main(argv)`` in this process (tests/support/inprocess.py): exit code 2, one
+    ``error:`` line, no traceback."""
+    assert needle in one_error_line(run_main(args))
 
 
 @pytest.mark.parametrize(

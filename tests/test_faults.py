@@ -5,10 +5,10 @@ import errno
 import os
 import shutil
 import subprocess
-import sys
 
 import pytest
 import torch
+from support.inprocess import Result, one_error_line, run_main
 
 from grpo_fast import train as train_mod
 from grpo_fast.loop import optimization
@@ -16,17 +16,9 @@ from grpo_fast.loop import setup as setup_mod
 from grpo_fast.train import main
 
 
-def _cli(*args: str, timeout: int = 120) -> subprocess.CompletedProcess:
-    cmd = [sys.executable, "-m", "grpo_fast.train", "--preset", "tiny", *args]
-    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
-
-
-def _one_error_line(res: subprocess.CompletedProcess) -> str:
-    assert res.returncode == 2, res.stderr[-2000:]
-    assert "Traceback" not in res.stderr
-    lines = [ln for ln in res.stderr.splitlines() if ln.strip()]
-    assert len(lines) == 1 and lines[0].startswith("error: "), res.stderr
-    return lines[0]
+def _cli(*args: str) -> Result:
+    """``python -m grpo_fast.train --preset tiny ARGS...``, run in this process (tests/support/inprocess.py)."""
+    return run_main(["--preset", "tiny", *args])
 
 
 # ---------------------------------------------------------------------------- bad input
@@ -35,7 +27,7 @@ def _one_error_line(res: subprocess.CompletedProcess) -> str:
 def test_output_dir_that_cannot_be_created_is_one_line_exit_2(tmp_path):
     blocker = tmp_path / "a_file"
     blocker.write_text("")
-    line = _one_error_line(_cli(f"output_dir={blocker / 'run'}"))
+    line = one_error_line(_cli(f"output_dir={blocker / 'run'}"))
     assert f"output_dir='{blocker / 'run'}' cannot be created: Not a directory" in line
 
 
@@ -66,9 +58,9 @@ def read_only_dir(tmp_path):
 
 
 def test_output_dir_that_is_not_writable_is_one_line_exit_2(read_only_dir):
-    line = _one_error_line(_cli(f"output_dir={read_only_dir}"))
+    line = one_error_line(_cli(f"output_dir={read_only_dir}"))
     assert f"output_dir='{read_only_dir}' is not writable: " in line
-    line = _one_error_line(_cli(f"output_dir={read_only_dir / 'sub'}"))
+    line = one_error_line(_cli(f"output_dir={read_only_dir / 'sub'}"))
     assert "cannot be created" in line
 
 
@@ -86,7 +78,7 @@ def test_output_dir_write_error_injected_is_one_line_exit_2(tmp_path, monkeypatc
 
 
 def test_group_size_one_is_one_line_exit_2():
-    line = _one_error_line(_cli("rollout.group_size=1", "rollout.batch_size=8"))
+    line = one_error_line(_cli("rollout.group_size=1", "rollout.batch_size=8"))
     assert "rollout.group_size must be >= 2, got 1" in line
 
 
@@ -94,7 +86,7 @@ def test_group_size_one_is_one_line_exit_2():
 def test_numeric_domain_errors_are_one_line_exit_2(override):
     """Through the CLI; every key's domain is walked in tests/test_config.py (DOMAINS)."""
     key = override.split("=")[0]
-    assert key in _one_error_line(_cli(override))
+    assert key in one_error_line(_cli(override))
 
 
 # ---------------------------------------------------------------------------- non-finite steps

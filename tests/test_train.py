@@ -10,8 +10,10 @@ from pathlib import Path
 
 import pytest
 import torch
+from support.inprocess import run_main
 
 from grpo_fast.config import load_config
+from grpo_fast.loop import setup as setup_mod
 from grpo_fast.policy import loss as loss_mod
 from grpo_fast.task import tiny
 from grpo_fast.train import run
@@ -237,7 +239,7 @@ def test_sigkill_then_resume_gives_the_same_metrics(tmp_path, backend, request):
 def test_bad_data_file_is_one_line_exit_2(tmp_path):
     bad = tmp_path / "train.jsonl"
     bad.write_text('{"question": "1+1=", "answer": "2"}\n{"question": "2+2=", "answer": \n')
-    res = _cli("tiny", f"data.train_path={bad}", f"output_dir={tmp_path / 'out'}")
+    res = run_main(["--preset", "tiny", f"data.train_path={bad}", f"output_dir={tmp_path / 'out'}"])
     assert res.returncode == 2
     lines = res.stderr.strip().splitlines()
     assert len(lines) == 1 and f"{bad}:2" in lines[0] and "Traceback" not in res.stderr
@@ -264,12 +266,20 @@ def test_tiny_preset_learns(tmp_path, backend, request):
     assert last[1] - first[1] >= 0.30, evals
 
 
-def test_bad_data_is_reported_before_any_model_loads(tmp_path):
-    """A real-model preset with a bad MATH file: the data error comes first (no hub access)."""
+def test_bad_data_is_reported_before_any_model_loads(tmp_path, monkeypatch):
+    """A real-model preset with a bad MATH file: the data error comes first (no hub access:
+    neither the tokenizer nor the model is asked for)."""
     bad = tmp_path / "math.jsonl"
     bad.write_text(
         '{"problem": "1+1?", "solution": "\\\\boxed{2}"}\n{"problem": "2+2?", "solution": "no box"}\n'
     )
-    res = _cli("smoke", f"data.train_path={bad}", f"output_dir={tmp_path / 'out'}", HF_HUB_OFFLINE="1")
+
+    def no_model(*a, **k):
+        raise AssertionError("a model or tokenizer was loaded before the data was checked")
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setattr(setup_mod, "load_tokenizer", no_model)
+    monkeypatch.setattr(setup_mod, "load_policy", no_model)
+    res = run_main(["--preset", "smoke", f"data.train_path={bad}", f"output_dir={tmp_path / 'out'}"])
     assert res.returncode == 2
     assert res.stderr.strip() == f"error: {bad}:2: no \\boxed{{...}} answer found in field 'solution'"

@@ -9,8 +9,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import random
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -20,6 +18,7 @@ from hypothesis import strategies as st
 from run_folders import QUICK, finished_run
 from run_folders import copy_folder as _copy
 from run_folders import tree as _tree
+from support.inprocess import run_main
 
 from grpo_fast.config import Config, _is_section, load_config
 from grpo_fast.config_checks import devices_here
@@ -476,14 +475,11 @@ def test_an_override_key_that_is_not_a_dotted_name_is_one_line(key):
     assert "\n" not in str(err.value) and repr(key) in str(err.value)
 
 
-@pytest.mark.slow  # two processes that import torch and transformers: 48 s at load 12 on 2 cores
-def test_hostile_overrides_through_the_real_command(tmp_path):
-    """Two of the fuzz's values through `python -m grpo_fast.train --dry-run`, a process of its own:
-    the template works; the absurd batch is one line and exit 2 (no traceback, no plan)."""
-    run = lambda *a: subprocess.run(
-        [sys.executable, "-m", "grpo_fast.train", *QUICK, "--dry-run", f"output_dir={tmp_path}", *a],
-        capture_output=True, text=True, timeout=300,
-    )  # fmt: skip
+def test_hostile_overrides_through_the_command_line(tmp_path):
+    """Two of the fuzz's values through `python -m grpo_fast.train --dry-run`'s ``main(argv)``, in
+    this process (tests/support/inprocess.py; as two processes: 48 s at load 12 on 2 cores): the
+    template works; the absurd batch is one line and exit 2 (no traceback, no plan)."""
+    run = lambda *a: run_main([*QUICK, "--dry-run", f"output_dir={tmp_path}", *a])
     works = run("data.prompt_template={question}{oops}", "model.name_or_path=Qwen/Qwen2.5-Math-1.5B")
     assert works.returncode == 0 and "'75+60={oops}'" in works.stdout, works.stderr[-2000:]
     refused = run("rollout.batch_size=99999999999999999992")
