@@ -8,7 +8,6 @@ process (signals, SIGKILL)."""
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import shutil
@@ -529,11 +528,13 @@ def test_a_producer_that_hangs_stops_the_trainer_after_request_timeout(tmp_path,
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("placement", ["colocated", "process"])
-def test_a_signal_stops_a_pipelined_run_and_its_resume_is_exact(tmp_path, monkeypatch, capsys, placement):
+def test_a_signal_stops_a_pipelined_run_and_its_resume_is_exact(tmp_path, monkeypatch, capsys):
     """SIGTERM as step 4's batch is produced (the trainer then trains step 3): the producer stops
     after its chunk, the trainer at its step's end; step 3's checkpoint holds step 4's job (and
-    the weights of version 2 it samples with). Resumed, the run is the one that never stopped."""
+    the weights of version 2 it samples with). Resumed, the run is the one that never stopped.
+    The producer's copy in this process; with the worker (rollout.placement=process), a stop's
+    checkpoint resumed exactly is the dead-worker test's, the worker ended by a signal
+    ``test_a_signal_to_the_process_group_stops_trainer_and_worker_within_seconds``'s."""
     real, calls = pipeline.produce, []
 
     def signalled(side, cfg, task, world, device, job, progress):
@@ -543,7 +544,7 @@ def test_a_signal_stops_a_pipelined_run_and_its_resume_is_exact(tmp_path, monkey
         return real(side, cfg, task, world, device, job, progress)
 
     monkeypatch.setattr(pipeline, "produce", signalled)
-    args = [*QUICK, *S1, "steps=6", f"rollout.placement={placement}"]
+    args = [*QUICK, *S1, "steps=6"]
     out = tmp_path / "run"
     assert main([*args, f"output_dir={out}"]) == 128 + signal.SIGTERM
     line = _err_lines(capsys)[-1]
@@ -607,15 +608,16 @@ def test_a_signal_to_the_process_group_stops_trainer_and_worker_within_seconds(t
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("placement", ["colocated", "process"])
-def test_sigkill_then_resume_with_staleness_one_gives_the_same_metrics(tmp_path, placement):
-    """The done-criterion of issue 32: killed after step 6's checkpoint (the producer one batch
-    ahead), resumed, the run's metrics and final weights are the uninterrupted run's; no worker
-    outlives the killed trainer."""
+def test_sigkill_then_resume_with_staleness_one_gives_the_same_metrics(tmp_path):
+    """The done-criterion of issue 32, the pipeline's one real kill: the trainer (its rollout
+    worker apart, rollout.placement=process) killed after step 6's checkpoint (the producer one
+    batch ahead), resumed, the run's metrics and final weights are the uninterrupted run's; no
+    worker outlives the killed trainer. The producer's copy in this process, resumed
+    from such a checkpoint: ``test_a_pipelined_run_resumed_from_the_loop_s_checkpoint_is_the_straight_run``."""
     from test_train import _train_cmd
 
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    cmd = lambda out, *extra: _train_cmd(out, *S1, f"rollout.placement={placement}", *extra)
+    cmd = lambda out, *extra: _train_cmd(out, *S1, "rollout.placement=process", *extra)
     subprocess.run(cmd(tmp_path / "straight"), check=True, env=env, capture_output=True, timeout=900)
     killed = tmp_path / "killed"
     proc = subprocess.Popen(cmd(killed), env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
@@ -631,7 +633,35 @@ def test_sigkill_then_resume_with_staleness_one_gives_the_same_metrics(tmp_path,
     assert res.returncode == 0, res.stderr
     assert [r["step"] for r in _rows(killed)] == list(range(11))
     _same_run(killed, tmp_path / "straight")
-    assert not any(_alive(pid) for pid in workers)
+    assert workers and not any(_alive(pid) for pid in workers)
+
+
+def _stopped_after(straight: Path, step: int, out: Path) -> Path:
+    """``straight`` (a finished run) as a run stopped after its checkpoint of ``step`` leaves its
+    folder, in ``out``: a copy without the final model(s) and the later checkpoints (its rows
+    after ``step`` stay, as a killed run's may: the resume drops them)."""
+    shutil.copytree(straight, out)
+    for final in ("final", "final_merged"):
+        shutil.rmtree(out / final, ignore_errors=True)
+    for folder in (out / "checkpoints").glob("step_*"):
+        if int(folder.name.removeprefix("step_")) > step:
+            shutil.rmtree(folder)
+    assert (out / "checkpoints" / f"step_{step:06d}" / "trainer_state.pt").is_file()
+    return out
+
+
+def test_a_pipelined_run_resumed_from_the_loop_s_checkpoint_is_the_straight_run(tmp_path):
+    """The loop's own checkpoint of step 3 (checkpoint_every; the producer, a copy in this
+    process, running one batch ahead: step 4's job and the weights of version 2 it samples with),
+    resumed in this process: the metrics and final weights are the straight run's, bitwise.
+    Planted: a resume that drops the checkpoint's in-flight jobs; one that skips the optimizer's
+    state → different metrics."""
+    args = [*QUICK, *S1, "steps=5", "checkpoint_every=3"]
+    straight = tmp_path / "straight"
+    assert main([*args, f"output_dir={straight}"]) == 0
+    resumed = _stopped_after(straight, 3, tmp_path / "resumed")
+    assert main([*args, f"output_dir={resumed}", "resume=true"]) == 0
+    _same_run(resumed, straight)
 
 
 @pytest.mark.slow
@@ -658,11 +688,6 @@ def test_worker_threads_auto_is_half_the_cpus():
     assert hf_process.worker_threads(3, 2) == 3
 
 
-def _descendants(pid: int) -> list[int]:
-    kids = _children(pid)
-    return [k for kid in kids for k in (kid, *_descendants(kid))]
-
-
 def _torchrun_cmd(out: Path, *extra: str) -> list[str]:
     torchrun = shutil.which("torchrun") or os.path.join(os.path.dirname(sys.executable), "torchrun")
     return [torchrun, "--standalone", "--nproc_per_node=2", "-m", "grpo_fast.train", *QUICK, *S1,
@@ -672,38 +697,28 @@ def _torchrun_cmd(out: Path, *extra: str) -> list[str]:
 
 @pytest.mark.slow
 @pytest.mark.xdist_group("two_ranks")  # one 2-rank run at a time on the 2 cores
-def test_under_torchrun_sigkill_then_resume_with_staleness_one_gives_the_same_metrics(tmp_path):
+def test_under_torchrun_a_resume_from_step_4_s_checkpoint_gives_the_same_metrics(tmp_path):
     """The pipeline on 2 ranks (DDP; each rank's producer samples its own prompts from its copy of
-    the policy): every step trains one version behind; killed (the
-    whole process group, SIGKILL) after step 4's checkpoint (with steps 5 and 6 in flight; 0.4 s a
-    step: step 8's checkpoint is 1.6 s away), resumed, the metrics and final weights are the
-    uninterrupted run's. Planted: a resume that drops the checkpoint's in-flight jobs (it samples
-    steps 5-6 from version 4, not 3-4) → different metrics."""
+    the policy): every step trains one version behind; resumed from the loop's checkpoint of step
+    4 (written with steps 5 and 6 in flight on each rank), the metrics and final weights are the
+    uninterrupted run's. The checkpoint is the straight run's own (the schedule, hence what a
+    checkpoint holds, does not depend on timing); the pipeline's real kill is
+    ``test_sigkill_then_resume_with_staleness_one_gives_the_same_metrics``'s. Planted: a resume
+    that drops the checkpoint's in-flight jobs (it samples steps 5-6 from version 4, not 3-4) →
+    different metrics."""
     path = os.pathsep.join(p for p in (str(Path(__file__).parent), os.environ.get("PYTHONPATH")) if p)
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": path}
-    cmd = lambda out, *extra: _torchrun_cmd(out, *extra)
-    res = subprocess.run(cmd(tmp_path / "straight"), env=env, capture_output=True, text=True, timeout=600)
+    res = subprocess.run(
+        _torchrun_cmd(tmp_path / "straight"), env=env, capture_output=True, text=True, timeout=600
+    )
     assert res.returncode == 0, res.stderr[-3000:]
     rows = _rows(tmp_path / "straight")
     assert [r["rollout/policy_lag"] for r in rows if r["step"] >= 1] == [0.0] + [1.0] * 7
     assert all(r["world_size"] == 2 for r in rows)
-    killed = tmp_path / "killed"
-    proc = subprocess.Popen(cmd(killed), env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    target = killed / "checkpoints" / "step_000004" / "trainer_state.pt"
-    deadline = time.time() + 600
-    try:
-        while not target.exists() and proc.poll() is None and time.time() < deadline:
-            time.sleep(0.02)
-    finally:
-        family = _descendants(
-            proc.pid
-        )  # both ranks (torchrun starts each in a session of its own), their workers
-        for pid in [*family, proc.pid]:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signal.SIGKILL)
-        proc.wait()
-    assert len(family) >= 2 and target.exists() and not (killed / "final").exists()
-    res = subprocess.run(cmd(killed, "resume=true"), env=env, capture_output=True, text=True, timeout=600)
+    resumed = _stopped_after(tmp_path / "straight", 4, tmp_path / "resumed")
+    res = subprocess.run(
+        _torchrun_cmd(resumed, "resume=true"), env=env, capture_output=True, text=True, timeout=600
+    )
     assert res.returncode == 0, res.stderr[-3000:]
-    assert [r["step"] for r in _rows(killed)] == list(range(9))
-    _same_run(killed, tmp_path / "straight")
+    assert [r["step"] for r in _rows(resumed)] == list(range(9))
+    _same_run(resumed, tmp_path / "straight")
