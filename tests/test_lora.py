@@ -271,55 +271,71 @@ def _comparable(rows):
 BACKENDS = ["hf", pytest.param("vllm", marks=pytest.mark.vllm)]
 
 
+# data.overlong_buffer=3: rewards that vary with the length, so that the first steps from a barely
+# warm-started model have groups to learn from (with 0/1 rewards alone they may have none)
+RUN = [*LORA, *QUICK, "eval_every=2", "checkpoint_every=2", "steps=4", "train.save_merged=true",
+       "data.overlong_buffer=3"]  # fmt: skip
+
+
+def _train(backend: str, out: Path, *extra: str) -> Path:
+    """``RUN`` with ``backend`` into ``out``: in this process (hf); the real vLLM engine in a
+    process of its own (its GPU memory goes with it)."""
+    args = [*RUN, f"rollout.backend={backend}", f"output_dir={out}", *extra]
+    if backend == "hf":
+        from grpo_fast.train import main
+
+        assert main(["--preset", "tiny", *args]) == 0
+    else:
+        res = _cli(*args)
+        assert res.returncode == 0, res.stderr[-2000:]
+    return out
+
+
+@pytest.fixture(scope="module")
+def lora_run(tmp_path_factory) -> Path:
+    """A finished LoRA run of ``RUN`` (hf), shared: its checkpoints of steps 2 and 4, final/ and
+    final_merged/."""
+    return _train("hf", tmp_path_factory.mktemp("lora") / "run")
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("backend", BACKENDS)
-def test_a_lora_run_killed_and_resumed_equals_a_straight_one(tmp_path, backend):
-    """SIGKILL after the step-2 checkpoint (an adapter and the trainer state), then resume=true:
-    the same metrics as a straight run and the same adapter, bitwise; with the real vLLM engine
-    too (its adapter is pushed from the restored policy)."""
-    import signal
-    import time
-
+def test_a_lora_run_resumed_from_its_checkpoint_equals_a_straight_one(tmp_path, backend, request):
+    """The checkpoint of step 2 (the adapter, no full model; the adapter's optimizer state, the RNG
+    streams, the sampler), resumed: the same metrics as the straight run and the same adapter,
+    bitwise; with the real vLLM engine too (its adapter is pushed from the restored policy). The
+    checkpoint is the straight run's own, resumed from a copy of its folder as a stop after step
+    2 leaves it (the lockstep SIGKILL: tests/test_train.py). Planted: a resume that skips the
+    optimizer's state, the RNG streams, or the adapter's weights → different metrics."""
     from safetensors.torch import load_file
+    from test_pipeline import _stopped_after
 
-    common = [*LORA, *QUICK, f"rollout.backend={backend}", "eval_every=2", "checkpoint_every=2", "steps=4"]
-    straight, killed = tmp_path / "straight", tmp_path / "killed"
-    assert _cli(*common, f"output_dir={straight}").returncode == 0
-    cmd = [sys.executable, "-m", "grpo_fast.train", "--preset", "tiny", *common, f"output_dir={killed}"]
-    proc = subprocess.Popen(cmd, env={**os.environ, "OMP_NUM_THREADS": "1"},
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # fmt: skip
-    target = killed / "checkpoints" / "step_000002" / "trainer_state.pt"
-    deadline = time.time() + 900
-    while not target.exists() and proc.poll() is None and time.time() < deadline:
-        time.sleep(0.05)
-    os.kill(proc.pid, signal.SIGKILL)
-    proc.wait()
-    assert target.exists() and not (killed / "final").exists()
-    assert (target.parent / "adapter_model.safetensors").is_file() and not (
-        target.parent / "model.safetensors"
-    ).exists()
-    res = _cli(*common, "resume=true", f"output_dir={killed}")
-    assert res.returncode == 0, res.stderr[-2000:]
-    assert _comparable(_rows(killed)) == _comparable(_rows(straight))
+    straight = (
+        request.getfixturevalue("lora_run") if backend == "hf" else _train(backend, tmp_path / "straight")
+    )
+    step_2 = straight / "checkpoints" / "step_000002"
+    assert (step_2 / "adapter_model.safetensors").is_file() and not (step_2 / "model.safetensors").exists()
+    # the steps after the checkpoint train (0/1 rewards alone gave none here: every group one reward)
+    assert all(r["train/grad_norm"] > 0 for r in _rows(straight) if r["step"] > 2)
+    resumed = _train(backend, _stopped_after(straight, 2, tmp_path / "resumed"), "resume=true")
+    assert [r["step"] for r in _rows(resumed)] == list(range(5))
+    assert _comparable(_rows(resumed)) == _comparable(_rows(straight))
     a = load_file(straight / "final" / "adapter_model.safetensors")
-    b = load_file(killed / "final" / "adapter_model.safetensors")
+    b = load_file(resumed / "final" / "adapter_model.safetensors")
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
 @pytest.mark.slow
-def test_final_is_a_peft_adapter_whose_base_resolves(tmp_path):
+def test_final_is_a_peft_adapter_whose_base_resolves(lora_run, capsys):
     """final/ is a peft adapter (< 1/4 of the base's bytes) whose base resolves, loadable with
     PeftModel.from_pretrained; train.save_merged writes a plain model with the same log-probs;
     `grpo-fast evaluate` takes the adapter folder and grades as the run did."""
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
-    straight = tmp_path / "run"
-    # data.overlong_buffer=3: rewards that vary with the length, so that two steps from a barely
-    # warm-started model have groups to learn from (with 0/1 rewards alone they may have none)
-    more = ["eval_every=2", "steps=2", "train.save_merged=true", "data.overlong_buffer=3"]
-    res = _cli(*LORA, *QUICK, *more, f"output_dir={straight}")
-    assert res.returncode == 0, res.stderr[-2000:]
+    from grpo_fast.tools.evaluate import main as evaluate
+
+    straight = lora_run
     assert max(r.get("train/grad_norm", 0.0) for r in _rows(straight)) > 0  # an update happened
     final = straight / "final"
     config = json.loads((final / "adapter_config.json").read_text())
@@ -339,26 +355,23 @@ def test_final_is_a_peft_adapter_whose_base_resolves(tmp_path):
         )
     torch.testing.assert_close(lp_merged, lp_adapted, rtol=0, atol=1e-5)
     assert (lp_adapted - lp_base).abs().max() > 1e-4  # the adapter trained
-    ev = subprocess.run(
-        [sys.executable, "-m", "grpo_fast.evaluate", "--model", str(final), "--limit", "32"],
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert ev.returncode == 0, ev.stderr[-2000:]
-    acc = json.loads(ev.stdout)["eval/accuracy"]
+    capsys.readouterr()
+    assert evaluate(["--model", str(final), "--limit", "32"]) == 0
+    acc = json.loads(capsys.readouterr().out)["eval/accuracy"]
     last_eval = [r["eval/accuracy"] for r in _rows(straight) if "eval/accuracy" in r][-1]
     assert acc == pytest.approx(last_eval, abs=1e-9)  # the same 32 problems, greedy, the same policy
 
 
 @pytest.mark.slow
-def test_qlora_trains_the_tiny_preset_on_an_nf4_base_on_the_cpu(tmp_path):
+def test_qlora_trains_the_tiny_preset_on_an_nf4_base_on_the_cpu(tmp_path, capsys):
     """configs/qlora.yaml: the base's decoder linears are bitsandbytes Linear4bit (NF4), named in
     the log and the dry run; the run trains to the end and its adapter moves."""
     import bitsandbytes as bnb
 
-    dry = _cli("--config", QLORA_YAML, "--dry-run")
-    assert dry.returncode == 0 and "LoRA r=16 on a 4-bit NF4 base" in dry.stdout
+    from grpo_fast.train import main
+
+    assert main(["--preset", "tiny", "--config", QLORA_YAML, "--dry-run"]) == 0
+    assert "LoRA r=16 on a 4-bit NF4 base" in capsys.readouterr().out
     cfg = load_config("tiny", [QLORA_YAML], [f"output_dir={tmp_path}"])
     tok = tiny.build_tokenizer()
     with pytest.raises(ValueError, match="loads from the folder"):  # nothing to quantize from
@@ -368,12 +381,12 @@ def test_qlora_trains_the_tiny_preset_on_an_nf4_base_on_the_cpu(tmp_path):
     quantized = [m for m in model.modules() if isinstance(m, bnb.nn.Linear4bit)]
     assert len(quantized) == 3 * 7  # 3 layers × q, k, v, o, gate, up, down
     assert all(m.weight.quant_type == "nf4" for m in quantized)
-    res = _cli(
-        "--config", QLORA_YAML, *QUICK, "steps=3", "eval_every=0", f"output_dir={tmp_path / 'run'}",
+    assert main([
+        "--preset", "tiny", "--config", QLORA_YAML, *QUICK, "steps=3", "eval_every=0",
+        f"output_dir={tmp_path / 'run'}",
         "data.reward=test_lora:length_reward",  # a signal in every group: the adapter must move
-    )  # fmt: skip
-    assert res.returncode == 0, res.stderr[-2000:]
-    assert "on a 4-bit NF4 base" in res.stderr
+    ]) == 0  # fmt: skip
+    assert "on a 4-bit NF4 base" in capsys.readouterr().err
     rows = _rows(tmp_path / "run")
     assert len([r for r in rows if r["step"] > 0]) == 3
     assert all(math.isfinite(r["train/loss"]) for r in rows if r["step"] > 0)
