@@ -1,4 +1,6 @@
-"""Test support shared by ``tests/`` and ``bench/``: the tolerance rule, input builders, workloads.
+"""Test support shared by ``tests/`` and ``bench/``: the tolerance rule, input builders, workloads,
+the tiny vLLM engine. The plumbing of the tests alone (their pytest hooks, the rank harness,
+stand-ins) is in tests/support/.
 
 The tolerance rule (flash-attention's): an op in dtype ``d`` may be off the float64 reference by at
 most ``factor`` (2) times what eager PyTorch in dtype ``d`` is off it, plus a small ``atol``; on
@@ -7,7 +9,6 @@ every output and every gradient, entry by entry (``assert_close_to_reference``).
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import math
 from collections.abc import Callable
@@ -22,7 +23,6 @@ __all__ = [
     "assert_close_to_reference",
     "backend_device",
     "fused_linear_workload",
-    "group_module_fixtures",
     "lm_head_grad_scales",
     "logit_grad_scale",
     "logit_scale",
@@ -51,21 +51,6 @@ def skip_unrunnable_items(items) -> None:
         for marker, skip in skips.items():
             if marker in item.keywords:
                 item.add_marker(skip)
-
-
-def group_module_fixtures(items) -> None:
-    """``pytest_collection_modifyitems`` body (``tryfirst``: before pytest-xdist's, which reads the
-    marks) for ``--dist loadgroup``: a test that uses a module-scoped fixture and names no
-    ``xdist_group`` of its own joins its module's group, ``module_fixtures:<module>``, so that the
-    fixture (a 2-rank run, a finished training run: up to a minute each) is built on one worker,
-    not once on each worker that draws one of its tests."""
-    import pytest
-
-    for item in items:
-        defs = getattr(getattr(item, "_fixtureinfo", None), "name2fixturedefs", {})
-        shares = any(d and d[-1].scope == "module" for d in defs.values())
-        if shares and item.get_closest_marker("xdist_group") is None:
-            item.add_marker(pytest.mark.xdist_group(f"module_fixtures:{item.module.__name__}"))
 
 
 def backend_device(backend: str) -> torch.device:
@@ -419,91 +404,6 @@ def fused_linear_workload(
     return step
 
 
-def join_cpu_ranks(rank: int, world_size: int, port: int, sequence_parallel: int = 1):
-    """Join a ``world_size``-rank gloo group on this machine as ``rank`` (the environment torchrun
-    would set, one OpenMP thread per rank); returns ``grpo_fast.dist.init``'s ``DistInfo`` (its mesh
-    with sp groups of ``sequence_parallel`` ranks). What the multi-rank tests' spawned workers call
-    first."""
-    import os
-
-    from grpo_fast import dist
-
-    os.environ.update(
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(port),
-        RANK=str(rank),
-        WORLD_SIZE=str(world_size),
-        LOCAL_RANK=str(rank),
-        OMP_NUM_THREADS="1",
-    )
-    torch.set_num_threads(1)
-    info = dist.init("cpu", sequence_parallel)
-    assert info.world_size == world_size
-    return info
-
-
-def _main_on_rank(
-    rank: int, world_size: int, port: int, args: list[str], out: str, setup: str | None
-) -> None:
-    """One rank of ``main_on_ranks``: ``setup(rank)`` (``"module:function"``, imported here), then
-    ``grpo_fast.train.main(args)``; its exit code and the last line it wrote to stderr go to
-    ``out/rank_{rank}.json``."""
-    import contextlib
-    import importlib
-    import io
-    import json
-    from pathlib import Path
-
-    from grpo_fast import dist
-    from grpo_fast.train import main
-
-    if setup is not None:
-        module, _, name = setup.partition(":")
-        getattr(importlib.import_module(module), name)(rank)
-    join_cpu_ranks(rank, world_size, port)
-    dist._OWN_GROUP = False  # the group is this worker's: main() leaves it
-    err = io.StringIO()
-    with contextlib.redirect_stderr(err):
-        code = main(args)
-    lines = [ln for ln in err.getvalue().splitlines() if ln.strip()]
-    Path(out, f"rank_{rank}.json").write_text(json.dumps({"code": code, "last": lines[-1] if lines else ""}))
-    torch.distributed.destroy_process_group()
-
-
-def main_on_ranks(args: list[str], out, world_size: int = 2, limit: float = 120.0, setup: str | None = None):
-    """``grpo_fast.train.main(args)`` on ``world_size`` gloo ranks (spawned processes, as torchrun
-    would start them); each rank's ``{"code", "last"}`` (exit code, last stderr line), in rank
-    order. ``setup``: ``"module:function"`` each rank calls with its rank first (a test's
-    monkeypatching). Raises ``TimeoutError`` (after killing them) when the ranks are not done
-    within ``limit`` seconds: a rank left waiting in a collective."""
-    import json
-    import os
-    import signal
-    import socket
-    import time
-    from pathlib import Path
-
-    import torch.multiprocessing as mp
-
-    out = Path(out)
-    out.mkdir(parents=True, exist_ok=True)
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    ctx = mp.start_processes(_main_on_rank, args=(world_size, port, list(args), str(out), setup),
-                             nprocs=world_size, join=False, start_method="spawn")  # fmt: skip
-    deadline = time.monotonic() + limit
-    while not ctx.join(timeout=1.0):
-        if time.monotonic() > deadline:
-            for proc in ctx.processes:
-                with contextlib.suppress(ProcessLookupError):
-                    os.kill(proc.pid, signal.SIGKILL)
-            raise TimeoutError(
-                f"the {world_size} ranks were not done within {limit:g} s (a rank waits in a collective)"
-            )
-    return [json.loads((out / f"rank_{r}.json").read_text()) for r in range(world_size)]
-
-
 def tiny_vllm_engine(model, tokenizer, folder, max_model_len: int = 32):
     """A real ``VLLMEngine`` serving ``model`` (a tiny Qwen2, fp32) from a Hugging Face folder it
     writes to ``folder``, with the tiny preset's ``rollout.vllm_kwargs``: what the ``vllm`` tests
@@ -522,47 +422,3 @@ def tiny_vllm_engine(model, tokenizer, folder, max_model_len: int = 32):
         dtype="float32",
         extra_args=dict(load_config("tiny", check_device=False).rollout.vllm_kwargs),
     )
-
-
-def rollout_phase_run(cfg, task, backend, *, logger=None, beta: float = 0.0):
-    """A stand-in ``Run`` holding just what the rollout phase (producer and finalize) reads, on one
-    rank: the config, the task, a ``RolloutSide`` around ``backend`` with the prompt sampler and
-    pass-rate table setup would build, a health monitor, and a trainer side that only has β (no
-    model: tests of the rollout-side options drive the phase with a scripted backend)."""
-    import contextlib
-    from types import SimpleNamespace
-
-    from grpo_fast import dist
-    from grpo_fast.loop.setup import _prompt_sampler
-    from grpo_fast.loop.state import RolloutSide
-    from grpo_fast.obs.health import HealthMonitor, HealthThresholds
-
-    pass_rates, sampler = _prompt_sampler(cfg, task)
-    side = RolloutSide(backend, sampler, pass_rates, cfg.rollout.batch_size // cfg.rollout.group_size)
-    if logger is None:  # the events the phase logs, kept in .lines
-        logger = SimpleNamespace(lines=[])
-        logger.event = logger.lines.append
-    return SimpleNamespace(
-        cfg=cfg,
-        world=dist.DistInfo(),
-        device=torch.device("cpu"),
-        health=HealthMonitor(HealthThresholds()),
-        task=task,
-        rollout=side,
-        logger=logger,
-        trainer=SimpleNamespace(state=SimpleNamespace(beta=beta)),
-        generation_weights=contextlib.nullcontext,  # unsharded: nothing to gather
-        agree=None,  # one rank: no agreement group (grpo_fast.loop.agreement)
-    )
-
-
-def plan_threads_note() -> str:
-    """What the plan line says of the CPU threads in a test's in-process run: conftest's (or the
-    user's) ``OMP_NUM_THREADS``, and the OpenMP wait of the pytest process (not a command: the
-    environment's), e.g. ``1 CPU thread (OMP_NUM_THREADS=1), OpenMP wait spin``."""
-    import os
-
-    from grpo_fast import threads
-
-    n = int(os.environ["OMP_NUM_THREADS"])
-    return f"{n} CPU thread{'s' if n > 1 else ''} (OMP_NUM_THREADS={n}), OpenMP wait {threads.wait_policy_in_effect()}"

@@ -32,7 +32,9 @@ from run_folders import stat_tree  # tests/run_folders.py (pytest puts tests/ on
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-from grpo_fast.testing import group_module_fixtures, skip_unrunnable_items  # after TRITON_INTERPRET is set
+from support.collection import group_module_fixtures  # tests/support/collection.py
+
+from grpo_fast.testing import skip_unrunnable_items  # after TRITON_INTERPRET is set
 
 REPO = Path(__file__).resolve().parents[1]
 USER_RUNS = REPO / "runs"  # where `make run` and every preset's output_dir write, relative to the checkout

@@ -170,8 +170,9 @@ def _pair_worker(rank: int, port: int, cells: list, url: str, root: str, pair: s
     """One rank of the pair: every cell in turn, each one's ``_run_cell`` a line of
     ``pair/rank_{rank}.jsonl`` as it ends; the process's own stderr (gloo's, torch's C++ side)
     into ``pair/rank_{rank}.stderr``."""
+    from support.ranks import join_cpu_ranks
+
     from grpo_fast import dist
-    from grpo_fast.testing import join_cpu_ranks
 
     os.dup2(os.open(Path(pair, f"rank_{rank}.stderr"), os.O_WRONLY | os.O_CREAT), 2)
     lift_the_vllm_check()

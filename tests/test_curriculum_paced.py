@@ -9,6 +9,7 @@ from collections import Counter
 from types import SimpleNamespace
 
 import pytest
+from support.stand_ins import rollout_phase_run
 
 from grpo_fast.algo.difficulty import PassRateTable, paced_quantile
 from grpo_fast.algo.prompt_sampler import PromptSampler
@@ -19,7 +20,6 @@ from grpo_fast.loop import setup as setup_mod
 from grpo_fast.rollout import Rollout
 from grpo_fast.task.data import Example
 from grpo_fast.task.rewards import GuardedReward
-from grpo_fast.testing import rollout_phase_run
 
 
 def test_quantile_by_hand():

@@ -10,6 +10,7 @@ import sys
 import pytest
 import torch
 import torch.multiprocessing as mp
+from support.ranks import join_cpu_ranks
 
 from grpo_fast import dist
 from grpo_fast.algo.loss_options import LossOptions
@@ -21,7 +22,6 @@ from grpo_fast.policy.batch import loss_trajectories, make_microbatches
 from grpo_fast.policy.loss import PolicyLoss
 from grpo_fast.rollout import Rollout
 from grpo_fast.task import tiny
-from grpo_fast.testing import join_cpu_ranks
 
 GROUP = 4
 PROMPTS = 4  # 16 responses: each of 2 ranks takes 2 whole groups

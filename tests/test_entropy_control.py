@@ -12,6 +12,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 import torch.multiprocessing as mp
+from support.ranks import join_cpu_ranks
 
 from grpo_fast import dist
 from grpo_fast import train as train_mod
@@ -20,7 +21,6 @@ from grpo_fast.config import load_config
 from grpo_fast.errors import ConfigError
 from grpo_fast.loop.state import Trainer, TrainState
 from grpo_fast.loop.stats import FIELDS, StepStats
-from grpo_fast.testing import join_cpu_ranks
 
 
 def test_controller_by_hand():

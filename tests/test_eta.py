@@ -17,13 +17,13 @@ from pathlib import Path
 
 import pytest
 import torch
+from support.stand_ins import plan_threads_note
 
 from grpo_fast import dist
 from grpo_fast.config import ON_RESUME, load_config
 from grpo_fast.loop import setup as setup_mod
 from grpo_fast.obs import eta
 from grpo_fast.policy import checkpoint as ckpt
-from grpo_fast.testing import plan_threads_note
 from grpo_fast.train import main
 
 CPU = torch.device("cpu")

@@ -8,12 +8,12 @@ import json
 from pathlib import Path
 
 import pytest
+from support.stand_ins import plan_threads_note
 
 from grpo_fast import cli
 from grpo_fast.obs import report as report_mod
 from grpo_fast.obs import sweep as sweep_mod
 from grpo_fast.obs.metrics import format_eta
-from grpo_fast.testing import plan_threads_note
 from grpo_fast.train import main
 
 QUICK = [

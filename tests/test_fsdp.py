@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.multiprocessing as mp
+from support.ranks import join_cpu_ranks
 
 from grpo_fast import dist
 from grpo_fast.algo.loss_options import LossOptions
@@ -32,7 +33,6 @@ from grpo_fast.policy.loss import PolicyLoss
 from grpo_fast.policy.model import enable_checkpointing
 from grpo_fast.rollout import Rollout
 from grpo_fast.task import tiny
-from grpo_fast.testing import join_cpu_ranks
 from grpo_fast.tools import plan
 
 ROOT = Path(__file__).resolve().parents[1]

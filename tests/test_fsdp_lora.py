@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.multiprocessing as mp
+from support.ranks import join_cpu_ranks
 from test_fsdp import _free_port, _loop_worker, _metrics_diff, _rank_microbatches
 from test_lora import _lora_policy
 from test_rollout_vllm import FakeVLLMEngine
@@ -35,7 +36,6 @@ from grpo_fast.policy.loss import PolicyLoss
 from grpo_fast.policy.model import load_policy
 from grpo_fast.rollout import Rollout
 from grpo_fast.task import tiny
-from grpo_fast.testing import join_cpu_ranks
 from grpo_fast.tools import plan
 
 ROOT = Path(__file__).resolve().parents[1]

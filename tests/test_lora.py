@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.multiprocessing as mp
+from support.ranks import join_cpu_ranks
 
 from grpo_fast import dist
 from grpo_fast.algo.loss_options import LossOptions
@@ -28,7 +29,6 @@ from grpo_fast.policy.loss import PolicyLoss
 from grpo_fast.policy.model import load_policy
 from grpo_fast.rollout import Rollout
 from grpo_fast.task import tiny
-from grpo_fast.testing import join_cpu_ranks
 
 ROOT = Path(__file__).resolve().parents[1]
 LORA_YAML, QLORA_YAML = str(ROOT / "configs" / "lora.yaml"), str(ROOT / "configs" / "qlora.yaml")

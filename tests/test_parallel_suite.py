@@ -1,6 +1,6 @@
 """The suite's parallel run (``make test``: ``pytest -n 2 --dist loadgroup``) keeps shared work on
 one worker: the tests of an ``xdist_group`` mark, and the tests that use a module-scoped fixture
-(``grpo_fast.testing.group_module_fixtures``, which tests/conftest.py calls), whose fixture is then
+(``group_module_fixtures`` of tests/support/collection.py, which tests/conftest.py calls), whose fixture is then
 built once. pytest 9.2 with pytest-xdist 3.8 lost every group without a word (pytest-xdist issue
 #1386): module fixtures ran once per worker and the 2-rank tests ran beside each other, ~4 min
 more of CI; pyproject.toml holds pytest below 9.2. Planted: pytest 9.2 → the marked tests run on
@@ -9,6 +9,7 @@ both workers; no ``group_module_fixtures`` → the fixture is built on both."""
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 SAMPLE = """
 import os
@@ -41,10 +42,13 @@ SAMPLE += "".join(
     for k in range(4)
 )
 
-CONFTEST = """
+CONFTEST = f"""
+import sys
+
 import pytest
 
-from grpo_fast.testing import group_module_fixtures
+sys.path.insert(0, {str(Path(__file__).resolve().parent)!r})  # this suite's tests/ folder
+from support.collection import group_module_fixtures
 
 
 @pytest.hookimpl(tryfirst=True)

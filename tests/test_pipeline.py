@@ -255,7 +255,7 @@ def test_a_stale_batch_on_one_rank_is_refused_on_every_rank(tmp_path):
     (one all-reduce of the lag), so step 3 trains at lag 0 on both, and the bound holds every
     step. Planted: each rank judging its own batch → the ranks' collectives part ways and the
     run never finishes."""
-    from grpo_fast.testing import main_on_ranks
+    from support.ranks import main_on_ranks
 
     ranks = main_on_ranks([*QUICK, *S1, "steps=5", f"output_dir={tmp_path}"], tmp_path / "ranks",
                           setup="test_pipeline:rank_1_claims_version_0_at_step_3")  # fmt: skip
@@ -292,7 +292,7 @@ def test_a_late_batch_on_one_rank_stops_every_rank_at_request_timeout(tmp_path):
     exit 2 with the one line (rank 0's names rank 1) and step 2's checkpoint. Planted: the
     agreement on the trainers' process group (whose timeout, here 6 s, ends rank 0's wait first)
     → rank 0 dies with torch's timeout error."""
-    from grpo_fast.testing import main_on_ranks
+    from support.ranks import main_on_ranks
 
     args = [
         *QUICK,

@@ -14,6 +14,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 import torch.distributed as torch_dist
+from support.stand_ins import rollout_phase_run
 
 from grpo_fast import dist
 from grpo_fast.config import load_config
@@ -23,7 +24,6 @@ from grpo_fast.loop.producer import Production, produce
 from grpo_fast.rollout.hf import HFBackend
 from grpo_fast.task import tiny
 from grpo_fast.task.loader import load_task
-from grpo_fast.testing import rollout_phase_run
 
 OPTIONS = [
     "rollout.group_size=4",

@@ -7,6 +7,7 @@ import socket
 import pytest
 import torch
 import torch.multiprocessing as mp
+from support.ranks import join_cpu_ranks
 
 from grpo_fast import dist
 from grpo_fast.loop.setup import seed_everything
@@ -15,7 +16,6 @@ from grpo_fast.rollout.base import SamplingParams
 from grpo_fast.rollout.hf import HFBackend
 from grpo_fast.rollout.sampling import sampling_rng, step_seed
 from grpo_fast.task import tiny
-from grpo_fast.testing import join_cpu_ranks
 
 LOOP = "the answer is 5 " * 20  # a repetition loop: arms the boost
 PROSE = "First add the two numbers, then divide the sum by three to get the mean of the values."

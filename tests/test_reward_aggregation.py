@@ -8,6 +8,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from support.stand_ins import rollout_phase_run
 
 from grpo_fast.algo.core import normalize_each_reward, normalize_group_rewards
 from grpo_fast.config import load_config
@@ -16,7 +17,6 @@ from grpo_fast.loop import rollout_phase as phase
 from grpo_fast.rollout import Rollout
 from grpo_fast.task.data import Example
 from grpo_fast.task.rewards import GuardedReward, WeightedReward
-from grpo_fast.testing import rollout_phase_run
 
 
 def test_hand_worked_group_scaling():

@@ -9,6 +9,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from support.stand_ins import rollout_phase_run
 
 from grpo_fast import dist
 from grpo_fast import train as train_mod
@@ -21,7 +22,6 @@ from grpo_fast.rollout import Rollout
 from grpo_fast.rollout.sampling import step_seed
 from grpo_fast.task.data import Example
 from grpo_fast.task.rewards import GuardedReward, WeightedReward
-from grpo_fast.testing import rollout_phase_run
 
 
 class ScriptedBackend:

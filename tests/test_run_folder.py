@@ -395,7 +395,7 @@ def test_a_lock_file_left_by_a_dead_run_does_not_block(tmp_path):
 
 def _claim_worker(rank: int, port: int, out: str, notes: str) -> None:
     """One of two gloo ranks claiming ``out``: writes what it saw to ``notes/rank<r>.json``."""
-    from grpo_fast.testing import join_cpu_ranks
+    from support.ranks import join_cpu_ranks
 
     world = join_cpu_ranks(rank, 2, port)
     cfg = load_config("tiny", overrides=[f"output_dir={out}"])

@@ -29,6 +29,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.multiprocessing as mp
+from support.ranks import join_cpu_ranks
 
 from grpo_fast import dist
 from grpo_fast.algo.loss_options import LossOptions
@@ -39,7 +40,7 @@ from grpo_fast.policy import sequence_parallel, shared_attention, ulysses
 from grpo_fast.policy.batch import Sequence, make_microbatches
 from grpo_fast.policy.loss import PolicyLoss
 from grpo_fast.task import tiny
-from grpo_fast.testing import assert_close_to_reference, join_cpu_ranks
+from grpo_fast.testing import assert_close_to_reference
 
 ROOT = Path(__file__).resolve().parents[1]
 LAYOUTS = {

@@ -17,10 +17,10 @@ import pytest
 import test_vllm_apart
 import torch
 from fake_vllm_server import FakeVLLMServer
+from support.ranks import main_on_ranks
 
 from grpo_fast.errors import ConfigError
 from grpo_fast.policy.checkpoint import STATE_FILE
-from grpo_fast.testing import main_on_ranks
 
 # The 1-rank runs' arguments (tests/test_vllm_apart.py), 4 prompts a step: 2 per rank.
 RUN = [*test_vllm_apart.RUN, "steps=2", "rollout.batch_size=16"]

@@ -141,7 +141,7 @@ def test_two_trainer_ranks_share_the_server_with_every_push_probed(server, tmp_p
     ranks generate through it and exit 0, each batch one version behind from step 2. Planted:
     rank 0 sending its FSDP shards instead of the gathered tensors → the run stops (exit 2 on
     both ranks)."""
-    from grpo_fast.testing import main_on_ranks
+    from support.ranks import main_on_ranks
 
     vllm, _, _, _ = server
     args = ["--preset", "tiny", "rollout.backend=vllm", "rollout.placement=server",
