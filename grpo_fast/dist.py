@@ -217,6 +217,12 @@ def barrier() -> None:
         torch_dist.barrier()
 
 
+def unwrap(model: torch.nn.Module) -> torch.nn.Module:
+    """The module a DDP wrapper holds (``model`` itself when not wrapped: FSDP2 shards in place and
+    keeps the class). The one place that knows DDP's ``.module``."""
+    return getattr(model, "module", model)
+
+
 def whole_tensor(t: torch.Tensor) -> torch.Tensor:
     """A DTensor's whole value as a plain tensor (``full_tensor``: a collective over its mesh,
     which every rank runs in the same order), or ``t`` itself. A shard offloaded to CPU RAM (FSDP's

@@ -25,6 +25,7 @@ import numpy as np
 import torch
 from safetensors import SafetensorError
 
+from grpo_fast.dist import unwrap
 from grpo_fast.errors import CheckpointError, UserError
 
 STATE_FILE = "trainer_state.pt"
@@ -81,7 +82,7 @@ def save_pretrained_atomic(
         if tmp.exists():
             shutil.rmtree(tmp)  # a leftover from a run killed mid-write
         tmp.mkdir(parents=True)
-        model = getattr(model, "module", model)  # DDP
+        model = unwrap(model)  # DDP
         if dtype is None:
             model.save_pretrained(tmp, safe_serialization=True)
         else:
@@ -296,7 +297,7 @@ def load_model_weights(model: torch.nn.Module, path: Path) -> None:
     state: dict[str, torch.Tensor] = {}
     for f in files:
         state.update(load_file(f))
-    model = getattr(model, "module", model)
+    model = unwrap(model)
     missing, unexpected = model.load_state_dict(state, strict=False)
     tied = (
         {k for k in missing if k.endswith("lm_head.weight")}

@@ -268,7 +268,7 @@ def gathered_adapter(model: nn.Module) -> dict[str, torch.Tensor]:
     """A peft policy's adapter, ``{state-dict name: whole tensor}`` (``...q_proj.lora_A.default.weight``:
     ``[r, in]``, ``lora_B``: ``[out, r]``): under FSDP each shard gathered (a collective: every
     rank calls it and gets them all), otherwise the parameters themselves."""
-    peft_model = getattr(model, "module", model)
+    peft_model = dist.unwrap(model)
     return {n: to_local_value(p.detach()) for n, p in peft_model.named_parameters() if is_adapter_name(n)}
 
 
@@ -287,7 +287,7 @@ class _AdapterFiles:
 
 def adapter_files(model: nn.Module, tensors: dict[str, torch.Tensor]) -> _AdapterFiles:
     """``model``'s adapter, as ``gathered_adapter`` returned it, for ``save_pretrained_atomic``."""
-    return _AdapterFiles(getattr(model, "module", model), tensors)
+    return _AdapterFiles(dist.unwrap(model), tensors)
 
 
 def save_adapter(model: nn.Module, tokenizer, folder, is_main: bool) -> None:

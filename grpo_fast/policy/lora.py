@@ -27,6 +27,7 @@ from torch import nn
 
 from grpo_fast.algo.loss_options import LossOptions
 from grpo_fast.algo.token_loss import GRPOLossOutput
+from grpo_fast.dist import unwrap
 from grpo_fast.errors import ConfigError
 
 __all__ = [
@@ -54,7 +55,7 @@ def is_lora(model: nn.Module) -> bool:
         return False
     from peft import PeftModel
 
-    return isinstance(getattr(model, "module", model), PeftModel)
+    return isinstance(unwrap(model), PeftModel)
 
 
 def apply_lora(model: nn.Module, lora_cfg, base_path: str) -> nn.Module:
@@ -110,7 +111,7 @@ def _is_linear(module: nn.Module) -> bool:
 def adapter_off(model: nn.Module):
     """The base policy inside the block: the adapter's contribution is off (peft's
     ``disable_adapter``), the weights untouched."""
-    with getattr(model, "module", model).disable_adapter():
+    with unwrap(model).disable_adapter():
         yield
 
 
@@ -130,7 +131,7 @@ class AdapterOffLoss(nn.Module):
 def trainable_counts(model: nn.Module) -> tuple[int, int]:
     """``(trainable, all)`` parameter counts (a 4-bit weight counts as its number of values,
     sharded or not: under FSDP its parameter is a DTensor of the packed bytes)."""
-    model = getattr(model, "module", model)
+    model = unwrap(model)
     bnb = sys.modules.get("bitsandbytes")  # not imported: no 4-bit layer
     nf4 = {id(m.weight) for m in model.modules() if bnb is not None and isinstance(m, bnb.nn.Linear4bit)}
     trainable = total = 0
@@ -152,7 +153,7 @@ def load_adapter_weights(model: nn.Module, folder: Path) -> None:
         raise ConfigError(
             f"checkpoint {folder} holds no adapter (adapter_model.safetensors): was it a LoRA run?"
         )
-    result = set_peft_model_state_dict(getattr(model, "module", model), load_file(file))
+    result = set_peft_model_state_dict(unwrap(model), load_file(file))
     if result.unexpected_keys:
         raise ConfigError(
             f"checkpoint {folder}: its adapter does not match model.lora (unexpected {result.unexpected_keys[:3]})"

@@ -34,11 +34,7 @@ from grpo_fast.policy.batch import Microbatch
 group_size = sequence_parallel.group_size  # ranks that split each sequence (train.sequence_parallel)
 across = sequence_parallel.across  # the sp shard a microbatch's sequences span (None: whole)
 is_sharded = fsdp.is_sharded
-
-
-def unwrap(module: nn.Module) -> nn.Module:
-    """The module a DDP wrapper holds (``module`` itself when not wrapped)."""
-    return getattr(module, "module", module)
+unwrap = dist.unwrap  # the module under a DDP wrapper
 
 
 # ---------------------------------------------------------------------------------- at setup

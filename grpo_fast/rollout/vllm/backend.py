@@ -33,7 +33,7 @@ from pathlib import Path
 
 import torch
 
-from grpo_fast.dist import whole_tensor
+from grpo_fast.dist import unwrap, whole_tensor
 from grpo_fast.errors import ConfigError, UserError
 from grpo_fast.rollout import multi_turn
 from grpo_fast.rollout.base import (
@@ -181,7 +181,7 @@ class VLLMBackend(WeightsFromStage):
         if not keep:
             return _Live(model)
         if self.lora_sync == "adapter":
-            peft_model = getattr(model, "module", model)
+            peft_model = unwrap(model)
             named = ((n, whole_tensor(p.detach())) for n, p in peft_model.named_parameters() if ".lora_" in n)
         else:
             named = merged_named_tensors(model) if self.lora_sync == "merged" else hf_named_tensors(model)
@@ -306,7 +306,7 @@ class VLLMBackend(WeightsFromStage):
 
     def _ties(self, model: torch.nn.Module) -> dict[str, str]:
         """The names of what a push sends that are another name's tensor (``tied_names``)."""
-        module = getattr(model, "module", model)
+        module = unwrap(model)
         if self.lora_sync == "merged":
             return tied_names(module.get_base_model(), lambda n: n.replace(".base_layer.", "."))
         return {} if self.lora_sync == "adapter" else tied_names(module)
@@ -330,7 +330,7 @@ class VLLMBackend(WeightsFromStage):
         new LoRA request; the previous push's folder is deleted. ``state_dict``: the adapter's
         weights to write (``stage``'s, peft's names) instead of ``model``'s own. ``send=False``:
         the gathers alone (a follower of the leader's push)."""
-        peft_model = getattr(model, "module", model)
+        peft_model = unwrap(model)
         gathered = {} if state_dict is None else {"state_dict": state_dict}
         if state_dict is None and is_sharded(peft_model):
             # FSDP: the adapter's shards gathered whole, in the same order on every rank
@@ -486,7 +486,7 @@ def _build(ctx: BackendContext) -> VLLMBackend:
     (as version ``ctx.step``) and probed."""
     cfg, r = ctx.cfg, ctx.cfg.rollout
     engine, ranks = ctx.engine, None
-    lora_sync = r.lora_sync if hasattr(getattr(ctx.model, "module", ctx.model), "peft_config") else None
+    lora_sync = r.lora_sync if hasattr(unwrap(ctx.model), "peft_config") else None
     lora_rank = cfg.model.lora.r if lora_sync == "adapter" else 0
     if engine is None:
         path = ctx.model_path or cfg.model.name_or_path

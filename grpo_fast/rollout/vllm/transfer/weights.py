@@ -10,7 +10,7 @@ from collections.abc import Callable, Iterable
 
 import torch
 
-from grpo_fast.dist import whole_tensor
+from grpo_fast.dist import unwrap, whole_tensor
 from grpo_fast.domains import AUTO
 
 # Mean |Δ log p| on the probe above which the run stops (rollout.weight_sync_tolerance=auto).
@@ -62,7 +62,7 @@ def merged_named_tensors(model: torch.nn.Module) -> Iterable[tuple[str, torch.Te
     each merged weight is gathered whole, one at a time."""
     from peft.tuners.lora import LoraLayer
 
-    base = getattr(model, "module", model).get_base_model()
+    base = unwrap(model).get_base_model()
     adapted = {
         f"{name}.weight": module
         for name, module in base.named_modules()
@@ -88,7 +88,7 @@ def dequantized_base_tensors(model: torch.nn.Module) -> Iterable[tuple[str, torc
     the ``Linear4bit`` module, whole on every rank)."""
     import bitsandbytes as bnb
 
-    base = getattr(model, "module", model).get_base_model()
+    base = unwrap(model).get_base_model()
     nf4 = {f"{n}.weight": m for n, m in base.named_modules() if isinstance(m, bnb.nn.Linear4bit)}
     for name, p in base.named_parameters():
         if ".lora_" in name:
@@ -111,7 +111,7 @@ def hf_named_tensors(model: torch.nn.Module) -> Iterable[tuple[str, torch.Tensor
     two (vLLM's layerwise reload keeps a layer's pieces until the layer is complete), never a
     second copy of the model (tests/test_fsdp.py measures it).
     """
-    model = getattr(model, "module", model)  # DDP
+    model = unwrap(model)  # DDP
     for name, p in model.state_dict().items():
         yield name, whole_tensor(p.detach())
 
