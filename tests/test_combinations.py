@@ -19,8 +19,14 @@ tests/test_vllm_server.py, ``pytest -m vllm``) and are not in it.
 
 Cost: the 48 two-rank cells run on one pair of spawned ranks, one after another
 (``dist._OWN_GROUP = False``: the pair's group outlives each run), and the 16 one-process cells in
-the test's process meanwhile: 80-88 s on 2 cores (64 s + 28 s one after the other: 93 s). A pair
-is started again only after a cell that crashed it or hung, for the cells after it.
+the test's process meanwhile: 115-180 s on 2 shared cores at load 5-12 (2026-12-06; the pair's
+chain is the longer, 105-150 s, the 16 here 48-84 s). About 70 % of it is the 12 hf-process cells
+that train: each spawns an hf rollout worker per rank (20 in all) that imports torch and
+transformers (peft with LoRA) afresh, 5-8 s to start, and closes in about 2 s (its exit takes 1 s
+unloaded; under load it reaches ``close``'s 2 s wait, then a kill). The test is bound by CPU (user
++ sys 185-225 s): a second pair at once took 150 s against 160 s, within the load's noise, and was
+not kept. Each cell's seconds are printed with its answer. A pair is started again only after a
+cell that crashed it or hung, for the cells after it.
 """
 
 from __future__ import annotations
@@ -82,7 +88,9 @@ EXPECTED: dict[tuple[str, str], tuple[str, ...]] = {
     ("staleness 1", "vllm colocated (fake engine)"): (APART,) * 8,
     ("staleness 1", "vllm server (fake server)"): (T, T, T, T, T, T, T, T),
 }
-CELL_LIMIT = 120.0  # s: a cell of the pair with no answer by then is a rank left waiting (measured: ≤ 15 s)
+# s: a cell of the pair with no answer by then is a rank left waiting (measured: ≤ 17 s, an
+# hf-process cell under load)
+CELL_LIMIT = 120.0
 TINY_FOLDER = "tiny_hf"  # under the test's tmp_path: the tiny model and tokenizer as a Hugging Face folder
 
 
@@ -126,14 +134,14 @@ def _fake_engine():
 
 
 def _run_cell(cell, url: str, root: Path) -> dict:
-    """``main(argv)`` of ``cell`` on this rank: its exit code, its stderr lines, and what it raised
-    (a crash, recorded for the test to fail on: every cell is run and reported)."""
+    """``main(argv)`` of ``cell`` on this rank: its exit code, its stderr lines, what it raised
+    (a crash, recorded for the test to fail on: every cell is run and reported) and its seconds."""
     from grpo_fast import train
 
     real_run, err = train.run, io.StringIO()
     if "fake engine" in cell[1]:  # main() has no engine argument: the run it calls gets the fake
         train.run = lambda cfg: real_run(cfg, engine=_fake_engine())
-    code, raised = None, None
+    code, raised, t_start = None, None, time.monotonic()
     try:
         with contextlib.redirect_stderr(err):
             code = train.main(_argv(cell, url, root))
@@ -142,7 +150,8 @@ def _run_cell(cell, url: str, root: Path) -> dict:
         raised = f"{type(exc).__name__}: {lines[0]}" + (f" … {lines[-1]}" if len(lines) > 1 else "")
     finally:
         train.run = real_run
-    return {"code": code, "lines": [ln for ln in err.getvalue().splitlines() if ln.strip()], "raised": raised}
+    lines = [ln for ln in err.getvalue().splitlines() if ln.strip()]
+    return {"code": code, "lines": lines, "raised": raised, "s": round(time.monotonic() - t_start, 2)}
 
 
 def _answer(ranks: list[dict], folder: Path) -> str:
@@ -216,10 +225,11 @@ def _last_words(pair: Path) -> str:
     return "; ".join(said)
 
 
-def _two_rank_answers(cells, url: str, root: Path, meanwhile=None) -> dict:
+def _two_rank_answers(cells, url: str, root: Path, meanwhile=None, took=None) -> dict:
     """Every cell's answer on one pair of spawned gloo ranks; after a cell that crashes the pair
     (a rank's process dies) or hangs (no answer within ``CELL_LIMIT``), a new pair for the rest.
-    ``meanwhile()`` runs in this process once the first pair is started."""
+    ``meanwhile()`` runs in this process once the first pair is started; ``took[cell]``: the
+    slower rank's seconds."""
     answers: dict = {}
     while len(answers) < len(cells):
         todo = cells[len(answers) :]
@@ -253,6 +263,8 @@ def _two_rank_answers(cells, url: str, root: Path, meanwhile=None) -> dict:
         n = min(map(len, done))
         for i, cell in enumerate(todo[:n]):
             answers[cell] = _answer([done[0][i], done[1][i]], root / _slug(cell))
+            if took is not None:
+                took[cell] = max(done[0][i]["s"], done[1][i]["s"])
         if n < len(todo):
             answers[todo[n]] = f"crash: {why or 'the pair ended early'}; {_last_words(pair)}"
     return answers
@@ -271,7 +283,7 @@ def _matches(answer: str, expected: str) -> bool:
 def test_every_combination_trains_or_is_refused_in_one_line(tmp_path, monkeypatch):
     """The 64 combinations, each's answer that of ``EXPECTED``. Planted: a check that refuses
     FSDP with LoRA → the 7 FSDP-with-LoRA answers not refused earlier differ; the pipeline's step without the sp
-    group's batch (ed0dfd1) → the 4 cells of staleness 1 × SP 2 that train: "a rank's process
+    group's batch (ed0dfd1) → the 6 cells of staleness 1 × SP 2 that train: "a rank's process
     died: ... SIGABRT" (gloo's size mismatch), the pair started again for the cells after each."""
     from grpo_fast.rollout import registry
     from grpo_fast.task import tiny
@@ -283,18 +295,22 @@ def test_every_combination_trains_or_is_refused_in_one_line(tmp_path, monkeypatc
     for part in (tiny.build_model(tok, seed=0), tok):
         part.save_pretrained(tmp_path / TINY_FOLDER)
     here: dict = {}  # the 1-process cells, run here while the pair runs the others
+    took: dict = {}  # each cell's seconds, printed with its answer (where the time goes)
 
     def in_this_process():
         for cell in _cells(["1 process"]):
-            here[cell] = _answer([_run_cell(cell, fake.url, tmp_path)], tmp_path / _slug(cell))
+            result = _run_cell(cell, fake.url, tmp_path)
+            here[cell], took[cell] = _answer([result], tmp_path / _slug(cell)), result["s"]
         here["took"] = time.monotonic() - t0
 
     with FakeVLLMServer() as fake:
-        answers = _two_rank_answers(_cells(["DDP 2", "FSDP 2", "SP 2"]), fake.url, tmp_path, in_this_process)
+        answers = _two_rank_answers(
+            _cells(["DDP 2", "FSDP 2", "SP 2"]), fake.url, tmp_path, in_this_process, took
+        )
     print(f"64 cells in {time.monotonic() - t0:.0f} s (the 16 in this process: {here.pop('took'):.0f} s)")
     answers |= here
     for cell, answer in answers.items():
-        print(" | ".join(cell), "→", answer)
+        print(" | ".join(cell), "→", answer, f"({took.get(cell, float('nan')):.1f} s)")
     wrong = [
         f"{' | '.join(cell)}: expected {EXPECTED[cell[:2]][COLUMNS.index(cell[2:])]!r}, got {answers[cell]!r}"
         for cell in _cells(WORLDS)
