@@ -342,7 +342,9 @@ def test_sharded_checkpoints_resume_exactly_and_on_one_rank(tmp_path, capsys):
     per rank, no weights on rank 0 alone), the resumed run's metrics equal the straight run's
     metric for metric, the final model is one Hugging Face folder that transformers loads and
     that holds the last checkpoint's weights; the 2-rank checkpoint loads on 1 rank, which says
-    in one line that the sampling streams differ, and trains on."""
+    in one line that the sampling streams differ, and trains on. The FSDP test with a real signal
+    (LoRA under FSDP resumes from its run's own checkpoint: tests/test_fsdp_lora.py). Planted:
+    ``sharded_checkpoint.load`` without the optimizer's state → other step-4 metrics."""
     from transformers import AutoModelForCausalLM
 
     from grpo_fast.policy import sharded_checkpoint

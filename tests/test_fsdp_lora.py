@@ -18,7 +18,7 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 from support.ranks import join_cpu_ranks
-from test_fsdp import _free_port, _loop_worker, _metrics_diff, _rank_microbatches
+from test_fsdp import _free_port, _loop_overrides, _metrics_diff, _rank_microbatches
 from test_lora import _lora_policy
 from test_rollout_vllm import FakeVLLMEngine
 
@@ -657,24 +657,45 @@ def test_the_loop_syncs_the_adapter_alone_from_shards_to_each_ranks_engine(tmp_p
         assert all(torch.equal(engine["files"][k], final[k]) for k in final)
 
 
+def _resume_worker(rank, world_size, port, root, more):
+    """The tiny preset under FSDP on 2 ranks with the overrides ``more``: a straight 4-step run
+    (checkpoints of steps 3 and 4); rank 0 copies its folder to ``resumed`` as a run stopped after
+    the step-3 checkpoint leaves it (no final/, no later checkpoint; its later rows stay: the resume
+    drops them), which is then resumed to step 4. (The real SIGTERM under FSDP:
+    tests/test_fsdp.py::test_sharded_checkpoints_resume_exactly_and_on_one_rank.)"""
+    import shutil
+
+    from grpo_fast import train
+
+    join_cpu_ranks(rank, world_size, port)
+    dist._OWN_GROUP = False  # one process group for the two runs (each run() would destroy it)
+    root = Path(root)
+    train.run(load_config("tiny", overrides=_loop_overrides(root / "straight", *more)))
+    if rank == 0:
+        shutil.copytree(root / "straight", root / "resumed")
+        shutil.rmtree(root / "resumed" / "final")
+        shutil.rmtree(root / "resumed" / "checkpoints" / "step_000004")
+    dist.barrier()
+    train.run(load_config("tiny", overrides=_loop_overrides(root / "resumed", "resume=true", *more)))
+    torch.distributed.destroy_process_group()
+
+
 @pytest.mark.slow
-def test_a_lora_run_under_fsdp_stopped_by_sigterm_resumes_exactly(tmp_path):
-    """LoRA with 8-bit AdamW under FSDP, in the loop: a SIGTERM writes a sharded checkpoint of
-    step 2 that holds the adapter and its optimizer state (no base weight: the base is
-    output_dir/base, as under DDP) and the adapter in peft's format; the resumed run's metrics
-    equal the straight run's metric for metric; final/ is a peft adapter (no full model) whose
-    base resolves, equal to the last checkpoint's."""
+def test_a_lora_run_under_fsdp_resumed_from_its_checkpoint_is_the_straight_run(tmp_path):
+    """LoRA with 8-bit AdamW under FSDP, in the loop: the sharded checkpoint of step 3 holds the
+    adapter and its optimizer state (no base weight: the base is output_dir/base, as under DDP) and
+    the adapter in peft's format; the run resumed from it has the straight run's metrics, metric
+    for metric, and its final adapter, bitwise; final/ is a peft adapter (no full model) whose base
+    resolves, equal to the last checkpoint's. Planted: ``sharded_checkpoint.load`` without the
+    optimizer's state (``set_optimizer_state_dict`` skipped) → another final adapter."""
     from peft import PeftModel
     from safetensors.torch import load_file
     from torch.distributed.checkpoint import FileSystemReader
     from transformers import AutoModelForCausalLM
 
     more = (*LORA[:2], "train.optimizer=adamw8bit")
-    mp.spawn(_loop_worker, args=(2, _free_port(), str(tmp_path), more), nprocs=2, join=True)
-    for rank in (0, 1):
-        words = (tmp_path / f"preempted_{rank}.txt").read_text()
-        assert words.startswith("SIGTERM during step 2: checkpoint ") and "step_000002" in words
-    saved = tmp_path / "one_rank" / "checkpoints" / "step_000002"  # as the SIGTERM left it
+    mp.spawn(_resume_worker, args=(2, _free_port(), str(tmp_path), more), nprocs=2, join=True)
+    saved = tmp_path / "straight" / "checkpoints" / "step_000003"
     keys = FileSystemReader(str(saved / "dcp")).read_metadata().state_dict_metadata.keys()
     model_keys = [k for k in keys if k.startswith("model.")]
     assert model_keys and all(".lora_" in k for k in model_keys), model_keys[:3]
@@ -683,8 +704,8 @@ def test_a_lora_run_under_fsdp_stopped_by_sigterm_resumes_exactly(tmp_path):
     diff = _metrics_diff()
     straight = diff.read_rows(tmp_path / "straight")
     assert [r["step"] for r in straight] == [0, 1, 2, 3, 4] and all(r["world_size"] == 2 for r in straight)
-    assert diff.differences(straight, diff.read_rows(tmp_path / "stopped")) == []
-    for run in ("straight", "stopped"):
+    assert diff.differences(straight, diff.read_rows(tmp_path / "resumed")) == []
+    for run in ("straight", "resumed"):
         final = tmp_path / run / "final"
         assert not list(final.glob("model*.safetensors"))
         config = json.loads((final / "adapter_config.json").read_text())
@@ -693,7 +714,7 @@ def test_a_lora_run_under_fsdp_stopped_by_sigterm_resumes_exactly(tmp_path):
         got = load_file(final / "adapter_model.safetensors")
         assert got.keys() == last.keys() and all(torch.equal(got[k], last[k]) for k in got)
     a, b = (
-        load_file(tmp_path / run / "final" / "adapter_model.safetensors") for run in ("straight", "stopped")
+        load_file(tmp_path / run / "final" / "adapter_model.safetensors") for run in ("straight", "resumed")
     )
     assert all(torch.equal(a[k], b[k]) for k in a)
     base = AutoModelForCausalLM.from_pretrained(tmp_path / "straight" / "base")

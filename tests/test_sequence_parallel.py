@@ -624,21 +624,24 @@ def test_dp_groups_of_sp_ranks_step_as_one_rank(tmp_path):
     _assert_one_ranks_step(results)
 
 
-def _loop_worker(rank, world_size, port, out_dir, sp, more=()):
+def _loop_worker(rank, world_size, port, root, more=()):
+    """Rank 0 first runs the loop alone (no group yet: ``root/one``), then the 2 ranks run it with
+    ``sequence_parallel=2`` (``root/sp``): one spawn for both runs."""
     import answer_oracle
 
     from grpo_fast.train import run
 
-    if world_size > 1:
-        join_cpu_ranks(rank, world_size, port)
-        dist._OWN_GROUP = False
     answer_oracle.install_in_process(tiny.build_tokenizer())
-    overrides = [f"output_dir={out_dir}", "steps=2", "sft.steps=0", "eval_every=0", "checkpoint_every=0",
-                 "rollout.batch_size=32", "train.micro_batch_size=5", "logging.progress=false",
-                 f"train.sequence_parallel={sp}", "loss.length_norm=token_mean", *more]  # fmt: skip
-    run(load_config("tiny", overrides=overrides))
-    if world_size > 1:
-        torch.distributed.destroy_process_group()
+    overrides = lambda out, sp: [f"output_dir={out}", "steps=2", "sft.steps=0", "eval_every=0",
+                                 "checkpoint_every=0", "rollout.batch_size=32", "train.micro_batch_size=5",
+                                 "logging.progress=false", f"train.sequence_parallel={sp}",
+                                 "loss.length_norm=token_mean", *more]  # fmt: skip
+    if rank == 0:  # one rank: the environment names no group (rank 1 waits to join it)
+        run(load_config("tiny", overrides=overrides(Path(root) / "one", 1)))
+    join_cpu_ranks(rank, world_size, port)
+    dist._OWN_GROUP = False
+    run(load_config("tiny", overrides=overrides(Path(root) / "sp", 2)))
+    torch.distributed.destroy_process_group()
 
 
 def _rows(folder: Path) -> list[dict]:
@@ -660,8 +663,7 @@ def test_the_loop_trains_each_step_as_one_rank_does(tmp_path, more, reward):
     tenfold then agree), every group's rewards equal, all but the shortest response skipped."""
     from safetensors.torch import load_file
 
-    mp.spawn(_loop_worker, args=(1, 0, str(tmp_path / "one"), 1, more), nprocs=1, join=True)
-    mp.spawn(_loop_worker, args=(2, _free_port(), str(tmp_path / "sp"), 2, more), nprocs=2, join=True)
+    mp.spawn(_loop_worker, args=(2, _free_port(), str(tmp_path), more), nprocs=2, join=True)
     one, sp = _rows(tmp_path / "one"), _rows(tmp_path / "sp")
     assert [r["world_size"] for r in sp] == [2, 2]
     for a, b in zip(one, sp, strict=True):
@@ -676,7 +678,9 @@ def test_the_loop_trains_each_step_as_one_rank_does(tmp_path, more, reward):
     assert max((w_sp[k] - w_one[k]).abs().max().item() for k in w_one) <= 1e-6
 
 
-def _vllm_loop_worker(rank, world_size, port, out_dir, sp):
+def _vllm_loop_worker(rank, world_size, port, root):
+    """2 ranks, one process group: the loop with the fake vLLM engine as 2 data-parallel ranks
+    (``root/sp1``), then with ``sequence_parallel=2`` (``root/sp2``)."""
     from test_rollout_vllm import FakeVLLMEngine
 
     from grpo_fast.train import run
@@ -684,15 +688,16 @@ def _vllm_loop_worker(rank, world_size, port, out_dir, sp):
     join_cpu_ranks(rank, world_size, port)
     dist._OWN_GROUP = False
     tok = tiny.build_tokenizer()
-    overrides = [f"output_dir={out_dir}", "steps=2", "sft.steps=0", "eval_every=0", "checkpoint_every=0",
-                 "rollout.batch_size=32", "logging.progress=false", "rollout.backend=vllm",
-                 "rollout.is_correction=true", "rollout.is_level=sequence", "train.epochs_per_rollout_batch=2",
-                 "loss.importance_sampling_level=sequence", "train.skip_zero_advantage=false",
-                 f"train.sequence_parallel={sp}"]  # fmt: skip
-    run(
-        load_config("tiny", overrides=overrides, check_device=False),
-        engine=FakeVLLMEngine(tiny.build_model(tok, seed=0), tok),
-    )
+    for sp in (1, 2):
+        overrides = [f"output_dir={Path(root) / f'sp{sp}'}", "steps=2", "sft.steps=0", "eval_every=0",
+                     "checkpoint_every=0", "rollout.batch_size=32", "logging.progress=false",
+                     "rollout.backend=vllm", "rollout.is_correction=true", "rollout.is_level=sequence",
+                     "train.epochs_per_rollout_batch=2", "loss.importance_sampling_level=sequence",
+                     "train.skip_zero_advantage=false", f"train.sequence_parallel={sp}"]  # fmt: skip
+        run(
+            load_config("tiny", overrides=overrides, check_device=False),
+            engine=FakeVLLMEngine(tiny.build_model(tok, seed=0), tok),
+        )
     torch.distributed.destroy_process_group()
 
 
@@ -703,10 +708,7 @@ def test_with_the_vllm_backend_it_trains_as_data_parallel_does(tmp_path):
     2 ranks with ``sequence_parallel=2`` sample what 2 data-parallel ranks sample and train the same
     batch (each rank half of every sequence): the same rewards, loss and gradient norm, the probe's
     weight-sync gap as small."""
-    for sp in (1, 2):
-        mp.spawn(
-            _vllm_loop_worker, args=(2, _free_port(), str(tmp_path / f"sp{sp}"), sp), nprocs=2, join=True
-        )
+    mp.spawn(_vllm_loop_worker, args=(2, _free_port(), str(tmp_path)), nprocs=2, join=True)
     ddp, sp = _rows(tmp_path / "sp1"), _rows(tmp_path / "sp2")
     for a, b in zip(ddp, sp, strict=True):
         assert b["train/reward_mean"] == a["train/reward_mean"]
@@ -715,32 +717,43 @@ def test_with_the_vllm_backend_it_trains_as_data_parallel_does(tmp_path):
         assert b["rollout/weight_sync_abs_diff"] < 1e-5
 
 
-def _torchrun(out: Path, *overrides: str) -> list[dict]:
-    cmd = [
-        sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", f"--master_port={_free_port()}",
-        "-m", "grpo_fast.train", "--preset", "tiny", f"output_dir={out}", "steps=2", "sft.steps=0",
-        "eval_every=0", "checkpoint_every=0", "logging.progress=false", "train.skip_zero_advantage=false",
-        *overrides,
-    ]  # fmt: skip
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, env=env, timeout=900)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return _rows(out)
+def _main_worker(rank, world_size, port, runs):
+    """Rank ``rank`` of ``python -m grpo_fast.train`` as torchrun would start it, once for each
+    argument list of ``runs`` in turn (one process group for all: ``main`` leaves it)."""
+    from grpo_fast.train import main
+
+    join_cpu_ranks(rank, world_size, port)
+    dist._OWN_GROUP = False
+    for args in runs:
+        assert main(args) == 0, (rank, args)
+    torch.distributed.destroy_process_group()
+
+
+def _main_args(out: Path, *overrides: str) -> list[str]:
+    return ["--preset", "tiny", f"output_dir={out}", "steps=2", "sft.steps=0", "eval_every=0",
+            "checkpoint_every=0", "logging.progress=false", "train.skip_zero_advantage=false",
+            *overrides]  # fmt: skip
 
 
 @pytest.mark.slow
-def test_torchrun_with_sequence_parallel_trains_as_data_parallel_does(tmp_path):
-    """``torchrun --nproc_per_node=2 -m grpo_fast.train --preset tiny train.sequence_parallel=2``
-    with the pipeline (``rollout.max_staleness=1``, the sampler's log-probs as π_old) samples what
-    2 data-parallel ranks at staleness 1 sample (each rank its own prompts and seed) and trains the
-    same batch: the same rewards, and the loss and gradient norm of plain data parallelism (the
-    lockstep outline's case is the in-process loop test above; both outlines run one step function,
+def test_the_pipeline_with_sequence_parallel_trains_as_data_parallel_does(tmp_path):
+    """``python -m grpo_fast.train --preset tiny train.sequence_parallel=2`` on 2 ranks (spawned as
+    torchrun would start them; the launcher itself: tests/test_distributed.py) with the pipeline
+    (``rollout.max_staleness=1``, the sampler's log-probs as π_old) samples what 2 data-parallel
+    ranks at staleness 1 sample (each rank its own prompts and seed) and trains the same batch: the
+    same rewards, and the loss and gradient norm of plain data parallelism (the lockstep outline's
+    case is the in-process loop test above; both outlines run one step function,
     ``grpo_fast.loop.step``). Planted: the pipeline's step without the sp group's batch
     (``sp_group.share_batch``, ed0dfd1) → each sp rank trains its own half: another loss."""
     stale = ("rollout.max_staleness=1", "rollout.old_logprobs=sampler")
-    ddp = _torchrun(tmp_path / "ddp", *stale)
-    sp = _torchrun(tmp_path / "sp", "train.sequence_parallel=2", *stale)
+    runs = [
+        _main_args(tmp_path / "ddp", *stale),
+        _main_args(tmp_path / "sp", "train.sequence_parallel=2", *stale),
+    ]
+    mp.spawn(_main_worker, args=(2, _free_port(), runs), nprocs=2, join=True)
+    ddp, sp = _rows(tmp_path / "ddp"), _rows(tmp_path / "sp")
     assert [r["rollout/policy_lag"] for r in sp] == [0.0, 1.0]
+    assert [r["world_size"] for r in ddp + sp] == [2] * 4
     for a, b in zip(ddp, sp, strict=True):
         assert b["train/reward_mean"] == a["train/reward_mean"]
         for key in ("train/loss", "train/grad_norm", "train/entropy_mean"):
