@@ -238,6 +238,11 @@ def claim(out: Path, cfg: Config, world: dist.DistInfo):
         except UserError as exc:
             error = exc
     verdict = dist.broadcast_object(None if error is None else str(error))
+    if verdict is not None:
+        # every rank holds the verdict before any tears the group down on the way out: rank 0
+        # leaving straight after its broadcast was seen to die of gloo's std::terminate (SIGABRT,
+        # "terminate called without an active exception") once in CI under load, 2026-12-06
+        dist.barrier()
     if error is not None:
         raise error
     if verdict is not None:
