@@ -378,16 +378,21 @@ class VLLMBackend(WeightsFromStage):
             self.calls.append("wake_up(kv_cache)")
             self.kv_asleep = False
 
+    def _ready(self) -> int:
+        """Inside the generation guard: weights pushed (else RuntimeError), the engine awake; the
+        policy version it serves as the call starts."""
+        if self.pushes == 0:
+            raise RuntimeError(
+                "VLLMBackend.generate before any load_weights: the engine's weights are unknown"
+            )
+        self._wake()
+        return self.policy_version
+
     def generate(self, prompt_ids: list[list[int]], params: SamplingParams, progress=None) -> Rollout:
         if self.tools is not None:
             return self._generate_turns(prompt_ids, params, progress)
         with self._generation_guard():
-            if self.pushes == 0:
-                raise RuntimeError(
-                    "VLLMBackend.generate before any load_weights: the engine's weights are unknown"
-                )
-            self._wake()
-            version = self.policy_version  # what the engine serves as this call starts
+            version = self._ready()
             groups = self.engine.generate(prompt_ids, params)
             self.calls.append("generate")
         if progress is not None:
@@ -430,12 +435,7 @@ class VLLMBackend(WeightsFromStage):
         turns = Turns(self.tools, prompt_ids, params)
         stops = turns.stops
         with self._generation_guard():
-            if self.pushes == 0:
-                raise RuntimeError(
-                    "VLLMBackend.generate before any load_weights: the engine's weights are unknown"
-                )
-            self._wake()
-            version = self.policy_version  # what the engine serves as this call starts
+            version = self._ready()
             groups = self.engine.generate(prompt_ids, replace(params, stop=stops))
             self.calls.append("generate")
             _check_sizes(groups, len(prompt_ids), params.n)
