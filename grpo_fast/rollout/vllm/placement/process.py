@@ -33,10 +33,8 @@ import threading
 import time
 import uuid
 import weakref
-from collections.abc import Callable, Coroutine, Iterable
+from collections.abc import Callable, Coroutine
 from typing import Any
-
-import torch
 
 from grpo_fast.errors import EngineDied, EngineError
 from grpo_fast.rollout.base import SamplingParams
@@ -50,7 +48,12 @@ from grpo_fast.rollout.vllm.placement.shared import (
     versions_fields,
     visible_devices,
 )
-from grpo_fast.rollout.vllm.transfer.transport import SHM_BACKEND, WORKER_EXTENSION, make_transport, sync
+from grpo_fast.rollout.vllm.transfer.transport import (
+    SHM_BACKEND,
+    WORKER_EXTENSION,
+    SyncedApart,
+    make_transport,
+)
 
 log = logging.getLogger("grpo_fast")
 
@@ -110,7 +113,7 @@ class EventLoopThread:
         self.thread.join(timeout=5)
 
 
-class ProcessEngine:
+class ProcessEngine(SyncedApart):
     """An ``AsyncLLM`` (engine core in a child process) behind the ``Engine`` boundary of
     ``grpo_fast.rollout.vllm.placement``; thread-safe: ``generate`` and ``load_weights`` may run
     at once.
@@ -264,19 +267,13 @@ class ProcessEngine:
 
     # -- the Engine boundary (grpo_fast.rollout.vllm.placement.Engine) --
 
-    def load_weights(
-        self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int | None = None
-    ) -> None:
-        version = 0 if version is None else version
-        deadline = Deadline(self.timeouts.sync, f"the weight sync of step {version}", "rollout.sync_timeout")
-        sync(self, self.transport, named_tensors, version, deadline)
-        self.version = version
+    # load_weights: SyncedApart's
 
     def load_adapter(self, folder: str, version: int | None = None) -> None:
         from vllm.lora.request import LoRARequest
 
         version = 0 if version is None else version
-        deadline = Deadline(self.timeouts.sync, f"the adapter sync of step {version}", "rollout.sync_timeout")
+        deadline = self.sync_deadline("adapter", version)
         request = LoRARequest(f"grpo_fast_{self.adapters.next_id}", self.adapters.next_id, folder)
         self._run(self.llm.add_lora(request), deadline, "add_lora")
         for old in self.adapters.switch(request, version):

@@ -42,12 +42,9 @@ import urllib.error
 import urllib.request
 import uuid
 import weakref
-from collections.abc import Iterable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
-
-import torch
 
 from grpo_fast.errors import EngineDied, EngineError
 from grpo_fast.rollout.base import SamplingParams
@@ -65,9 +62,9 @@ from grpo_fast.rollout.vllm.placement.shared import (
 from grpo_fast.rollout.vllm.transfer.transport import (
     SHM_BACKEND,
     WORKER_EXTENSION,
+    SyncedApart,
     make_transport,
     nccl_address,
-    sync,
 )
 
 log = logging.getLogger("grpo_fast")
@@ -203,7 +200,7 @@ def _stop_group(proc: subprocess.Popen) -> None:
         proc.wait(timeout=5)
 
 
-class ServerEngine:
+class ServerEngine(SyncedApart):
     """A vLLM server behind the ``Engine`` boundary of ``grpo_fast.rollout.vllm.placement`` (module
     docstring); thread-safe: ``generate`` and ``load_weights`` may run at once.
 
@@ -325,17 +322,11 @@ class ServerEngine:
 
     # -- the Engine boundary (grpo_fast.rollout.vllm.placement.Engine) --
 
-    def load_weights(
-        self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int | None = None
-    ) -> None:
-        version = 0 if version is None else version
-        deadline = Deadline(self.timeouts.sync, f"the weight sync of step {version}", "rollout.sync_timeout")
-        sync(self, self.transport, named_tensors, version, deadline)
-        self.version = version
+    # load_weights: SyncedApart's
 
     def load_adapter(self, folder: str, version: int | None = None) -> None:
         version = 0 if version is None else version
-        deadline = Deadline(self.timeouts.sync, f"the adapter sync of step {version}", "rollout.sync_timeout")
+        deadline = self.sync_deadline("adapter", version)
         name = f"grpo_fast_{self.adapters.next_id}"
         self._post(
             "/v1/load_lora_adapter",

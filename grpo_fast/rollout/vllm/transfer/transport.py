@@ -289,3 +289,20 @@ def make_transport(
     transport = ShmTransport(getattr(torch, dtype))
     control.init_weight_transfer_engine(transport.init_info(), deadline)
     return transport
+
+
+class SyncedApart:
+    """``load_weights`` of an engine the trainer reaches through a control plane and a
+    ``transport`` (``ProcessEngine``, ``ServerEngine``): one ``sync`` under ``rollout.sync_timeout``,
+    then ``version`` labels what it samples. Needs ``self.timeouts``, ``self.transport``."""
+
+    def sync_deadline(self, what: str, version: int) -> Deadline:
+        """The bound of one weight or adapter push (``what``: ``"weight"``, ``"adapter"``)."""
+        return Deadline(self.timeouts.sync, f"the {what} sync of step {version}", "rollout.sync_timeout")
+
+    def load_weights(
+        self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int | None = None
+    ) -> None:
+        version = 0 if version is None else version
+        sync(self, self.transport, named_tensors, version, self.sync_deadline("weight", version))
+        self.version = version
