@@ -15,9 +15,11 @@ if _threads.started_as_command():
     _threads.prefer_short_wait()
     _threads.command_meter = _threads.OtherWork()  # the setup reads it: a window from the start
 
+from grpo_fast.algo.advantages import compute_reinforce_pp_advantages, compute_rloo_advantages
 from grpo_fast.algo.control import AdaptiveKLController, kl_early_stop
 from grpo_fast.algo.course import (
     compute_entropy,
+    compute_gae,
     compute_group_normalized_rewards,
     compute_grpo_clip_loss,
     compute_naive_policy_gradient_loss,
@@ -39,10 +41,13 @@ __all__ = [
     "GRPOLossOutput",
     "__version__",
     "compute_entropy",
+    "compute_gae",
     "compute_group_normalized_rewards",
     "compute_grpo_clip_loss",
     "compute_naive_policy_gradient_loss",
     "compute_policy_gradient_loss",
+    "compute_reinforce_pp_advantages",
+    "compute_rloo_advantages",
     "get_response_log_probs",
     "grpo_clip_loss",
     "grpo_microbatch_train_step",

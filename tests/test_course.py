@@ -45,13 +45,14 @@ def test_public_api_is_exported():
 
 def test_each_course_name_has_one_home():
     """``grpo_fast`` re-exports ``grpo_fast.algo.course``; only ``compute_entropy`` (which the eager
-    reference of the fused ops uses) is defined in the algorithm core (``grpo_fast.algo.token_loss``,
-    re-exported by ``grpo_fast.algo.core``), the rest only in the course module."""
+    reference of the fused ops uses) and ``compute_gae`` (the loop's estimator) are defined in the
+    algorithm core (``grpo_fast.algo.token_loss``, ``grpo_fast.algo.advantages``, re-exported by
+    ``grpo_fast.algo.core``), the rest only in the course module."""
+    core_homes = {"compute_entropy": "grpo_fast.algo.token_loss", "compute_gae": "grpo_fast.algo.advantages"}
     for name in course.__all__:
         assert getattr(grpo_fast, name) is getattr(course, name), name
-        home = "grpo_fast.algo.token_loss" if name == "compute_entropy" else "grpo_fast.algo.course"
-        assert getattr(course, name).__module__ == home, name
-        assert hasattr(core, name) == (name == "compute_entropy"), name
+        assert getattr(course, name).__module__ == core_homes.get(name, "grpo_fast.algo.course"), name
+        assert hasattr(core, name) == (name in core_homes), name
 
 
 # ---------------------------------------------------------------------------- tokenization

@@ -1,7 +1,14 @@
 """Rewards into advantages: group normalization (GRPO's, Dr. GRPO's, the batch std), GDPO's
-per-reward normalization, DAPO's informative-group filter and soft overlong penalty.
+per-reward normalization, DAPO's informative-group filter and soft overlong penalty; and the
+estimators of ``loss.advantage`` beside ``group``: leave-one-out (RLOO), REINFORCE++ and its
+group-baseline variant (per-token returns, whitened over the batch), and GAE (per-token, from a
+value model's estimates).
 
-Shapes: ``R`` responses, in groups (``group_size`` an int, or ``[P]`` sizes, consecutive).
+Shapes: ``R`` (or ``B``) responses, in groups (``group_size`` an int, or ``[P]`` sizes,
+consecutive). The per-token estimators take ``[B, T]`` tensors and a ``mask [B, T]`` of the
+tokens the policy sampled; everything else (padding, a tool's inserted output) is a hole: no
+reward, no TD error, no advantage, and the discount counts sampled tokens only (the next sampled
+token's return and value are carried across a hole).
 """
 
 from __future__ import annotations
@@ -12,7 +19,13 @@ from collections.abc import Callable, Sequence
 import torch
 
 __all__ = [
+    "ADVANTAGE_ESTIMATORS",
+    "GROUP_ESTIMATORS",
+    "PER_TOKEN_ESTIMATORS",
     "SCALE_REWARDS",
+    "compute_gae",
+    "compute_reinforce_pp_advantages",
+    "compute_rloo_advantages",
     "informative_groups",
     "normalize_each_reward",
     "normalize_group_rewards",
@@ -20,6 +33,10 @@ __all__ = [
 ]
 
 SCALE_REWARDS = ("group", "batch", "none")  # loss.scale_rewards
+# loss.advantage: how rewards become advantages (docs/loss.md, "Advantage estimators")
+ADVANTAGE_ESTIMATORS = ("group", "rloo", "reinforce_pp", "reinforce_pp_baseline", "gae")
+PER_TOKEN_ESTIMATORS = ("reinforce_pp", "reinforce_pp_baseline", "gae")  # one advantage per token
+GROUP_ESTIMATORS = ("group", "rloo", "reinforce_pp_baseline")  # a baseline from the response's group
 
 
 def normalize_group_rewards(
@@ -146,6 +163,209 @@ def normalize_each_reward(
         term = float(w) * adv
         total = term if total is None else total + term
     return total
+
+
+def compute_rloo_advantages(
+    rewards: torch.Tensor,
+    group_sizes: int | Sequence[int],
+    *,
+    scale_rewards: str = "none",
+    advantage_eps: float = 1e-6,
+    reduce_sums: Callable[[list[float]], list[float]] | None = None,
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """RLOO (REINFORCE leave-one-out; Ahmadian et al. 2024): each response against the mean of
+    the *other* responses of its group, ``A_i = r_i − (Σ_{j≠i} r_j)/(G − 1) = G/(G − 1)·(r_i −
+    mean(group))``, so the baseline does not contain the response it judges (an unbiased
+    estimate). Then scaled as ``normalize_group_rewards``'s ``scale_rewards`` (default ``none``:
+    the paper's form; the loop passes ``loss.scale_rewards``). A group of one, or of equal
+    rewards, gets exactly 0.
+
+    Args:
+        rewards: ``[B]`` fp32, groups contiguous.
+        group_sizes: one size for every group, or ``[P]`` sizes summing to ``B``.
+        scale_rewards, advantage_eps, reduce_sums: as ``normalize_group_rewards``.
+
+    Returns:
+        ``(advantages [B] fp32, metadata)``: ``normalize_group_rewards``'s metadata, its
+        ``advantage_abs_mean`` of these advantages.
+
+    Example:
+        Rewards ``[1, 0, 0, 0]`` in one group: ``1 − 0 = 1`` and ``0 − 1/3`` three times:
+        ``[1.0, −0.3333, −0.3333, −0.3333]`` (GRPO's centred ``[0.75, −0.25, …]`` × 4/3).
+    """
+    centred, metadata = normalize_group_rewards(
+        rewards, group_sizes, advantage_eps, scale_rewards=scale_rewards, reduce_sums=reduce_sums
+    )
+    sizes = _check_group_sizes(group_sizes, rewards.numel())
+    each = torch.tensor(sizes, dtype=torch.float32) if sizes is not None else None
+    g = (
+        torch.full((rewards.numel(),), float(group_sizes))
+        if each is None
+        else each.repeat_interleave(each.long())
+    )  # [B] the size of each response's group
+    advantages = centred * torch.where(g > 1, g / (g - 1).clamp(min=1), torch.zeros_like(g))
+    metadata["advantage_abs_mean"] = advantages.abs().mean().item()
+    return advantages, metadata
+
+
+def compute_reinforce_pp_advantages(
+    rewards: torch.Tensor,
+    mask: torch.Tensor,
+    token_rewards: torch.Tensor | None = None,
+    gamma: float = 1.0,
+    *,
+    group_sizes: int | Sequence[int] | None = None,
+    advantage_eps: float = 1e-6,
+    reduce_sums: Callable[[list[float]], list[float]] | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """REINFORCE++ (Hu et al. 2025): per-token returns of the outcome reward and the per-token
+    rewards (the KL penalty ``−β·k1_t`` with ``loss.kl_in_reward``), whitened over the batch.
+
+    The outcome reward ``rewards[i]`` lands on response ``i``'s last sampled token; each sampled
+    token also gets ``token_rewards[i, t]``. The return is ``G_t = Σ_{s ≥ t} γ^{n(t, s)}·r_s``
+    over sampled tokens (``n``: the sampled tokens between them; holes carry the return across),
+    and the advantage ``A_t = (G_t − μ)/(σ + advantage_eps)``, ``μ``, ``σ`` (unbiased) over every
+    sampled token of the batch (across ranks with ``reduce_sums``). With ``group_sizes`` this is
+    REINFORCE++-baseline: each outcome reward first loses its group's mean (``loss.advantage=
+    reinforce_pp_baseline``), which removes the prompt's difficulty before the whitening.
+
+    Args:
+        rewards: ``[B]`` fp32, each response's outcome reward (task reward and shaping).
+        mask: ``[B, T]`` bool, the tokens the policy sampled.
+        token_rewards: ``[B, T]`` fp32 or None; read on the mask only.
+        gamma: the discount per sampled token, in [0, 1].
+        group_sizes: None (REINFORCE++), or the groups (as ``normalize_group_rewards``) whose
+            mean each outcome reward loses first.
+        advantage_eps: added to σ.
+        reduce_sums: a function summing ``[count, Σ G, Σ G²]`` over the data-parallel ranks;
+            None = this is the whole batch.
+
+    Returns:
+        ``(advantages [B, T], returns [B, T])`` fp32, 0 off the mask.
+
+    Example:
+        One token each, rewards ``[1, 0]``, γ = 1: returns ``[[1], [0]]``, μ = 0.5, σ = 0.7071:
+        advantages ``[[0.7071], [−0.7071]]``.
+    """
+    mask = _check_token_inputs(mask, rewards=rewards, token_rewards=token_rewards)
+    if not 0.0 <= gamma <= 1.0:
+        raise ValueError(f"gamma={gamma} must be in [0, 1]")
+    outcome = rewards.float()
+    if group_sizes is not None:  # REINFORCE++-baseline: the group's mean off each outcome reward
+        outcome, _ = normalize_group_rewards(outcome, group_sizes, 0.0, scale_rewards="none")
+    per_token = torch.zeros(mask.shape, dtype=torch.float32)
+    if token_rewards is not None:
+        per_token = torch.where(mask, token_rewards.float(), per_token)
+    last = _last_sampled(mask)  # [B], -1 for a response without a sampled token
+    rows = torch.nonzero(last >= 0).squeeze(1)
+    per_token[rows, last[rows]] += outcome[rows]
+    returns = _discounted_sums(per_token, mask, torch.full((mask.shape[0],), float(gamma)))
+    g64 = returns[mask].double()
+    sums = [float(g64.numel()), g64.sum().item(), (g64 * g64).sum().item()]
+    count, total, squares = reduce_sums(sums) if reduce_sums is not None else sums
+    mean = total / max(count, 1.0)
+    var = max(squares - count * mean * mean, 0.0) / max(count - 1.0, 1.0)
+    advantages = torch.where(mask, (returns - mean) / (math.sqrt(var) + advantage_eps), 0.0)
+    return advantages.float(), returns
+
+
+def compute_gae(
+    token_rewards: torch.Tensor,
+    values: torch.Tensor,
+    mask: torch.Tensor | None = None,
+    gamma: float = 0.99,
+    lam: float | torch.Tensor = 0.95,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Generalized advantage estimation (Schulman et al. 2016), per token, with holes.
+
+    On each sampled token ``t`` (``mask``), with ``t'`` the next sampled token of the row
+    (``V(t') = 0`` after the last): ``δ_t = r_t + γ·V(t') − V(t)`` and ``A_t = δ_t + γλ·A_{t'}``;
+    ``returns = A + V`` (the value model's targets). Off the mask (padding, a tool's inserted
+    output) there is no TD error and no advantage: the next sampled token's value and advantage
+    are carried across, and ``token_rewards`` there are ignored. The advantages are raw (not
+    whitened: whitening is the caller's choice). With ``B = 1`` and every token sampled this is the
+    CS336 write-up's ``compute_gae(rewards, values, gamma=0.99, lam=0.95)`` (the course API is this
+    function; it takes 1-D ``[T]`` inputs too, and ``gamma``/``lam`` by keyword).
+
+    Args:
+        token_rewards: ``[B, T]`` (or ``[T]``) fp32, each token's reward (an outcome reward on the
+            last sampled token, a KL penalty on each).
+        values: ``[B, T]`` (or ``[T]``), the value model's ``V(t)``.
+        mask: ``[B, T]`` (or ``[T]``) bool, the sampled tokens; None = all.
+        gamma: the discount per sampled token, in [0, 1].
+        lam: GAE's λ in [0, 1], one float or ``[B]`` (one per response: a length-adaptive λ).
+
+    Returns:
+        ``(advantages, returns)``, fp32, shaped as ``token_rewards``; 0 off the mask.
+
+    Example:
+        Rewards ``[0, 1]``, values ``[0.5, 0.5]``, γ = λ = 1: ``δ = [0, 0.5]``, advantages
+        ``[0.5, 0.5]``, returns ``[1, 1]``.
+    """
+    if mask is not None and not isinstance(mask, torch.Tensor):
+        raise TypeError(
+            f"compute_gae: mask must be a bool tensor or None, got {type(mask).__name__} "
+            "(pass gamma= and lam= by keyword)"
+        )
+    one_dim = token_rewards.dim() == 1
+    if one_dim:
+        token_rewards, values = token_rewards[None], values[None]
+        mask = None if mask is None else mask[None]
+    if mask is None:
+        mask = torch.ones(token_rewards.shape, dtype=torch.bool)
+    mask = _check_token_inputs(mask, token_rewards=token_rewards, values=values)
+    b = mask.shape[0]
+    lam_t = torch.as_tensor(lam, dtype=torch.float32)
+    lam_t = lam_t.expand(b).clone() if lam_t.dim() == 0 else lam_t.float()
+    if tuple(lam_t.shape) != (b,):
+        raise ValueError(f"compute_gae: lam has shape {tuple(lam_t.shape)}, expected a float or ({b},)")
+    if not 0.0 <= gamma <= 1.0 or not bool(((lam_t >= 0) & (lam_t <= 1)).all()):
+        raise ValueError(f"compute_gae: gamma={gamma} and lam must be in [0, 1]")
+    r, v = token_rewards.float(), values.float()
+    advantages = torch.zeros(mask.shape, dtype=torch.float32)
+    next_value = torch.zeros(b)
+    running = torch.zeros(b)
+    for t in range(mask.shape[1] - 1, -1, -1):  # T steps of [B] vector ops
+        m = mask[:, t]
+        delta = r[:, t] + gamma * next_value - v[:, t]
+        running = torch.where(m, delta + gamma * lam_t * running, running)
+        next_value = torch.where(m, v[:, t], next_value)
+        advantages[:, t] = torch.where(m, running, 0.0)
+    returns = torch.where(mask, advantages + v, 0.0)
+    if one_dim:
+        return advantages[0], returns[0]
+    return advantages, returns
+
+
+def _discounted_sums(x: torch.Tensor, mask: torch.Tensor, discount: torch.Tensor) -> torch.Tensor:
+    """``[B, T]``: on the mask, ``Σ_{s ≥ t on the mask} discount^{n(t, s)}·x_s`` (holes carried
+    across); 0 off it. ``discount``: ``[B]``."""
+    out = torch.zeros(mask.shape, dtype=torch.float32)
+    running = torch.zeros(mask.shape[0])
+    for t in range(mask.shape[1] - 1, -1, -1):
+        m = mask[:, t]
+        running = torch.where(m, x[:, t] + discount * running, running)
+        out[:, t] = torch.where(m, running, 0.0)
+    return out
+
+
+def _last_sampled(mask: torch.Tensor) -> torch.Tensor:
+    """``[B]`` the position of each row's last sampled token, -1 for none."""
+    t = mask.shape[1]
+    positions = torch.arange(t).expand_as(mask)
+    return torch.where(mask, positions, -1).max(dim=1).values if t else torch.full((mask.shape[0],), -1)
+
+
+def _check_token_inputs(mask: torch.Tensor, **tensors: torch.Tensor | None) -> torch.Tensor:
+    """``mask`` as bool, after checking it is ``[B, T]`` and each tensor ``[B, T]`` (or ``[B]`` for
+    ``rewards``); a ValueError names the one at fault."""
+    if mask.dim() != 2:
+        raise ValueError(f"mask has shape {tuple(mask.shape)}, expected [B, T]")
+    for name, x in tensors.items():
+        want = tuple(mask.shape[:1]) if name == "rewards" else tuple(mask.shape)
+        if x is not None and tuple(x.shape) != want:
+            raise ValueError(f"{name} has shape {tuple(x.shape)}, expected {want} (mask {tuple(mask.shape)})")
+    return mask.bool()
 
 
 def informative_groups(raw_rewards: torch.Tensor, group_size: int | Sequence[int]) -> list[bool]:

@@ -2,7 +2,7 @@
 whose names it re-exports (``from grpo_fast.algo.core import X`` keeps working):
 
 - ``advantages``: group-normalized advantages, GDPO's per-reward normalization, DAPO's
-  informative-group filter and overlong penalty;
+  informative-group filter and overlong penalty; RLOO, REINFORCE++ and GAE (``loss.advantage``);
 - ``token_loss``: the per-token GRPO family (clip-higher, dual clip, CISPO, SAPO, GSPO, KL k1/k2/k3,
   entropy bonus, top-entropy mask), the row math every loss op runs, ``GRPOLossOutput``;
 - ``length_norm``: the three length normalizations as per-token loss weights;
@@ -16,7 +16,11 @@ The Stanford CS336 assignment-5 helper API lives in ``grpo_fast.algo.course``, b
 from __future__ import annotations
 
 from grpo_fast.algo.advantages import (
+    ADVANTAGE_ESTIMATORS,
     SCALE_REWARDS,
+    compute_gae,
+    compute_reinforce_pp_advantages,
+    compute_rloo_advantages,
     informative_groups,
     normalize_each_reward,
     normalize_group_rewards,
@@ -47,6 +51,7 @@ from grpo_fast.algo.token_loss import (
 from grpo_fast.algo.truncation import truncated_logits, truncates, truncation_threshold
 
 __all__ = [
+    "ADVANTAGE_ESTIMATORS",
     "LENGTH_NORMS",
     "SCALE_REWARDS",
     "AdaptiveKLController",
@@ -57,6 +62,9 @@ __all__ = [
     "applied_entropy_coef",
     "check_sequence_ids_given",
     "compute_entropy",
+    "compute_gae",
+    "compute_reinforce_pp_advantages",
+    "compute_rloo_advantages",
     "eager_grpo_loss_from_logits",
     "eager_token_logprobs_and_entropy",
     "entropy_threshold",

@@ -25,12 +25,13 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from grpo_fast.algo.advantages import _check_group_sizes, normalize_group_rewards
+from grpo_fast.algo.advantages import _check_group_sizes, compute_gae, normalize_group_rewards
 from grpo_fast.algo.loss_options import LOSS_TYPES, LossOptions
 from grpo_fast.algo.token_loss import compute_entropy, grpo_clip_loss
 
 __all__ = [
     "compute_entropy",
+    "compute_gae",
     "compute_group_normalized_rewards",
     "compute_grpo_clip_loss",
     "compute_naive_policy_gradient_loss",
