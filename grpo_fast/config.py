@@ -28,7 +28,7 @@ from typing import Any
 
 from omegaconf import OmegaConf
 
-from grpo_fast.algo.advantages import SCALE_REWARDS
+from grpo_fast.algo.advantages import ADVANTAGE_ESTIMATORS, SCALE_REWARDS
 from grpo_fast.algo.difficulty import CURRICULA
 from grpo_fast.algo.length_norm import LENGTH_NORMS
 from grpo_fast.algo.loss_options import LossOptions
@@ -201,14 +201,9 @@ class DataConfig:
 class RolloutConfig:
     # A backend of grpo_fast.rollout: hf (transformers generate) | vllm (a vLLM engine: rollout.placement)
     backend: str = option("hf", OneOf(tuple(rollout_backends())))
-    group_size: int = option(
-        8,
-        _sequences(
-            2,
-            why=": GRPO's advantage is a response's reward against the others of its group, so a "
-            "group of one never learns",
-        ),
-    )  # responses per prompt
+    # responses per prompt; 1 only with an estimator that needs no group (loss.advantage=reinforce_pp:
+    # config_checks says why the others refuse it)
+    group_size: int = option(8, _sequences(1))
     batch_size: int = option(256, _sequences(1))  # responses per step (a multiple of group_size)
     temperature: float = option(1.0, _POSITIVE)
     top_p: float = option(1.0, Range(0, 1, lo_open=True))
@@ -487,6 +482,14 @@ class LossConfig(LossOptions):
     entropy_target: float | None = option(None, Range(0, lo_open=True, none_ok=True))
     entropy_coef_max: float = option(1.0, _NONNEG)
     entropy_coef_step: float = option(0.005, _POSITIVE)
+    # How rewards become advantages (docs/loss.md, "Advantage estimators"): group (GRPO: against the
+    # group's mean) | rloo (against the mean of the others) | reinforce_pp (REINFORCE++: per-token
+    # returns whitened over the batch) | reinforce_pp_baseline (the group's mean off first) | gae
+    # (per token, from a value model: critic.*)
+    advantage: str = option("group", OneOf(ADVANTAGE_ESTIMATORS))
+    # the discount per sampled token of the per-token estimators (reinforce_pp*, gae): 1 = the
+    # whole outcome reward on every token, as REINFORCE++'s default
+    gamma: float = option(1.0, Range(0, 1))
     scale_rewards: str = option("group", OneOf(SCALE_REWARDS))  # the advantage's std: group | batch | none
     advantage_eps: float = option(1e-6, _NONNEG)
     # The trainer's log-probs, entropies and gradients under truncated sampling (rollout.top_k > 0
@@ -508,6 +511,32 @@ class LossConfig(LossOptions):
 _REPLACED_KEYS = {
     "loss.normalize_by_std": "use loss.scale_rewards=group (was true) or none (was false); batch is new",
 }
+
+
+@dataclass(frozen=True)
+class CriticConfig:
+    """``critic.*``: the value model of ``loss.advantage=gae`` (docs/loss.md, "The value model"): a
+    linear value head on the policy's last hidden states (the ones the fused op already has), trained
+    beside the policy with a clipped value loss. Any key set away from its default needs
+    ``loss.advantage=gae``."""
+
+    # the head's learning rate; null = train.lr (the schedule's warm-up and decay apply to it too)
+    lr: float | None = option(None, Range(0, lo_open=True, none_ok=True))
+    # PPO's value clip: the new value stays within ±value_clip of the one the advantages were
+    # computed with (the larger of the clipped and unclipped squared errors); null = off
+    value_clip: float | None = option(0.2, Range(0, lo_open=True, none_ok=True))
+    # how much of the value loss's gradient reaches the policy's shared layers: 0 = none (the head
+    # alone learns: no interference with the policy), 1 = all of it (a shared-trunk critic)
+    trunk_coef: float = option(0.0, Range(0, 1))
+    # the first warmup_steps steps train the value head only (the policy's weights untouched)
+    warmup_steps: int = option(0, _steps(0))
+    # GAE's λ for the value targets (returns = A(λ) + V; VAPO's decoupled λ: 1.0, Monte Carlo)
+    lam: float = option(1.0, Range(0, 1))
+    # GAE's λ for the policy's advantages
+    policy_lam: float = option(0.95, Range(0, 1))
+    # VAPO's length-adaptive policy λ = 1 − 1/(α·l) for a response of l sampled tokens (at least
+    # 0), in place of policy_lam; null = off (VAPO: α = 0.05)
+    lam_alpha: float | None = option(None, Range(0, lo_open=True, none_ok=True))
 
 
 @dataclass(frozen=True)
@@ -612,6 +641,7 @@ class Config:
     train: TrainConfig = field(default_factory=TrainConfig)
     loss: LossConfig = field(default_factory=LossConfig)
     sft: SFTConfig = field(default_factory=SFTConfig)
+    critic: CriticConfig = field(default_factory=CriticConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     health: HealthConfig = field(default_factory=HealthConfig)
     threads: ThreadsConfig = field(default_factory=ThreadsConfig)

@@ -14,6 +14,7 @@ import math
 import os
 from typing import TYPE_CHECKING, Any
 
+from grpo_fast.algo.advantages import GROUP_ESTIMATORS, PER_TOKEN_ESTIMATORS
 from grpo_fast.domains import AUTO, DomainError, check_fields
 from grpo_fast.env.registry import cannot_run_here
 from grpo_fast.env.registry import environment as environment_spec
@@ -342,6 +343,65 @@ def _check_train_and_loss(cfg: Config) -> None:
         raise ConfigError(
             f"loss.entropy_target: the adaptive coefficient starts at loss.entropy_coef={lo.entropy_coef:g}, "
             f"which must be in [0, loss.entropy_coef_max={lo.entropy_coef_max:g}]"
+        )
+    _check_advantage(cfg)
+
+
+def _check_advantage(cfg: Config) -> None:
+    """``loss.advantage`` and the keys it reads or makes meaningless (docs/loss.md)."""
+    lo, est = cfg.loss, cfg.loss.advantage
+    if est != "gae":
+        changed = [f.name for f in dataclasses.fields(cfg.critic) if getattr(cfg.critic, f.name) != f.default]
+        if changed:
+            raise ConfigError(
+                f"critic.{changed[0]} configures the value model of loss.advantage=gae; "
+                f"loss.advantage={est} has none"
+            )
+    elif cfg.train.sequence_parallel > 1:
+        raise ConfigError(
+            "loss.advantage=gae with train.sequence_parallel > 1: the value head does not run on "
+            "sequence shards yet; use train.sequence_parallel=1"
+        )
+    elif pipelined(cfg):
+        raise ConfigError(
+            "loss.advantage=gae with a pipelined rollout (rollout.max_staleness > 0, or the hf "
+            "sampler in a process of its own): the value model trains in lockstep only for now"
+        )
+    elif cfg.train.parallelism == "fsdp":
+        raise ConfigError(
+            "loss.advantage=gae with train.parallelism=fsdp: the value head is not in the sharded "
+            "checkpoint yet; use train.parallelism=ddp"
+        )
+    if est != "group" and lo.type == "no_baseline":
+        raise ConfigError(
+            f"loss.advantage={est} with loss.type=no_baseline: no_baseline trains on the raw reward, "
+            "no estimator's advantage; use loss.type=reinforce_with_baseline (or another) with it"
+        )
+    if est != "group" and cfg.data.reward_aggregation == "normalize_each":
+        raise ConfigError(
+            f"data.reward_aggregation=normalize_each normalizes each reward in its group (GDPO, "
+            f"loss.advantage=group); with loss.advantage={est} use data.reward_aggregation=sum"
+        )
+    if est in PER_TOKEN_ESTIMATORS and lo.scale_rewards != "group":
+        raise ConfigError(
+            f"loss.scale_rewards={lo.scale_rewards} applies to loss.advantage=group and rloo; "
+            f"loss.advantage={est} whitens its per-token returns over the batch (leave scale_rewards unset)"
+        )
+    if cfg.rollout.group_size == 1 and est in GROUP_ESTIMATORS:
+        raise ConfigError(
+            f"rollout.group_size=1 with loss.advantage={est}: its advantage is a response's reward "
+            "against the others of its group, so a group of one never learns; use loss.advantage="
+            "reinforce_pp (no group: returns whitened over the batch), or group_size >= 2"
+        )
+    if cfg.rollout.group_size == 1 and cfg.rollout.dynamic_sampling:
+        raise ConfigError(
+            "rollout.dynamic_sampling=true with rollout.group_size=1: it keeps groups whose rewards "
+            "differ, and a group of one never does"
+        )
+    if lo.gamma != 1.0 and est not in PER_TOKEN_ESTIMATORS:
+        raise ConfigError(
+            f"loss.gamma={lo.gamma:g} discounts per-token returns (loss.advantage=reinforce_pp or "
+            f"reinforce_pp_baseline); loss.advantage={est} gives every token its response's advantage"
         )
 
 

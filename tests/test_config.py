@@ -188,7 +188,7 @@ DOMAINS: dict[str, tuple[list[str], list[str]]] = {
     "data.reward_workers": (["auto", "1", "64"], ["0", "-1", "65", "2.5", "many"]),
     "data.overlong_buffer": (["0", "1023"], ["-1", "1024", "1048577"]),  # 1024: not below max_tokens=1024
     "data.overlong_penalty": (["0", "1.5"], ["-1"]),
-    "rollout.group_size": (["2", "4"], ["1", "0", "-2", "1048577"]),
+    "rollout.group_size": (["2", "4"], ["1", "0", "-2", "1048577"]),  # 1: loss.advantage=group needs a group
     "rollout.batch_size": (
         ["8", "1048576"],
         ["0", "-8", "12", "2097152", "99999999999999999992"],
@@ -249,6 +249,15 @@ DOMAINS: dict[str, tuple[list[str], list[str]]] = {
     "loss.entropy_coef_step": (["0.005"], ["0", "-0.005"]),
     "loss.entropy_coef": (["0", "0.01", "-0.01"], []),  # negative: an entropy penalty, allowed
     "loss.advantage_eps": (["0", "1e-6"], ["-1e-6"]),
+    "loss.gamma": (["0", "0.99", "1"], ["-0.1", "1.5"]),  # != 1: with loss.advantage=reinforce_pp (CONTEXT)
+    # critic.*: with loss.advantage=gae (CONTEXT)
+    "critic.lr": (["null", "1e-5", "1"], ["0", "-1e-5"]),
+    "critic.value_clip": (["null", "0.2", "10"], ["0", "-0.2"]),
+    "critic.trunk_coef": (["0", "0.5", "1"], ["-0.1", "1.5"]),
+    "critic.warmup_steps": (["0", "5", "100000000"], ["-1", "100000001"]),
+    "critic.lam": (["0", "0.95", "1"], ["-0.1", "1.5"]),
+    "critic.policy_lam": (["0", "0.95", "1"], ["-0.1", "1.5"]),
+    "critic.lam_alpha": (["null", "0.05", "10"], ["0", "-0.05"]),
     "loss.sapo_tau_pos": (["1.0", "0.5"], ["0", "-1"]),
     "loss.sapo_tau_neg": (["1.05", "2"], ["0", "-1"]),
     "loss.chunk_size": (["auto", "1", "1048576"], ["0", "-1", "2.5", "1048577"]),
@@ -274,6 +283,14 @@ CONTEXT = {
     "data.eval_subset_size": ["eval_every=0"],
     "data.tool_error_penalty": ["rollout.environment=calculator"],
     "rollout.max_staleness": ["rollout.old_logprobs=sampler"],
+    "loss.gamma": ["loss.advantage=reinforce_pp"],
+    "critic.lr": ["loss.advantage=gae"],
+    "critic.value_clip": ["loss.advantage=gae"],
+    "critic.trunk_coef": ["loss.advantage=gae"],
+    "critic.warmup_steps": ["loss.advantage=gae"],
+    "critic.lam": ["loss.advantage=gae"],
+    "critic.policy_lam": ["loss.advantage=gae"],
+    "critic.lam_alpha": ["loss.advantage=gae"],
     "rollout.worker_threads": ["rollout.placement=process"],
 }
 NUMERIC_TYPES = {"int", "float", "float | None", "int | None", "Any", "tuple[float, float]"}
@@ -388,8 +405,28 @@ def test_an_absurd_integer_names_the_key_the_bound_and_why():
 
 
 def test_group_size_one_is_refused_with_the_reason():
-    with pytest.raises(ConfigError, match=r"rollout.group_size must be >= 2, got 1: GRPO's advantage"):
-        load_config("tiny", overrides=["rollout.group_size=1"])
+    """Every estimator with a group baseline refuses a group of one; REINFORCE++ takes it."""
+    for est in ("group", "rloo", "reinforce_pp_baseline"):
+        with pytest.raises(
+            ConfigError,
+            match=rf"rollout.group_size=1 with loss.advantage={est}: its advantage is a response's",
+        ):
+            load_config("tiny", overrides=["rollout.group_size=1", f"loss.advantage={est}"])
+    assert (
+        load_config(
+            "tiny", overrides=["rollout.group_size=1", "loss.advantage=reinforce_pp"]
+        ).rollout.group_size
+        == 1
+    )
+    with pytest.raises(ConfigError, match=r"rollout.dynamic_sampling=true with rollout.group_size=1"):
+        load_config(
+            "tiny",
+            overrides=[
+                "rollout.group_size=1",
+                "loss.advantage=reinforce_pp",
+                "rollout.dynamic_sampling=true",
+            ],
+        )
 
 
 def test_mixed_precision_no_on_the_command_line():

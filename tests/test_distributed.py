@@ -20,6 +20,7 @@ from grpo_fast.loop.optimization import optimize_on_rollout
 from grpo_fast.loop.state import Trainer
 from grpo_fast.policy.batch import loss_trajectories, make_microbatches
 from grpo_fast.policy.loss import PolicyLoss
+from grpo_fast.policy.value import ValueHead
 from grpo_fast.rollout import Rollout
 from grpo_fast.task import tiny
 
@@ -65,26 +66,42 @@ def _one_step(cfg, rank: int, world_size: int, separated: bool = False) -> dict[
         num_sequences=int(n_seq),
         num_tokens=n_tok,
     )
+    head = None
+    if cfg.loss.advantage == "gae":  # a value head (random, not zero: a gradient into the trunk) with targets
+        head = ValueHead(model.config.hidden_size)
+        torch.nn.init.normal_(head.proj.weight, std=0.5, generator=torch.Generator().manual_seed(7))
+        g = torch.Generator().manual_seed(11)
+        targets = [torch.randn(len(r), generator=g) for r in responses][p_lo * GROUP : p_hi * GROUP]
+        for t, ret in zip(seqs, targets):
+            t.token_returns, t.token_values = ret, 0.5 * ret
     mbs = make_microbatches(seqs, int(cfg.train.micro_batch_size), tok.pad_token_id, packing=False)
     policy = PolicyLoss(model, autocast=None, backend="torch_chunked")
+    value_params = []
+    if head is not None:
+        policy.attach_value_head(head, cfg.critic.trunk_coef, cfg.critic.value_clip)
+        value_params = list(head.parameters())
     if world.enabled:
         from torch.nn.parallel import DistributedDataParallel as DDP
 
         policy = DDP(policy)
     params = list(model.parameters())
-    optimizer = build_optimizer(cfg, params)
+    optimizer = build_optimizer(cfg, params, value_params)
     grads = {}  # the (all-reduced) gradients the step applies: freed right after it
+    named = lambda: [*model.named_parameters(), *(head.named_parameters(prefix="value_head") if head else [])]
     real_step = optimizer.step
 
     def recording_step(*a, **k):
-        grads.update({f"grad/{n}": p.grad.detach().clone() for n, p in model.named_parameters()})
+        grads.update({f"grad/{n}": p.grad.detach().clone() for n, p in named()})
         return real_step(*a, **k)
 
     optimizer.step = recording_step
     optimize_on_rollout(
-        Trainer(policy, optimizer, params, cfg, world), mbs, options=LossOptions(), temperature=1.0
+        Trainer(policy, optimizer, params + value_params, cfg, world, value_head=head),
+        mbs,
+        options=LossOptions(),
+        temperature=1.0,
     )
-    return {**{k: v.detach().clone() for k, v in model.state_dict().items()}, **grads}
+    return {**{n: p.detach().clone() for n, p in named()}, **grads}
 
 
 def _worker(rank, world_size, port, overrides, out_path, separated=False):
@@ -136,15 +153,21 @@ def test_one_step_on_two_ranks_equals_one_rank(tmp_path, length_norm):
         torch.testing.assert_close(two[k], one[k], rtol=1e-5, atol=1e-6 * one[k].abs().max().item())
 
 
-def test_same_microbatches_on_two_ranks_give_a_bitwise_identical_step(tmp_path):
+@pytest.mark.parametrize("value_head", [False, True])
+def test_same_microbatches_on_two_ranks_give_a_bitwise_identical_step(tmp_path, value_head):
     """With the same microbatches (each rank's 8 sequences are one microbatch on 1 rank too),
     data parallelism adds no rounding of its own: the scale by the world size (2) and DDP's
-    averaging are exact, and a + b is the same sum on either side. The tiny preset's optimizer."""
+    averaging are exact, and a + b is the same sum on either side. The tiny preset's optimizer;
+    with ``value_head``, a value head in the loss module (loss.advantage=gae, half its value
+    loss's gradient into the shared layers): its weights and gradients too."""
     overrides = ["loss.length_norm=token_mean", "train.micro_batch_size=8"]
+    if value_head:
+        overrides += ["loss.advantage=gae", "critic.trunk_coef=0.5", "critic.lr=0.01"]
     out = tmp_path / "rank0.pt"
     mp.spawn(_worker, args=(2, _free_port(), overrides, str(out), True), nprocs=2, join=True)
     two = torch.load(out)
     one = _one_step(load_config("tiny", overrides=overrides), rank=0, world_size=1, separated=True)
+    assert any(k.startswith("grad/value_head") for k in one) == value_head
     for k in one:
         assert torch.equal(one[k], two[k]), k
 

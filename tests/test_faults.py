@@ -79,7 +79,7 @@ def test_output_dir_write_error_injected_is_one_line_exit_2(tmp_path, monkeypatc
 
 def test_group_size_one_is_one_line_exit_2():
     line = one_error_line(_cli("rollout.group_size=1", "rollout.batch_size=8"))
-    assert "rollout.group_size must be >= 2, got 1" in line
+    assert "rollout.group_size=1 with loss.advantage=group" in line
 
 
 @pytest.mark.parametrize("override", ["train.lr=nan", "train.weight_decay=-0.1"])

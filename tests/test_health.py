@@ -121,6 +121,12 @@ def test_zero_variance_groups(share, fires):
     assert kinds(events) == ([("zero_variance", "warning")] if fires else [])
 
 
+def test_zero_variance_is_quiet_without_a_group_baseline():
+    """REINFORCE++ (``loss.advantage=reinforce_pp``) whitens over the batch: a group of equal rewards
+    still has a signal, and with ``rollout.group_size=1`` every group is one (tests/test_sweep.py)."""
+    assert HealthMonitor(group_baseline=False).update(0, {"train/zero_variance_fraction": 1.0}, []) == []
+
+
 def test_missing_keys_and_no_responses_are_quiet():
     assert HealthMonitor().update(0, {"train/loss": 1.0}, []) == []
 

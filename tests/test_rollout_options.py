@@ -240,13 +240,18 @@ def _tiny_models(seed_ref: int = 0, seed_policy: int = 1):
     return tok, tiny.build_model(tok, seed=seed_policy).eval(), tiny.build_model(tok, seed=seed_ref).eval()
 
 
-def _eager_logprob_sum(model, prompt, response, temperature):
-    """Σ log π(response | prompt) at ``temperature`` from the full logits, in float64."""
+def _eager_logprobs(model, prompt, response, temperature):
+    """``[S]`` log π(response_t | prompt, response_<t) at ``temperature`` from the full logits, in float64."""
     ids = torch.tensor([prompt + response])
     with torch.no_grad():
         logits = model(ids).logits[0].double() / temperature  # [L, V]
     logp = logits.log_softmax(-1)[len(prompt) - 1 : -1]  # the positions predicting the response
-    return logp.gather(1, torch.tensor(response)[:, None]).sum().item()
+    return logp.gather(1, torch.tensor(response)[:, None])[:, 0]
+
+
+def _eager_logprob_sum(model, prompt, response, temperature):
+    """Σ log π(response | prompt) at ``temperature`` from the full logits, in float64."""
+    return _eager_logprobs(model, prompt, response, temperature).sum().item()
 
 
 @pytest.mark.parametrize("packing", [False, True])
@@ -271,7 +276,7 @@ def test_kl_in_reward_sums_k1_per_response_whatever_the_microbatch_order(packing
             scoring_options=LossOptions,
         ),
     )
-    sums, (total, tokens) = phase.response_kl_k1(run, rollout, temperature=0.7)
+    sums, (total, tokens), per_token = phase.response_kl_k1(run, rollout, temperature=0.7)
     expected = [
         _eager_logprob_sum(policy, p, r, 0.7) - _eager_logprob_sum(ref, p, r, 0.7)
         for p, r in zip(rollout.response_prompt_ids(), responses)
@@ -279,13 +284,16 @@ def test_kl_in_reward_sums_k1_per_response_whatever_the_microbatch_order(packing
     assert sums.tolist() == pytest.approx(expected, rel=1e-4, abs=1e-5)
     assert len(set(round(x, 3) for x in expected)) == 4  # distinct values: a swap would show
     assert tokens == 11 and total == pytest.approx(sum(expected), rel=1e-4, abs=1e-5)
+    for k, p, r in zip(per_token, rollout.response_prompt_ids(), responses):  # each response's k1_t, in order
+        eager = _eager_logprobs(policy, p, r, 0.7) - _eager_logprobs(ref, p, r, 0.7)
+        assert k.tolist() == pytest.approx(eager.tolist(), rel=1e-4, abs=1e-5)
 
 
 def test_kl_in_reward_lowers_each_reward_by_beta_times_its_k1_sum(monkeypatch):
     """loss.kl_in_reward with β 0.1: the rewards the advantages use are r − 0.1·Σk1 (the sums
     here are fixed: 2, −1, 0.5, 4)."""
     fixed = torch.tensor([2.0, -1.0, 0.5, 4.0])
-    monkeypatch.setattr(phase, "response_kl_k1", lambda run, rollout, t: (fixed, (5.5, 8.0)))
+    monkeypatch.setattr(phase, "response_kl_k1", lambda run, rollout, t: (fixed, (5.5, 8.0), None))
     run = _run({p: MIXED for p in range(6)}, "loss.beta=0.1", "loss.kl_in_reward=true")
     batch = phase.rollout_phase(run, 1, _Progress())
     assert batch.raw_rewards.tolist() == pytest.approx([1 - 0.2, 0 + 0.1, 1 - 0.05, 0 - 0.4])

@@ -413,3 +413,100 @@ def test_top_entropy_quantile_sweep(tmp_path, monkeypatch):
         everything = _plain_row_loss(out, mb)
         assert abs(everything.loss - plain.loss) > 1e-4 * _loss_size(plain, mb)  # the quantile bites
     assert top["train/entropy_threshold"] == pytest.approx(top_calls[0][0].entropy_threshold.item(), rel=1e-6)
+
+
+def _expected_token_advantages(estimator, batch, gamma=1.0, kl=None, beta=0.0) -> list[torch.Tensor]:
+    """Each response's ``[S]`` advantages by ``estimator`` on ``batch`` (its rewards and groups),
+    from the public functions of grpo_fast.algo.advantages."""
+    from grpo_fast.algo import advantages as est
+
+    trajectories, sizes = batch.rollout.trajectories, batch.rollout.sizes
+    rewards = batch.raw_rewards
+    n = torch.tensor([t.num_sampled for t in trajectories])
+    if estimator in ("group", "rloo"):
+        f = est.normalize_group_rewards if estimator == "group" else est.compute_rloo_advantages
+        a, _ = f(rewards, sizes, advantage_eps=1e-6, scale_rewards="group")
+        return [torch.full((int(k),), float(x)) for x, k in zip(a, n)]
+    mask = torch.arange(int(n.max()))[None] < n[:, None]
+    token_rewards = None
+    if kl is not None:  # the outcome before the KL, the KL per token
+        rewards = rewards + beta * torch.tensor([float(k.double().sum()) for k in kl])
+        token_rewards = torch.zeros(mask.shape)
+        for i, k in enumerate(kl):
+            token_rewards[i, : len(k)] = -beta * k
+    groups = sizes if estimator == "reinforce_pp_baseline" else None
+    a, _ = est.compute_reinforce_pp_advantages(rewards, mask, token_rewards, gamma, group_sizes=groups)
+    return [a[i, :k] for i, k in enumerate(n.tolist())]
+
+
+def test_advantage_sweep_trains_each_estimator_on_its_advantages(tmp_path, monkeypatch):
+    """``loss.advantage``: in each run every trajectory of a step carries the estimator's per-token
+    advantages of that step's batch, those are the advantages the training calls receive (the
+    same multiset of nonzero values), and every two runs end with different weights. With
+    ``loss.gamma=0.5`` REINFORCE++'s advantages fall along a response (γ = 1: one value per
+    response); with ``loss.kl_in_reward`` they carry each token's own −β·k1."""
+    from grpo_fast.loop import optimization, rollout_phase
+
+    calls, batches, kls = _record_loss_calls(monkeypatch), [], []
+    real_finalize, real_kl = rollout_phase.finalize, optimization.response_kl_k1
+
+    def finalize(*args, **kwargs):
+        batches.append((len(calls), real_finalize(*args, **kwargs)))
+        return batches[-1][1]
+
+    def response_kl_k1(*args):
+        out = real_kl(*args)
+        kls.append(out[2])
+        return out
+
+    monkeypatch.setattr(rollout_phase, "finalize", finalize)
+    monkeypatch.setattr(rollout_phase, "response_kl_k1", response_kl_k1)
+
+    def check(estimator, **expected):
+        for step, (start, batch) in enumerate(batches):
+            want = _expected_token_advantages(estimator, batch, kl=kls[step] if kls else None, **expected)
+            for t, a in zip(batch.rollout.trajectories, want):
+                torch.testing.assert_close(t.sampled_advantages, a, rtol=1e-5, atol=1e-6)
+            end = batches[step + 1][0] if step + 1 < len(batches) else len(calls)
+            seen = sorted(x for _, _, mb in calls[start:end] for x in mb.advantages.tolist() if x != 0)
+            assert seen == pytest.approx(
+                sorted(float(x) for a in want for x in a.tolist() if x != 0), rel=1e-6
+            )
+        calls.clear(), batches.clear(), kls.clear()
+
+    weights = {}
+    for value in ("group", "rloo", "reinforce_pp", "reinforce_pp_baseline"):
+        (_, weights[value]), = _run_sweep_in_process("advantage", tmp_path / value, values=[value]).values()  # fmt: skip
+        check(value)
+    names = list(weights)
+    for i, a in enumerate(names):
+        for b in names[i + 1 :]:
+            assert any(not torch.equal(weights[a][k], weights[b][k]) for k in weights[a]), (a, b)
+
+    def spread_within_responses():
+        return max(
+            float(t.sampled_advantages.std())
+            for _, b in batches
+            for t in b.rollout.trajectories
+            if t.num_sampled > 1
+        )
+
+    _run_sweep_in_process("advantage", tmp_path / "gamma", values=["reinforce_pp"], extra=["loss.gamma=0.5"])
+    assert spread_within_responses() > 0.1
+    check("reinforce_pp", gamma=0.5)
+    _run_sweep_in_process(
+        "advantage",
+        tmp_path / "kl",
+        values=["reinforce_pp"],
+        extra=["loss.beta=0.5", "loss.kl_in_reward=true"],
+    )
+    assert spread_within_responses() > 0  # step 2's policy has left π_ref: k1 ≠ 0, per token
+    check("reinforce_pp", beta=0.5)
+    # one response per prompt: every group is of one (zero variance), and REINFORCE++ still learns
+    ((row, _),) = _run_sweep_in_process(
+        "advantage", tmp_path / "one", values=["reinforce_pp"], extra=["rollout.group_size=1"]
+    ).values()
+    assert row["train/zero_variance_fraction"] == 1.0 and row["train/grad_norm"] > 0
+    check("reinforce_pp")
+    health = (tmp_path / "one" / "advantage_reinforce_pp" / "health.jsonl").read_text()
+    assert "zero_variance" not in health  # no group baseline: no "no learning signal" warning

@@ -30,6 +30,7 @@ __all__ = [
     "normalize_each_reward",
     "normalize_group_rewards",
     "overlong_penalty",
+    "whiten_over_batch",
 ]
 
 SCALE_REWARDS = ("group", "batch", "none")  # loss.scale_rewards
@@ -260,13 +261,24 @@ def compute_reinforce_pp_advantages(
     rows = torch.nonzero(last >= 0).squeeze(1)
     per_token[rows, last[rows]] += outcome[rows]
     returns = _discounted_sums(per_token, mask, torch.full((mask.shape[0],), float(gamma)))
-    g64 = returns[mask].double()
-    sums = [float(g64.numel()), g64.sum().item(), (g64 * g64).sum().item()]
+    return whiten_over_batch(returns, mask, advantage_eps, reduce_sums), returns
+
+
+def whiten_over_batch(
+    x: torch.Tensor,
+    mask: torch.Tensor,
+    eps: float = 1e-6,
+    reduce_sums: Callable[[list[float]], list[float]] | None = None,
+) -> torch.Tensor:
+    """``(x − μ)/(σ + eps)`` on the mask, 0 off it: ``μ`` and the unbiased ``σ`` over every masked
+    entry of the batch, across data-parallel ranks with ``reduce_sums`` (summing ``[count, Σx,
+    Σx²]``; None = this is the whole batch), in float64. ``x``, ``mask``: ``[B, T]``; returns fp32."""
+    x64 = x[mask].double()
+    sums = [float(x64.numel()), x64.sum().item(), (x64 * x64).sum().item()]
     count, total, squares = reduce_sums(sums) if reduce_sums is not None else sums
     mean = total / max(count, 1.0)
     var = max(squares - count * mean * mean, 0.0) / max(count - 1.0, 1.0)
-    advantages = torch.where(mask, (returns - mean) / (math.sqrt(var) + advantage_eps), 0.0)
-    return advantages.float(), returns
+    return torch.where(mask, (x - mean) / (math.sqrt(var) + eps), 0.0).float()
 
 
 def compute_gae(

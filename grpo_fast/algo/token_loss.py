@@ -423,6 +423,10 @@ class GRPOLossOutput(NamedTuple):
         log_ratio: ``[N]`` fp32 ``log r`` as the loss used it (the token's; GSPO: its sequence's).
         parts: ``LossParts`` (0-dim fp32 each): ``loss = parts.pg + parts.kl + parts.entropy``.
         entropy_threshold: 0-dim, the top-entropy threshold, or None (``top_entropy_quantile = 1``).
+        values, value_loss, value_clipped: with a value head (``PolicyLoss.value_head``,
+            ``loss.advantage=gae``): ``[N]`` fp32 the head's values (detached), the weighted
+            clipped value loss (0-dim, differentiable; not in ``loss``), ``[N]`` bool the tokens
+            whose clipped branch was the larger; None otherwise (the fused ops never set them).
 
     ``clipped_low`` / ``clipped_high``: the clipped tokens whose ratio was below / above 1.
     """
@@ -435,6 +439,9 @@ class GRPOLossOutput(NamedTuple):
     log_ratio: torch.Tensor
     parts: LossParts
     entropy_threshold: torch.Tensor | None = None
+    values: torch.Tensor | None = None
+    value_loss: torch.Tensor | None = None
+    value_clipped: torch.Tensor | None = None
 
     @property
     def clipped_low(self) -> torch.Tensor:

@@ -50,6 +50,8 @@ def save_checkpoint(run: Run, step: int) -> None:
         extra = {**_trainer_state(run, step, rngs), "optimizer": run.trainer.optimizer.state_dict()}
         if run.trainer.ref_model is not None:
             extra["ref_model"] = run.trainer.ref_model.state_dict()
+        if run.trainer.value_head is not None:  # loss.advantage=gae (its AdamW state is the optimizer's)
+            extra["value_head"] = run.trainer.value_head.state_dict()
         ckpt.save_checkpoint(
             run.ckpt_root, step, run.model, run.tokenizer, extra, keep=run.cfg.keep_checkpoints
         )
@@ -107,6 +109,10 @@ def restore(run: Run, path: Path) -> None:
         ckpt.load_model_weights(run.model, path)
         if run.trainer.ref_model is not None:
             run.trainer.ref_model.load_state_dict(saved["ref_model"])
+        if run.trainer.value_head is not None:
+            if "value_head" not in saved:
+                raise ConfigError(f"resume=true: {path} holds no value head (loss.advantage=gae needs one)")
+            run.trainer.value_head.load_state_dict(saved["value_head"])
         run.trainer.optimizer.load_state_dict(saved["optimizer"])
     run.trainer.scheduler.load_state_dict(saved["scheduler"])
     run.rollout.sampler.load_state_dict(saved["sampler"])

@@ -9,7 +9,7 @@ import torch
 from grpo_fast.config import Config
 
 
-def build_optimizer(cfg: Config, params) -> torch.optim.Optimizer:
+def build_optimizer(cfg: Config, params, value_params=()) -> torch.optim.Optimizer:
     """AdamW, or bitsandbytes' 8-bit AdamW (``train.optimizer=adamw8bit``; runs on CPU with bnb ≥ 0.50),
     over the parameters that train (under LoRA, the adapter's, at ``train.lr × model.lora.lr_scale``).
 
@@ -17,15 +17,23 @@ def build_optimizer(cfg: Config, params) -> torch.optim.Optimizer:
     (Qwen2.5-1.5B: 3.1 GB instead of 12.4 GB). Over FSDP2's sharded parameters (DTensors) it is
     ``ShardedAdamW8bit``: the same bitsandbytes update on each rank's local shards, 2/N B/parameter
     a rank (grpo_fast/policy/sharded_optim.py).
+
+    ``value_params`` (``loss.advantage=gae``: the value head's) form a second parameter group at
+    ``critic.lr`` (null: ``train.lr``), without weight decay; the LR schedule scales both groups.
     """
     t = cfg.train
     params = [p for p in params if p.requires_grad]
     lr = t.lr * lora_lr_scale(cfg)
+    value_params = list(value_params)
+    flat = params + value_params
+    if value_params:
+        critic_lr = cfg.critic.lr if cfg.critic.lr is not None else t.lr
+        params = [{"params": params}, {"params": value_params, "lr": critic_lr, "weight_decay": 0.0}]
     if t.optimizer == "adamw8bit":
         import bitsandbytes as bnb
         from torch.distributed.tensor import DTensor
 
-        if any(isinstance(p, DTensor) for p in params):
+        if any(isinstance(p, DTensor) for p in flat):
             from grpo_fast.policy.sharded_optim import ShardedAdamW8bit
 
             return ShardedAdamW8bit(params, lr=lr, betas=t.betas, weight_decay=t.weight_decay)

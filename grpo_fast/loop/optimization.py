@@ -79,7 +79,12 @@ def optimization_phase(run: Run, step: int, batch, progress: PhaseProgress) -> O
             Trajectory(t.prompt_ids, t.token_ids, roles=t.roles, loss_weights=torch.zeros(t.num_sampled))
         ]
     options = trainer.loss_options()  # β now (0 with loss.kl_in_reward: the KL is in the rewards)
-    trained = sequences_with_gradient(cfg, trained_rows, options)
+    # a value model learns from every response, its advantage 0 or not
+    trained = (
+        trained_rows
+        if trainer.value_head is not None
+        else sequences_with_gradient(cfg, trained_rows, options)
+    )
     skipped_tokens = sum(t.num_sampled for t in trained_rows) - sum(t.num_sampled for t in trained)
     skipped_tokens *= run.world.sp.rank == 0  # the group's batch, counted by one rank (totals sum all)
     mbs = [
@@ -135,7 +140,7 @@ def sequences_with_gradient(cfg: Config, seqs: list[Trajectory], options: LossOp
     Where the loss says a zero advantage means a zero gradient
     (``LossOptions.zero_advantage_zero_gradient``: its policy-gradient term is proportional to
     the advantage, and no KL, entropy or entropy-quantile term is on), a response whose
-    advantage is exactly 0 (every response of a group whose rewards are all equal, under every
+    advantage is exactly 0 on every token (every response of a group whose rewards are all equal, under every
     loss type) has a gradient of exactly 0: its forward and backward are skipped. The loss
     weights were normalized over the whole batch before, so the update is the same to fp32
     summation order (tests/test_train_optimization.py). If nothing is left, the shortest
@@ -146,7 +151,7 @@ def sequences_with_gradient(cfg: Config, seqs: list[Trajectory], options: LossOp
     """
     if not (cfg.train.skip_zero_advantage and options.zero_advantage_zero_gradient):
         return seqs
-    kept = [s for s in seqs if s.advantage != 0.0]
+    kept = [s for s in seqs if bool(s.sampled_advantages.any())]  # a nonzero advantage on a token
     return kept or sorted(seqs, key=lambda s: s.num_tokens)[:1]
 
 
@@ -269,9 +274,10 @@ def _accumulate_gradients(
     for i, mb in enumerate(mbs):
         with parallel.accumulating(trainer.policy, world, i < len(mbs) - 1):
             out_mb = trainer.policy(mb, options, temperature)
+            loss = out_mb.loss if out_mb.value_loss is None else out_mb.loss + out_mb.value_loss
             # DDP (and FSDP) average gradients over ranks; the weights already hold global
             # normalizers, so scale by the world size to recover the sum.
-            (out_mb.loss * world.world_size).backward()
+            (loss * world.world_size).backward()
         epoch_stats.add(out_mb, mb)
         if on_microbatch is not None:
             on_microbatch(1)
@@ -293,6 +299,8 @@ def optimize_on_rollout(
     """The optimization phase on one rollout batch: ``train.epochs_per_rollout_batch`` passes,
     each one optimizer step over all microbatches (gradients accumulated; under DDP synced once,
     on the last microbatch), stopping early once KL(π_old ‖ π) exceeds ``loss.kl_early_stop``.
+    With a value head (``loss.advantage=gae``) its clipped value loss is added to each
+    microbatch's loss; during ``critic.warmup_steps`` only the head steps.
 
     ``options``: the loss options of this step (β included). ``sft_mbs`` (``sft.mix_coef``):
     supervised microbatches, run first in every epoch through ``trainer.sft_loss`` (temperature 1,
@@ -310,6 +318,14 @@ def optimize_on_rollout(
     cfg, world, device, optimizer = trainer.cfg, trainer.world, trainer.device, trainer.optimizer
     epochs = cfg.train.epochs_per_rollout_batch
     stats = StepStats()
+    # critic.warmup_steps: the value head alone steps (the policy's gradients dropped before the step)
+    head = trainer.value_head
+    critic_only = head is not None and 0 < step <= cfg.critic.warmup_steps  # steps count from 1
+    head_ids = {id(p) for p in head.parameters()} if head is not None else set()
+    # the policy's gradient norm and clip apart from the value head's: a poorly fit head's large
+    # gradient must not shrink the policy's update
+    policy_params = [p for p in trainer.params if id(p) not in head_ids]
+    head_params = [p for p in trainer.params if id(p) in head_ids]
     for epoch in range(epochs):
         optimizer.zero_grad(set_to_none=True)  # no-op unless the SFT warm start left gradients
         epoch_stats = StepStats()
@@ -317,11 +333,19 @@ def optimize_on_rollout(
             _accumulate_gradients(
                 trainer, mbs, sft_mbs, epoch_stats, options, temperature, on_microbatch, fillers
             )
-        grad_norm = parallel.clip_grad_norm(trainer.params, cfg.train.grad_clip or float("inf"))
+        if critic_only:  # after the backward (DDP and FSDP reduced them): the policy keeps its weights
+            for p in policy_params:
+                p.grad = None
+        grad_norm = parallel.clip_grad_norm(policy_params, cfg.train.grad_clip or float("inf"))
+        if head_params:
+            value_norm = parallel.clip_grad_norm(head_params, cfg.train.grad_clip or float("inf"))
+            grad_norm = torch.stack([grad_norm.float(), value_norm.float()])  # read with the loss, below
         # host-device sync, once per optimizer step: a NaN/inf loss or gradient norm must not
         # reach the weights (nor AdamW's moments), so it is checked before the step.
-        loss_v, norm_v = torch.stack([epoch_stats.sums["loss"], grad_norm.float()]).tolist()
-        bad = [not math.isfinite(loss_v), not math.isfinite(norm_v)]
+        loss_v, norm_v, *value_v = torch.cat(
+            [epoch_stats.sums["loss"][None], grad_norm.float().reshape(-1)]
+        ).tolist()
+        bad = [not math.isfinite(loss_v), not all(math.isfinite(x) for x in (norm_v, *value_v))]
         if world.enabled:  # a rank's loss is its own: every rank skips together
             bad = [b > 0 for b in dist.all_reduce_sum([float(b) for b in bad], device, axis=None)]
         nonfinite = " and ".join(q for q, b in zip(("loss", "grad_norm"), bad) if b)
@@ -339,6 +363,7 @@ def optimize_on_rollout(
         if epoch == 0:
             stats = epoch_stats
             stats.grad_norm = norm_v
+            stats.value_grad_norm = value_v[0] if value_v else None
         if nonfinite:
             stats.nonfinite = nonfinite
             break
@@ -354,15 +379,35 @@ def optimize_on_rollout(
     return stats
 
 
+@dataclass
+class ResponseScores:
+    """No-grad scores of a rollout's responses (``score_responses``), each ``[R]`` in rollout order."""
+
+    kl_sums: torch.Tensor | None = None  # [R] fp32 Σ_t k1_t
+    kl_totals: tuple[float, float] | None = None  # (Σ k1, sampled tokens) over this rank
+    kl_tokens: list[torch.Tensor] | None = None  # [R] of [S] fp32 k1_t
+    values: list[torch.Tensor] | None = None  # [R] of [S] fp32: the value head's (loss.advantage=gae)
+
+
 def response_kl_k1(
     run: Run, rollout: Rollout, temperature: float
-) -> tuple[torch.Tensor, tuple[float, float]]:
+) -> tuple[torch.Tensor, tuple[float, float], list[torch.Tensor]]:
     """``loss.kl_in_reward``: each response's Σ_t k1_t = Σ_t (log π − log π_ref) over its sampled
-    tokens, ``[R]`` fp32 on the CPU, from no-grad passes of the fused op (the policy's and the
-    reference's: the trainer side's modules, which the step's finalize asks for); and (Σ k1,
-    sampled tokens) over this rank, for the metrics. Each token carries its trajectory's index
-    (``Microbatch.response_index``), so the sums land on the right response whatever the
-    microbatch order or packing."""
+    tokens, ``[R]`` fp32 on the CPU; (Σ k1, sampled tokens) over this rank, for the metrics; and
+    each response's k1_t, ``[R]`` tensors of ``[S]`` fp32 (the per-token estimators' KL rewards).
+    ``score_responses`` with ``kl=True``."""
+    scores = score_responses(run, rollout, temperature, kl=True)
+    return scores.kl_sums, scores.kl_totals, scores.kl_tokens
+
+
+def score_responses(run: Run, rollout: Rollout, temperature: float, *, kl: bool) -> ResponseScores:
+    """No-grad passes of the fused op over ``rollout`` (the trainer side's modules, which the
+    step's finalize asks for): with ``kl`` the policy's and the reference's (``loss.kl_in_reward``:
+    k1 per token and its sum per response), and, when the loss module has a value head
+    (``loss.advantage=gae``), the values from the same policy pass. Each token carries its
+    trajectory's index (``Microbatch.response_index``; a trajectory's labels are consecutive, in
+    order), so the sums and the tokens land on the right response whatever the microbatch order
+    or packing."""
     cfg, trainer = run.cfg, run.trainer
     trajectories = rollout.trajectories
     sums = torch.zeros(len(trajectories), dtype=torch.float64, device=run.device)
@@ -376,16 +421,34 @@ def response_kl_k1(
         share_prompts=shares_prompts(cfg),
     )
     options = trainer.scoring_options()
+    has_values = getattr(trainer.policy_loss, "value_head", None) is not None
+    per_token = [torch.zeros(0)] * len(trajectories)
+    values = [torch.zeros(0)] * len(trajectories)
     # FSDP: as many passes on every rank (zero-weight fillers); none under DDP
     (missing,) = parallel.filler_counts([len(mbs)], trainer.policy_loss, run.device)
     with torch.no_grad():
         for mb in mbs:
+            rows = mb.response_index
             mb = mb.to(run.device)
-            policy = trainer.policy_loss(mb, options, temperature).logprobs
-            k1 = policy - trainer.ref_loss(mb, options, temperature).logprobs
-            sums.index_add_(0, index.to(run.device)[mb.response_index], k1.double())
+            out = trainer.policy_loss(mb, options, temperature)
+            if kl:
+                k1 = out.logprobs - trainer.ref_loss(mb, options, temperature).logprobs
+                sums.index_add_(0, index.to(run.device)[mb.response_index], k1.double())
+                k1_host = k1.float().cpu()
+            v_host = out.values.cpu() if has_values else None
+            for row in rows.unique().tolist():
+                mine = rows == row
+                if kl:
+                    per_token[int(index[row])] = k1_host[mine]
+                if has_values:
+                    values[int(index[row])] = v_host[mine]
         for filler in parallel.fillers(missing, None, run.tokenizer.pad_token_id, run.device):
             trainer.policy_loss(filler, options, temperature)
-            trainer.ref_loss(filler, options, temperature)
-    sums = sums.float().cpu()  # host-device sync, once per step
-    return sums, (sums.sum().item(), float(sum(t.num_sampled for t in scored)))
+            if kl:
+                trainer.ref_loss(filler, options, temperature)
+    scores = ResponseScores(values=values if has_values else None)
+    if kl:
+        sums = sums.float().cpu()  # host-device sync, once per step
+        scores.kl_sums, scores.kl_tokens = sums, per_token
+        scores.kl_totals = (sums.sum().item(), float(sum(t.num_sampled for t in scored)))
+    return scores

@@ -1,6 +1,6 @@
 """The rollout phase, the step's side of it: the producer's rounds (``grpo_fast.loop.producer``),
 then what needs the other ranks or the trainer — the finalize: pass rates, dynamic sampling's
-round count, reward shaping, the KL in the reward, group-normalized advantages.
+round count, reward shaping, the KL in the reward, the advantages (``loss.advantage``).
 
 The step decides the temperature (the health monitor's boost, rank 0's on every rank), then asks
 the producer for a round of groups; under torchrun the ranks agree that each did its round
@@ -12,7 +12,9 @@ has its share of ``rollout.batch_size`` responses from informative groups (the r
 terms, overlong and KL, do not count: they would make every group look informative). With
 ``rollout.adaptive_group_size`` each prompt's group size comes from its pass rate. The shaping
 terms (overlong, tool errors, KL) are added to the kept responses' rewards, then the advantages
-are normalized over the kept groups; each trajectory carries its reward and advantage from here on.
+come from them (``loss.advantage``: group-normalized over the kept groups, leave-one-out, or
+REINFORCE++'s per-token returns whitened over the batch, the KL per token); each trajectory
+carries its reward and advantage (per token: ``token_advantages``) from here on.
 """
 
 from __future__ import annotations
@@ -24,13 +26,18 @@ import torch
 
 from grpo_fast import dist
 from grpo_fast.algo.advantages import (
+    PER_TOKEN_ESTIMATORS,
+    compute_gae,
+    compute_reinforce_pp_advantages,
+    compute_rloo_advantages,
     informative_groups,
     normalize_each_reward,
     normalize_group_rewards,
     overlong_penalty,
+    whiten_over_batch,
 )
 from grpo_fast.loop.agreement import agree
-from grpo_fast.loop.optimization import response_kl_k1
+from grpo_fast.loop.optimization import response_kl_k1, score_responses
 from grpo_fast.loop.producer import Production, produce
 from grpo_fast.loop.state import Run
 from grpo_fast.obs.metrics import PhaseProgress
@@ -103,17 +110,28 @@ def finalize(
             meta["rollout/tool_error_penalty_mean"] = tool_term.mean().item()
             rewards = rewards + tool_term
             shaping = tool_term if shaping is None else shaping + tool_term
-    kl_tokens = None
+    kl_tokens = kl_per_token = values = None
+    outcome = rewards  # before the KL: what a per-token estimator puts on the last token
+    estimator = cfg.loss.advantage
+    if estimator == "gae":  # the value head's values (and the KL's log-probs) from one policy pass
+        scores = score_responses(run, rollout, temperature, kl=cfg.loss.kl_in_reward)
+        values = scores.values
     if cfg.loss.kl_in_reward:  # β·Σ k1 of each response leaves its reward (verl's use_kl_in_reward)
-        kl_sums, kl_tokens = response_kl_k1(run, rollout, temperature)  # the trainer's passes
+        if estimator == "gae":
+            kl_sums, kl_tokens, kl_per_token = scores.kl_sums, scores.kl_totals, scores.kl_tokens
+        else:
+            kl_sums, kl_tokens, kl_per_token = response_kl_k1(
+                run, rollout, temperature
+            )  # the trainer's passes
         kl_term = run.trainer.state.beta * kl_sums
         rewards = rewards - kl_term
         shaping = -kl_term if shaping is None else shaping - kl_term
     reduce_sums = lambda sums: dist.all_reduce_sum(sums, run.device, axis=run.world.ranks)  # batch std
-    advantages, norm_meta = normalize_group_rewards(
+    normalize = compute_rloo_advantages if estimator == "rloo" else normalize_group_rewards
+    advantages, norm_meta = normalize(  # group's or rloo's; the per-token estimators' reward metadata
         rewards,
         rollout.sizes,
-        cfg.loss.advantage_eps,
+        advantage_eps=cfg.loss.advantage_eps,
         scale_rewards=cfg.loss.scale_rewards,
         reduce_sums=reduce_sums,
     )
@@ -122,8 +140,24 @@ def finalize(
         norm_meta["advantage_abs_mean"] = advantages.abs().mean().item()
     if cfg.loss.type == "no_baseline":  # REINFORCE without a baseline: A = the raw reward
         advantages = rewards
-    for t, reward, advantage in zip(rollout.trajectories, rewards.tolist(), advantages.tolist()):
+    per_token = returns = None
+    beta_kl = None if kl_per_token is None else [-run.trainer.state.beta * k for k in kl_per_token]
+    if estimator == "gae":  # GAE from the value head's values: [S] per response, and the targets
+        per_token, returns = _gae(run, rollout, outcome, beta_kl, values, reduce_sums)
+        meta.update(_value_metrics(run, values, returns))
+    elif estimator in PER_TOKEN_ESTIMATORS:  # REINFORCE++ (and its baseline variant): [S] per response
+        per_token = _reinforce_pp(run, rollout, outcome, beta_kl, reduce_sums)
+    if per_token is not None:
+        advantages = torch.tensor([float(a.mean()) if a.numel() else 0.0 for a in per_token])
+    for i, (t, reward, advantage) in enumerate(
+        zip(rollout.trajectories, rewards.tolist(), advantages.tolist())
+    ):
         t.reward, t.advantage = reward, advantage
+        t.token_advantages = None if per_token is None else per_token[i]
+        if returns is not None:
+            t.token_values, t.token_returns = values[i], returns[i]
+    if estimator != "group":
+        meta.update(_advantage_metrics(run, rollout))
     reward_meta = {**norm_meta, **_score_means([t.scores for t in rollout.trajectories])}
     if kl_tokens is not None:
         reward_meta["kl_reward_sum"], reward_meta["kl_reward_tokens"] = kl_tokens
@@ -137,6 +171,123 @@ def finalize(
         extra=meta,
         seconds=time.perf_counter() - started,
     )
+
+
+def _reinforce_pp(
+    run: Run, rollout: Rollout, outcome: torch.Tensor, kl_rewards: list[torch.Tensor] | None, reduce_sums
+) -> list[torch.Tensor]:
+    """``loss.advantage=reinforce_pp`` / ``reinforce_pp_baseline``: each response's ``[S]``
+    per-token advantages (``grpo_fast.algo.advantages.compute_reinforce_pp_advantages``): the
+    outcome reward ``[R]`` (task reward and shaping) on its last sampled token, ``−β·k1_t`` on
+    each (``kl_rewards``, with ``loss.kl_in_reward``), returns discounted by ``loss.gamma``,
+    whitened over every rank's sampled tokens."""
+    cfg, trajectories = run.cfg, rollout.trajectories
+    counts = torch.tensor([t.num_sampled for t in trajectories], dtype=torch.long)  # [R]
+    width = int(counts.max()) if len(counts) else 0
+    mask = torch.arange(width)[None, :] < counts[:, None]  # [R, S_max]: sampled tokens, in order
+    token_rewards = None
+    if kl_rewards is not None:
+        token_rewards = torch.zeros(mask.shape)
+        for i, k in enumerate(kl_rewards):
+            token_rewards[i, : k.numel()] = k
+    advantages, _ = compute_reinforce_pp_advantages(
+        outcome,
+        mask,
+        token_rewards,
+        cfg.loss.gamma,
+        group_sizes=rollout.sizes if cfg.loss.advantage == "reinforce_pp_baseline" else None,
+        advantage_eps=cfg.loss.advantage_eps,
+        reduce_sums=reduce_sums,
+    )
+    return [advantages[i, :n].clone() for i, n in enumerate(counts.tolist())]
+
+
+def _padded(rows: list[torch.Tensor], width: int) -> torch.Tensor:
+    """``[R, width]`` fp32: each ``[S_i]`` row, zero-padded."""
+    out = torch.zeros(len(rows), width)
+    for i, row in enumerate(rows):
+        out[i, : row.numel()] = row
+    return out
+
+
+def _gae(
+    run: Run,
+    rollout: Rollout,
+    outcome: torch.Tensor,
+    kl_rewards: list[torch.Tensor] | None,
+    values: list[torch.Tensor],
+    reduce_sums,
+) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """``loss.advantage=gae``: each response's ``[S]`` advantages and value targets
+    (``grpo_fast.algo.advantages.compute_gae``): the outcome reward ``[R]`` on its last sampled
+    token, ``−β·k1_t`` on each (``kl_rewards``), the value head's ``values``; the advantages with
+    the policy's λ (``critic.policy_lam``, or ``1 − 1/(critic.lam_alpha·l)`` per response of ``l``
+    sampled tokens), whitened over every rank's sampled tokens; the targets ``A(critic.lam) + V``."""
+    cfg, c = run.cfg, run.cfg.critic
+    counts = torch.tensor([t.num_sampled for t in rollout.trajectories], dtype=torch.long)  # [R]
+    width = int(counts.max()) if len(counts) else 0
+    mask = torch.arange(width)[None, :] < counts[:, None]  # [R, S_max]: sampled tokens, in order
+    token_rewards = _padded(kl_rewards, width) if kl_rewards is not None else torch.zeros(mask.shape)
+    rows = torch.nonzero(counts > 0).squeeze(1)
+    token_rewards[rows, counts[rows] - 1] += outcome[rows]
+    v = _padded(values, width)
+    if c.lam_alpha is not None:  # VAPO's length-adaptive λ: longer responses look further ahead
+        policy_lam = (1.0 - 1.0 / (c.lam_alpha * counts.clamp(min=1).float())).clamp(min=0.0)
+    else:
+        policy_lam = c.policy_lam
+    raw, _ = compute_gae(token_rewards, v, mask, cfg.loss.gamma, policy_lam)
+    advantages = whiten_over_batch(raw, mask, cfg.loss.advantage_eps, reduce_sums)
+    _, targets = compute_gae(token_rewards, v, mask, cfg.loss.gamma, c.lam)
+    n = counts.tolist()
+    return [advantages[i, :k].clone() for i, k in enumerate(n)], [
+        targets[i, :k].clone() for i, k in enumerate(n)
+    ]
+
+
+def _value_metrics(run: Run, values: list[torch.Tensor], returns: list[torch.Tensor]) -> dict[str, float]:
+    """``rollout/value_mean``, ``rollout/return_mean`` and ``rollout/value_explained_variance``
+    (``1 − Var(R − V)/Var(R)``: 1 = the values predict the targets, 0 = no better than their
+    mean) over every rank's sampled tokens (one all-reduce), before this step's update."""
+    v = torch.cat(values).double() if values else torch.zeros(0, dtype=torch.float64)
+    r = torch.cat(returns).double() if returns else torch.zeros(0, dtype=torch.float64)
+    d = r - v
+    n, sv, sr, srr, sd, sdd = dist.all_reduce_sum(
+        [
+            float(v.numel()),
+            v.sum().item(),
+            r.sum().item(),
+            (r * r).sum().item(),
+            d.sum().item(),
+            (d * d).sum().item(),
+        ],
+        run.device,
+        axis=run.world.ranks,
+    )
+    n = max(n, 1.0)
+    var_r = srr / n - (sr / n) ** 2
+    var_d = sdd / n - (sd / n) ** 2
+    row = {"rollout/value_mean": sv / n, "rollout/return_mean": sr / n}
+    if var_r > 1e-10:  # undefined when every target is the same (up to rounding)
+        row["rollout/value_explained_variance"] = 1.0 - var_d / var_r
+    return row
+
+
+def _advantage_metrics(run: Run, rollout: Rollout) -> dict[str, float]:
+    """``rollout/advantage_{mean,std,abs_mean}``: the advantages the loss sees, per sampled token,
+    over every rank's responses (one all-reduce); logged for the estimators beside ``group``."""
+    a = torch.cat([t.sampled_advantages for t in rollout.trajectories]).double()
+    n, total, squares, absolute = dist.all_reduce_sum(
+        [float(a.numel()), a.sum().item(), (a * a).sum().item(), a.abs().sum().item()],
+        run.device,
+        axis=run.world.ranks,
+    )
+    mean = total / max(n, 1.0)
+    var = max(squares - n * mean * mean, 0.0) / max(n - 1.0, 1.0)
+    return {
+        "rollout/advantage_mean": mean,
+        "rollout/advantage_std": var**0.5,
+        "rollout/advantage_abs_mean": absolute / max(n, 1.0),
+    }
 
 
 def task_rewards(rollout: Rollout) -> torch.Tensor:

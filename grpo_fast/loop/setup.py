@@ -18,6 +18,7 @@ import numpy as np
 import torch
 
 from grpo_fast import dist, threads
+from grpo_fast.algo.advantages import GROUP_ESTIMATORS
 from grpo_fast.algo.control import AdaptiveKLController
 from grpo_fast.algo.difficulty import PassRateTable
 from grpo_fast.algo.prompt_sampler import PromptSampler
@@ -38,6 +39,7 @@ from grpo_fast.policy.batch import Sequence, make_microbatches
 from grpo_fast.policy.lora import AdapterOffLoss, is_lora, trainable_counts
 from grpo_fast.policy.loss import PolicyLoss, build_policy_loss
 from grpo_fast.policy.model import autocast_dtype, load_policy, load_tokenizer, policy_dtype
+from grpo_fast.policy.value import ValueHead
 from grpo_fast.rollout import BackendContext, backend, make_backend
 from grpo_fast.task import tiny
 from grpo_fast.task.loader import Task, load_task
@@ -206,6 +208,10 @@ def _build_run(cfg, device, world, out, logger, task, tokenizer, model, amp) -> 
     lora = is_lora(model)
     parallel.prepare_model(model, world)  # sp: attention by all-to-all (the KL reference's too)
     policy_loss = build_policy_loss(cfg, model, amp)
+    value_head = None
+    if cfg.loss.advantage == "gae":  # the value model: a head on the policy's hidden states
+        value_head = ValueHead(model.config.hidden_size).to(device)
+        policy_loss.attach_value_head(value_head, cfg.critic.trunk_coef, cfg.critic.value_clip)
     if (cfg.loss.beta > 0 or kl_ctl is not None) and lora:
         ref_loss = AdapterOffLoss(policy_loss)
     elif cfg.loss.beta > 0 or kl_ctl is not None:
@@ -217,7 +223,8 @@ def _build_run(cfg, device, world, out, logger, task, tokenizer, model, amp) -> 
     sharded = parallel.shard(
         cfg, world, [policy_loss] + ([ref_loss] if ref_model is not None else []), amp, device
     )
-    optimizer = build_optimizer(cfg, model.parameters())  # over the shards, under FSDP
+    value_params = list(value_head.parameters()) if value_head is not None else []
+    optimizer = build_optimizer(cfg, model.parameters(), value_params)  # over the shards, under FSDP
     policy = parallel.wrap(policy_loss, world, device)  # DDP when data parallel and not sharded
     pass_rates, sampler = _prompt_sampler(cfg, task)
     sft_loss = None
@@ -225,7 +232,7 @@ def _build_run(cfg, device, world, out, logger, task, tokenizer, model, amp) -> 
         sft_loss = functools.partial(policy_loss, truncated=False)
     elif cfg.sft.mix_coef > 0:  # advantage 1, on-policy, the default options: the plain NLL
         sft_loss = PolicyLoss(model, autocast=amp, backend=cfg.loss.kernel_backend)
-    params = [p for p in model.parameters() if p.requires_grad]
+    params = [p for p in model.parameters() if p.requires_grad] + value_params
     thresholds = {**cfg.health.thresholds, "auto_temperature_boost": cfg.health.auto_temperature}
     return Run(
         cfg=cfg,
@@ -251,9 +258,12 @@ def _build_run(cfg, device, world, out, logger, task, tokenizer, model, amp) -> 
             ref_loss=ref_loss,
             kl_ctl=kl_ctl,
             state=TrainState(beta=cfg.loss.beta, entropy_coef=_entropy_coef_start(cfg)),
+            value_head=value_head,
         ),
         rollout=RolloutSide(backend=None, sampler=sampler, pass_rates=pass_rates),
-        health=HealthMonitor(HealthThresholds(**thresholds)),
+        health=HealthMonitor(
+            HealthThresholds(**thresholds), group_baseline=cfg.loss.advantage in GROUP_ESTIMATORS
+        ),
         eval_subset=task.eval_subset(cfg.data.eval_subset_size, cfg.seed),
         agree=agreement.make_group(world, cfg.rollout.request_timeout),
     )

@@ -106,6 +106,8 @@ class Trainer:
     ref_loss: torch.nn.Module | None = None
     kl_ctl: AdaptiveKLController | None = None
     state: TrainState = field(default_factory=TrainState)
+    # loss.advantage=gae: the value head (in policy_loss; its parameters train with params)
+    value_head: torch.nn.Module | None = None
 
     def loss_options(self) -> LossOptions:
         """This step's loss options: ``loss.*`` with the current β (0 with ``loss.kl_in_reward``:

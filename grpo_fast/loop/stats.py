@@ -35,6 +35,9 @@ FIELDS = (
     "microbatches",
     "sft_nll",  # sft.mix_coef: Σ of −log p / N over the solution tokens (N: over all ranks)
     "sft_tokens",
+    "value_loss",  # loss.advantage=gae: Σ w·½·(clipped) squared error of the value head
+    "value_clipped",  # tokens whose clipped value branch was the larger
+    "value_tokens",
 )
 
 
@@ -46,6 +49,7 @@ class StepStats:
     def __init__(self):
         self.sums: dict[str, torch.Tensor] | None = None
         self.grad_norm = float("nan")
+        self.value_grad_norm: float | None = None  # the value head's, apart (loss.advantage=gae)
         self.has_ref = False
         self.nonfinite = ""  # "loss" / "grad_norm" / both: that step's optimizer step was skipped
 
@@ -76,6 +80,10 @@ class StepStats:
         row["loss_pg"], row["loss_kl"], row["loss_entropy"] = out.parts  # Σ w·pg, Σ w·β·KL, −Σ w·c·H
         if out.entropy_threshold is not None:  # the op's own quantile of the entropies it computed
             row["entropy_threshold"] = out.entropy_threshold.float()
+        if out.value_loss is not None:  # the value head's (loss.advantage=gae)
+            row["value_loss"] = out.value_loss.detach().float()
+            row["value_clipped"] = out.value_clipped.float().sum()
+            row["value_tokens"] = row["tokens"]
         self._add_row(row)
 
     def add_sft(self, out: GRPOLossOutput, mb: Microbatch, mix_coef: float) -> None:
@@ -164,6 +172,12 @@ def _means(g: dict, parts: list[str], has_ref: bool, kl_in_reward: bool, has_sam
         "zero_variance": g["zero_variance_groups"] / max(g["groups"], 1),
         "sampler_gap": g["sampler_gap"] / tokens if has_sampler else None,
         "skipped": g["skipped"] / max(g["tokens"] + g["skipped"], 1.0),
+        "value": {
+            "train/value_loss": g["value_loss"],
+            "train/value_clip_fraction": g["value_clipped"] / g["value_tokens"],
+        }
+        if g["value_tokens"]
+        else {},
     }
 
 
@@ -202,6 +216,11 @@ def step_metrics(run, step: int, batch, result, totals: dict, step_s: float) -> 
         "train/skipped_fraction": totals["skipped"],
         **_reward_errors(cfg, batch.reward_fn, device, world.ranks),
         "train/grad_norm": result.stats.grad_norm,
+        **(
+            {"train/value_grad_norm": result.stats.value_grad_norm}
+            if result.stats.value_grad_norm is not None
+            else {}
+        ),
         "train/clip_fraction": totals["clip_fraction"],
         "train/clip_fraction_low": totals["clip_fraction_low"],  # clipped with r < 1
         "train/clip_fraction_high": totals["clip_fraction_high"],  # clipped with r > 1
@@ -224,6 +243,7 @@ def step_metrics(run, step: int, batch, result, totals: dict, step_s: float) -> 
         "world_size": world.world_size,
         **totals["reward_parts"],
         **totals["sft"],  # sft.mix_coef: the supervised term's per-token NLL (not in train/loss)
+        **totals["value"],  # loss.advantage=gae: the value head's loss (not in train/loss)
         **_rollout_metrics(run.rollout.backend, totals),
         **batch.extra,
         **result.extra,

@@ -16,7 +16,8 @@ Every step, ``HealthMonitor.update(step, metrics, responses)`` checks (threshold
 - ``repetition``: more than ``repetition_fraction`` [0.1] of the step's responses have
   ``repeated_ngram_ratio(response, repetition_ngram [4]) ≥ repetition_ratio`` [0.5] → warning.
 - ``zero_variance``: ``train/zero_variance_fraction`` (groups whose rewards are all equal) >
-  ``zero_variance_fraction`` [0.75] → warning.
+  ``zero_variance_fraction`` [0.75] → warning (only where the advantage has a group baseline:
+  ``loss.advantage`` group, rloo, reinforce_pp_baseline; REINFORCE++ whitens over the batch).
 
 History checks (spike, length) wait for ``min_history`` (5) steps. An event kind is reported
 again at most every ``cooldown_steps`` (10) steps while its condition persists, at once when its
@@ -155,8 +156,12 @@ class HealthMonitor:
         ['entropy_low']
     """
 
-    def __init__(self, thresholds: HealthThresholds | None = None):
+    def __init__(self, thresholds: HealthThresholds | None = None, group_baseline: bool = True):
+        """``group_baseline``: the advantage is a response against its group (``loss.advantage``
+        group, rloo, reinforce_pp_baseline), so a group of equal rewards gives no signal and the
+        ``zero_variance`` check applies; False (REINFORCE++'s batch baseline) leaves it out."""
         self.thresholds = thresholds or HealthThresholds()
+        self.group_baseline = group_baseline
         t = self.thresholds
         self._grad_norms: deque[float] = deque(maxlen=t.grad_norm_window)
         self._lengths: deque[float] = deque(maxlen=t.length_window)
@@ -350,7 +355,7 @@ class HealthMonitor:
     def _check_zero_variance(self, step: int, metrics: Mapping[str, float]) -> list[HealthEvent]:
         t = self.thresholds
         share = _finite(metrics, ZERO_VARIANCE_KEY)
-        if share is None or share <= t.zero_variance_fraction:
+        if not self.group_baseline or share is None or share <= t.zero_variance_fraction:
             return []
         return [
             HealthEvent(

@@ -2,7 +2,7 @@
 
 Usage::
 
-    python -m grpo_fast.sweep --preset NAME [--config FILE]... --sweep {lr,baseline,length_norm,scale_rewards,loss_type,delta,
+    python -m grpo_fast.sweep --preset NAME [--config FILE]... --sweep {lr,baseline,length_norm,scale_rewards,advantage,loss_type,delta,
         importance_sampling_level,top_entropy_quantile,dynamic_sampling,curriculum,adaptive_group_size,
         overlong_buffer,sft_mix,difficulty_filter}
         [--values V ...] [--lr-range LOW HIGH] [--num N] [--out DIR] [--dry-run] [--plot-only]
@@ -16,7 +16,8 @@ Each value becomes one run, executed one after another (each needs the whole GPU
 log grid (``LRGrid``: 5 values from 1e-6 to 1e-4); ``baseline`` → ``loss.type``
 (``no_baseline`` vs ``reinforce_with_baseline``; ``grpo_clip`` may be added with ``--values``);
 ``length_norm`` → ``loss.length_norm`` (all of ``sequence_mean``, ``constant``,
-``token_mean``); ``scale_rewards`` → ``loss.scale_rewards`` (``group``, ``batch``, ``none``); ``loss_type`` →
+``token_mean``); ``scale_rewards`` → ``loss.scale_rewards`` (``group``, ``batch``, ``none``); ``advantage``
+→ ``loss.advantage`` (``group``, ``rloo``, ``reinforce_pp``, ``reinforce_pp_baseline``, ``gae``); ``loss_type`` →
 ``loss.type`` (``grpo_clip`` vs ``cispo``; any loss type with ``--values``); ``delta`` →
 ``loss.delta`` (``null``, 1.5, 3: off-policy only, with ``train.epochs_per_rollout_batch`` > 1);
 ``importance_sampling_level`` → ``loss.importance_sampling_level`` (``token`` vs ``sequence``,
@@ -50,7 +51,7 @@ from typing import Any
 
 from matplotlib.figure import Figure
 
-from grpo_fast.algo.advantages import SCALE_REWARDS
+from grpo_fast.algo.advantages import ADVANTAGE_ESTIMATORS, SCALE_REWARDS
 from grpo_fast.algo.difficulty import CURRICULA
 from grpo_fast.algo.length_norm import LENGTH_NORMS
 from grpo_fast.algo.loss_options import IMPORTANCE_SAMPLING_LEVELS, LOSS_TYPES
@@ -116,6 +117,8 @@ SWEEPS: dict[str, SweepSpec] = {
     ),
     "length_norm": SweepSpec(key="loss.length_norm", defaults=LENGTH_NORMS, choices=LENGTH_NORMS),
     "scale_rewards": SweepSpec(key="loss.scale_rewards", defaults=SCALE_REWARDS, choices=SCALE_REWARDS),
+    # every estimator (gae with its value head, critic.* as set)
+    "advantage": SweepSpec(key="loss.advantage", defaults=ADVANTAGE_ESTIMATORS, choices=ADVANTAGE_ESTIMATORS),
     "loss_type": SweepSpec(key="loss.type", defaults=("grpo_clip", "cispo"), choices=LOSS_TYPES),
     "delta": SweepSpec(key="loss.delta", defaults=("null", "1.5", "3"), nullable=True),
     "top_entropy_quantile": SweepSpec(key="loss.top_entropy_quantile", defaults=("1", "0.2")),

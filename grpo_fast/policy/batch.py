@@ -31,6 +31,8 @@ PER_TOKEN_FIELDS = (
     "sampler_logprobs",
     "sequence_ids",
     "response_index",
+    "returns",
+    "old_values",
 )
 
 
@@ -57,6 +59,9 @@ class Microbatch:
             (0 … sequences − 1), or None.
         response_index: ``[n]`` int64, which trajectory of ``make_microbatches``' input each
             label belongs to, or None.
+        returns, old_values: ``[n]`` fp32 with a value model (``loss.advantage=gae``): each
+            token's value target and the value it had when the advantages were computed (the
+            value clip's centre); None without one.
         select_index: ``[n]`` int64, the flat indices (into ``b·L``) of ``select``'s positions;
             derived from ``select`` at construction (on the CPU, where the batch is built), so the
             forward gathers with ``index_select`` instead of boolean-mask indexing, which is a
@@ -95,6 +100,8 @@ class Microbatch:
     sampler_logprobs: torch.Tensor | None = None
     sequence_ids: torch.Tensor | None = None
     response_index: torch.Tensor | None = None
+    returns: torch.Tensor | None = None
+    old_values: torch.Tensor | None = None
     select_index: torch.Tensor | None = None
     label_bounds: tuple[int, int] | None = None
     cu_seqlens: torch.Tensor | None = None
@@ -201,8 +208,9 @@ def loss_trajectories(
     (``assign_loss_weights``): those with a sampled token and not left out by ``keep``.
 
     Args:
-        rollout: the batch; each trajectory's ``advantage`` is used as it is, unless
-            ``advantages`` ``[R]`` is given (then set from it first).
+        rollout: the batch; each trajectory's advantages (``Trajectory.sampled_advantages``)
+            are used as they are, unless ``advantages`` ``[R]`` is given (then each response's
+            one advantage is set from it first).
         length_norm, max_length: see ``core.length_norm_weights``.
         num_sequences, num_tokens: the global counts of the kept responses and their sampled
             tokens when this is one rank's share.
@@ -219,7 +227,7 @@ def loss_trajectories(
         )
     if advantages is not None:
         for t, a in zip(trajectories, advantages.tolist()):
-            t.advantage = a
+            t.advantage, t.token_advantages = a, None
     kept = [t for t, k in zip(trajectories, keep) if k]
     assign_loss_weights(
         kept,
@@ -285,22 +293,29 @@ class _Tokens:
 
     def __init__(self):
         self.labels, self.adv, self.w, self.slp, self.seq_ids, self.resp_idx = [], [], [], [], [], []
+        self.returns, self.values = [], []
 
     def add(self, index: int, t: Trajectory) -> None:
         n = t.num_sampled
         self.labels.extend(t.sampled_ids)
-        self.adv.extend([t.advantage] * n)
+        self.adv.extend(t.token_advantages.tolist() if t.token_advantages is not None else [t.advantage] * n)
         self.w.append(t.loss_weights if t.loss_weights is not None else torch.zeros(n))
         self.seq_ids.extend([len(self.slp)] * n)
         self.resp_idx.extend([index] * n)
         self.slp.append(t.sampler_logprobs)
+        self.returns.append(t.token_returns)
+        self.values.append(t.token_values)
 
     def fields(self) -> dict[str, torch.Tensor | None]:
         """labels, advantages, loss weights, the sampler's log-probs (when every trajectory has
-        them), the sequence ids and the response indices, as tensors."""
-        sampler = None
+        them), the sequence ids and the response indices, the value model's returns and old
+        values (when every trajectory has them), as tensors."""
+        sampler = returns = old_values = None
         if self.slp and all(x is not None for x in self.slp):
             sampler = torch.tensor([v for x in self.slp for v in x], dtype=torch.float32)
+        if self.returns and all(x is not None for x in self.returns):  # a value model's targets
+            returns = torch.cat(self.returns).float()
+            old_values = torch.cat(self.values).float()
         return dict(
             labels=torch.tensor(self.labels, dtype=torch.long),
             advantages=torch.tensor(self.adv, dtype=torch.float32),
@@ -308,6 +323,8 @@ class _Tokens:
             sampler_logprobs=sampler,
             sequence_ids=torch.tensor(self.seq_ids, dtype=torch.long),
             response_index=torch.tensor(self.resp_idx, dtype=torch.long),
+            returns=returns,
+            old_values=old_values,
         )
 
 

@@ -21,6 +21,7 @@ from grpo_fast.domains import AUTO
 from grpo_fast.ops import fused_linear_grpo_loss
 from grpo_fast.policy import sequence_parallel, shared_attention
 from grpo_fast.policy.batch import Microbatch
+from grpo_fast.policy.value import ValueHead, clipped_value_loss
 
 
 def build_policy_loss(cfg, model: nn.Module, amp: torch.dtype | None) -> PolicyLoss:
@@ -123,6 +124,9 @@ class PolicyLoss(nn.Module):
         self.backend = backend
         self.chunk_size = chunk_size
         self.top_k, self.top_p = top_k, top_p
+        # loss.advantage=gae: the value head on these hidden states (attach_value_head)
+        self.value_head: ValueHead | None = None
+        self.trunk_coef, self.value_clip = 0.0, None
         self._head_cast: torch.Tensor | None = None  # [V, D] in the autocast dtype
         self._head_src = None  # weak reference to the weight it was cast from
         self._head_key: tuple | None = None  # (storage, _version) of that weight then
@@ -133,6 +137,13 @@ class PolicyLoss(nn.Module):
                 policy.release_head_cast()
 
         weakref.finalize(self, register_optimizer_step_post_hook(after_step).remove)
+
+    def attach_value_head(self, head: ValueHead, trunk_coef: float, value_clip: float | None) -> None:
+        """``loss.advantage=gae``: every forward also returns the head's values of the response
+        positions, and, for a microbatch with ``returns``, the clipped value loss
+        (``grpo_fast.policy.value``; ``critic.trunk_coef``, ``critic.value_clip``). Before
+        FSDP or DDP wrap this module."""
+        self.value_head, self.trunk_coef, self.value_clip = head, float(trunk_coef), value_clip
 
     def release_head_cast(self) -> None:
         """Drop the cached lm_head copy (after an optimizer step; the next forward casts anew)."""
@@ -180,7 +191,7 @@ class PolicyLoss(nn.Module):
         # The op takes the master weight and hands back its gradient as accumulated, in fp32 (no
         # [V, D] casts in the backward; a tied embedding's gradient adds to it as usual); its GEMMs
         # read the cached copy in the compute dtype.
-        return fused_linear_grpo_loss(
+        out = fused_linear_grpo_loss(
             hidden,
             head,
             mb.labels,
@@ -201,3 +212,12 @@ class PolicyLoss(nn.Module):
             top_p=self.top_p if truncated else 1.0,
             across=sequence_parallel.across(mb),  # sp: whole-row statistics reduce over the group
         )
+        if self.value_head is None:
+            return out
+        values = self.value_head(hidden, self.trunk_coef)  # [n] fp32
+        if mb.returns is None:  # a no-grad pass for the values (the step's finalize)
+            return out._replace(values=values.detach())
+        loss, clipped = clipped_value_loss(
+            values, mb.returns, mb.old_values, mb.loss_weights, self.value_clip
+        )
+        return out._replace(values=values.detach(), value_loss=loss, value_clipped=clipped)

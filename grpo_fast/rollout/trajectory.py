@@ -59,7 +59,14 @@ class Trajectory:
         correct: whether it solved its problem (``grpo_fast.task.rewards.correct`` of ``scores``,
             set with them).
         reward: the reward the advantage is computed from (the task reward plus any shaping).
-        advantage: the response's advantage.
+        advantage: the response's advantage (a per-token estimator's: the mean of
+            ``token_advantages``).
+        token_advantages: ``[S]`` fp32, each sampled token's advantage when the estimator gives
+            one per token (``loss.advantage=reinforce_pp``, ``reinforce_pp_baseline``); None =
+            every sampled token has ``advantage`` (read through ``sampled_advantages``).
+        token_values, token_returns: ``[S]`` fp32 with a value model (``loss.advantage=gae``): the
+            value model's estimate at each sampled token when the advantages were computed, and
+            its target (GAE with ``critic.lam``, plus that value); None without one.
         loss_weights: ``[S]`` fp32, each sampled token's loss weight (the length normalization),
             set by the trainer; None before.
         tool_calls: ``[C]`` the tool calls the environment ran for this response, in order
@@ -81,6 +88,9 @@ class Trajectory:
     correct: float = 0.0
     reward: float = 0.0
     advantage: float = 0.0
+    token_advantages: torch.Tensor | None = None
+    token_values: torch.Tensor | None = None
+    token_returns: torch.Tensor | None = None
     loss_weights: torch.Tensor | None = None
     tool_calls: list[Any] = field(default_factory=list)
     void_turns: int = 0
@@ -101,6 +111,10 @@ class Trajectory:
             raise ValueError(
                 f"Trajectory.sampler_logprobs has {len(self.sampler_logprobs)} entries for {s} sampled tokens"
             )
+        for name in ("token_advantages", "token_values", "token_returns"):
+            x = getattr(self, name)
+            if x is not None and tuple(x.shape) != (s,):
+                raise ValueError(f"Trajectory.{name} has shape {tuple(x.shape)}, expected ({s},)")
         if self.loss_weights is not None and tuple(self.loss_weights.shape) != (s,):
             raise ValueError(
                 f"Trajectory.loss_weights has shape {tuple(self.loss_weights.shape)}, expected ({s},)"
@@ -125,6 +139,14 @@ class Trajectory:
         if self.roles is None:
             return len(self.token_ids)
         return sum(1 for r in self.roles if r == Role.SAMPLED)
+
+    @property
+    def sampled_advantages(self) -> torch.Tensor:
+        """``[S]`` fp32: each sampled token's advantage (``token_advantages``, else ``advantage``
+        on every one)."""
+        if self.token_advantages is not None:
+            return self.token_advantages
+        return torch.full((self.num_sampled,), self.advantage, dtype=torch.float32)
 
     @property
     def num_inserted(self) -> int:
