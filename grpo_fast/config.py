@@ -370,6 +370,12 @@ class RolloutConfig:
     request_timeout: float = option(3600.0, _POSITIVE, resume="safe")
     sync_timeout: float = option(600.0, _POSITIVE, resume="safe")
 
+    @property
+    def prompts_per_step(self) -> int:
+        """The prompts a step samples over every rank: ``batch_size / group_size`` (a whole number:
+        config_checks), each rank generating ``prompts_per_step / ranks`` of them."""
+        return self.batch_size // self.group_size
+
 
 @dataclass(frozen=True)
 class TrainConfig:

@@ -488,7 +488,7 @@ def _check_launch(cfg: Config) -> None:
     if world <= 1:
         return
     r = cfg.rollout
-    n_prompts = r.batch_size // r.group_size
+    n_prompts = r.prompts_per_step
     if n_prompts % world:  # each rank generates its share (under sequence parallelism too)
         raise ConfigError(
             f"rollout.batch_size / rollout.group_size = {n_prompts} prompts per step do not split "

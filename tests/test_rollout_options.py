@@ -173,8 +173,9 @@ def test_weighted_rewards_sum_into_the_reward_and_each_part_is_reported():
     assert batch.reward_meta["reward/length_mean"] == pytest.approx(0.15)
     stats = StepStats()
     totals = stats.global_totals(
-        dist.DistInfo(), torch.device("cpu"), batch.raw_rewards, batch.rollout, batch.reward_meta
-    )
+        dist.DistInfo(), torch.device("cpu"), batch.raw_rewards, batch.rollout, batch.reward_meta,
+        reward_parts=["exact", "length"],  # Task.reward_parts of this WeightedReward
+    )  # fmt: skip
     assert totals["reward_parts"] == pytest.approx({"train/reward/exact": 0.5, "train/reward/length": 0.15})
     assert totals["accuracy"] == pytest.approx(0.5)
 

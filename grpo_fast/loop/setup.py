@@ -82,7 +82,7 @@ def setup(cfg: Config, device: torch.device, world: dist.DistInfo, out: Path, en
     cfg, clamped = plan.clamp_micro_batch(cfg, world.dp.size)  # an sp group trains its dp rank's batch
     if clamped:
         logger.event(clamped)
-    n_prompts = cfg.rollout.batch_size // cfg.rollout.group_size
+    n_prompts = cfg.rollout.prompts_per_step
     if n_prompts % world.ranks.size:  # each rank generates its share (under sequence parallelism too)
         raise ConfigError(
             f"rollout.batch_size / rollout.group_size = {n_prompts} prompts per step do not split "
@@ -325,7 +325,7 @@ def _announce_plan(
                 f"{s.target_accuracy:g}, checked every {s.check_every} steps)"
             )
         first = f"an SFT warm start of up to {s.steps} steps{until}, then "
-    grpo = f"GRPO to step {cfg.steps}, {r.batch_size // r.group_size} prompts × {r.group_size} responses each"
+    grpo = f"GRPO to step {cfg.steps}, {r.prompts_per_step} prompts × {r.group_size} responses each"
     said = dry_run.evaluations(cfg)  # "an evaluation every 25 steps", "… at steps 0 and 6"
     evals = f", {said}{_eval_source(cfg)}" if said else ""
     ranks = f", on {world.world_size} ranks" if world.enabled else ""

@@ -105,11 +105,13 @@ class StepStats:
         return s["kl_old"] / max(s["tokens"], 1.0)
 
     def global_totals(
-        self, world, device, raw_rewards, rollout, reward_meta, skipped_tokens: int = 0
+        self, world, device, raw_rewards, rollout, reward_meta, skipped_tokens: int = 0, reward_parts=()
     ) -> dict:
         """The step's totals over all ranks (one all-reduce), as means where they are means. Every
         rank's figures are its own: its rollout (under sequence parallelism too, ``loop/sp_group.py``)
-        and the training tokens it held (an sp rank: its slice of each sequence)."""
+        and the training tokens it held (an sp rank: its slice of each sequence). ``reward_parts``:
+        the names of a weighted reward's parts (``Task.reward_parts``), each score's
+        ``"reward/NAME"``, averaged into ``train/reward/NAME``."""
         r = raw_rewards.double()
         n = len(raw_rewards)
         local = {
@@ -126,11 +128,9 @@ class StepStats:
             "kl_reward_sum": reward_meta.get("kl_reward_sum", 0.0),
             "kl_reward_tokens": reward_meta.get("kl_reward_tokens", 0.0),
         }
-        # a weighted reward's parts (data.reward a list): "reward/NAME_mean" on this rank's responses
-        parts = sorted(
-            k[: -len("_mean")] for k in reward_meta if k.startswith("reward/") and k.endswith("_mean")
-        )
-        local.update({f"part:{p}": reward_meta[f"{p}_mean"] * n for p in parts})
+        # a weighted reward's parts (data.reward a list): each response's "reward/NAME", summed here
+        parts = sorted(f"reward/{name}" for name in reward_parts)
+        local.update({f"part:{p}": sum(float(t.scores[p]) for t in rollout.trajectories) for p in parts})
         g = dict(zip(local, dist.all_reduce_sum(list(local.values()), device, axis=world.ranks)))
         return _means(
             g, parts, self.has_ref, "kl_reward_sum" in reward_meta, rollout.sampler_logprobs is not None
@@ -188,7 +188,13 @@ def close_step(run, step: int, batch, result, started: float) -> dict[str, float
     ``perf_counter`` start, for ``time/step_s``)."""
     cfg, state = run.cfg, run.trainer.state
     totals = result.stats.global_totals(
-        run.world, run.device, batch.raw_rewards, batch.rollout, batch.reward_meta, result.skipped_tokens
+        run.world,
+        run.device,
+        batch.raw_rewards,
+        batch.rollout,
+        batch.reward_meta,
+        result.skipped_tokens,
+        reward_parts=run.task.reward_parts,
     )
     if run.trainer.kl_ctl is not None:  # β follows the KL it penalizes (in the loss, or in the rewards)
         state.set_beta(run.trainer.kl_ctl.update(totals["kl"], int(result.counts["seqs"])))

@@ -71,7 +71,7 @@ def dry_run(preset: str, config_files: list[str], overrides: list[str]) -> int:
         print(f"  cannot load the data: {exc}")
     else:
         r = cfg.rollout
-        n_prompts = r.batch_size // r.group_size
+        n_prompts = r.prompts_per_step
         print(f"  task {task.name}: {len(task.train)} train / {len(task.eval)} eval examples")
         print(
             f"  per step: {n_prompts} prompts × {r.group_size} responses; {cfg.steps} steps use "
