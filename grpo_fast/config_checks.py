@@ -367,11 +367,6 @@ def _check_advantage(cfg: Config) -> None:
             "loss.advantage=gae with a pipelined rollout (rollout.max_staleness > 0, or the hf "
             "sampler in a process of its own): the value model trains in lockstep only for now"
         )
-    elif cfg.train.parallelism == "fsdp":
-        raise ConfigError(
-            "loss.advantage=gae with train.parallelism=fsdp: the value head is not in the sharded "
-            "checkpoint yet; use train.parallelism=ddp"
-        )
     if est != "group" and lo.type == "no_baseline":
         raise ConfigError(
             f"loss.advantage={est} with loss.type=no_baseline: no_baseline trains on the raw reward, "

@@ -31,6 +31,7 @@ from grpo_fast.policy import fsdp
 from grpo_fast.policy.batch import loss_trajectories, make_microbatches
 from grpo_fast.policy.loss import PolicyLoss
 from grpo_fast.policy.model import enable_checkpointing
+from grpo_fast.policy.value import ValueHead
 from grpo_fast.rollout import Rollout
 from grpo_fast.task import tiny
 from grpo_fast.tools import plan
@@ -81,6 +82,15 @@ def _train(cfg, tok, mbs, mode: str, world: dist.DistInfo, steps: int) -> dict:
         enable_checkpointing(model)
         model.train()
     policy = PolicyLoss(model, autocast=None, backend="torch_chunked")
+    head = None
+    if mode.endswith("_value"):  # loss.advantage=gae: a value head (random: a gradient into the trunk)
+        head = ValueHead(model.config.hidden_size)
+        torch.nn.init.normal_(head.proj.weight, std=0.5, generator=torch.Generator().manual_seed(7))
+        policy.attach_value_head(head, trunk_coef=0.5, value_clip=0.2)
+        g = torch.Generator().manual_seed(11 + world.rank)
+        for mb in mbs:
+            mb.returns = torch.randn(mb.labels.shape, generator=g)
+            mb.old_values = 0.5 * mb.returns
     if mode.startswith("fsdp"):
         fsdp.shard_policy(policy, None, torch.device("cpu"), world.world_size, mode == "fsdp_offload")
     else:
@@ -88,7 +98,8 @@ def _train(cfg, tok, mbs, mode: str, world: dist.DistInfo, steps: int) -> dict:
 
         policy = DDP(policy)
     params = list(model.parameters())
-    optimizer = build_optimizer(cfg, params)
+    value_params = list(head.parameters()) if head is not None else []
+    optimizer = build_optimizer(cfg, params, value_params)
     seen = {}
     real_step = optimizer.step
 
@@ -101,7 +112,7 @@ def _train(cfg, tok, mbs, mode: str, world: dist.DistInfo, steps: int) -> dict:
     optimizer.step = recording_step
     (missing,) = fsdp.padding_count([len(mbs)], torch.device("cpu"), fsdp.is_sharded(policy))
     fillers = fsdp.fillers(missing, mbs[0], tok.pad_token_id, torch.device("cpu"))
-    trainer = Trainer(policy, optimizer, params, cfg, world)
+    trainer = Trainer(policy, optimizer, params + value_params, cfg, world, value_head=head)
     offload = type(_group(policy).offload_policy).__name__ if fsdp.is_sharded(policy) else None
     out = {"missing": missing, "grad_norm": [], "offload": offload}
     for step in range(steps):
@@ -111,6 +122,9 @@ def _train(cfg, tok, mbs, mode: str, world: dist.DistInfo, steps: int) -> dict:
             (out["loss"],) = dist.all_reduce_sum([float(stats.sums["loss"])], torch.device("cpu"))
             out["after_1"] = _full_weights(model, policy)
     out["after_last"], out["bytes"] = _full_weights(model, policy), seen["bytes"]
+    if head is not None:  # the head's weights, whole (a DTensor under FSDP)
+        full = lambda t: t.full_tensor() if hasattr(t, "full_tensor") else t
+        out["head"] = {k: full(v.detach()).clone() for k, v in head.state_dict().items()}
     return out
 
 
@@ -172,7 +186,7 @@ def _step_worker(rank, world_size, port, out_path):
     dist.shutdown()
 
 
-MODES = ("ddp", "fsdp", "fsdp_offload", "fsdp_ckpt", "ddp_shared", "fsdp_shared")
+MODES = ("ddp", "fsdp", "fsdp_offload", "fsdp_ckpt", "ddp_shared", "fsdp_shared", "ddp_value", "fsdp_value")
 
 
 @pytest.fixture(scope="module")
@@ -183,15 +197,17 @@ def step_results(tmp_path_factory):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("mode", ["fsdp", "fsdp_offload", "fsdp_ckpt", "fsdp_shared"])
+@pytest.mark.parametrize("mode", ["fsdp", "fsdp_offload", "fsdp_ckpt", "fsdp_shared", "fsdp_value"])
 def test_fsdp_step_equals_ddp_from_the_same_start(step_results, mode):
     """The same start and the same microbatches (rank 1 has fewer: FSDP pads it with fillers):
     the same loss (≤ 1e-5 relative), the weights after one AdamW step at lr 1e-4 within fp32
     summation error (FSDP's reduce-scatter and sharded norm sum in another order), after three
     steps still within 1e-5; with CPU offload, with gradient checkpointing, and with shared prompts
     (``train.share_prompts``: each rank's prompts once for their responses; against DDP on the same
-    shared microbatches), alike."""
-    ddp, got = step_results["ddp_shared" if mode == "fsdp_shared" else "ddp"], step_results[mode]
+    shared microbatches), and with a value head in the loss module (``loss.advantage=gae``: half
+    its value loss's gradient into the trunk; its weights too), alike."""
+    twin = {"fsdp_shared": "ddp_shared", "fsdp_value": "ddp_value"}.get(mode, "ddp")
+    ddp, got = step_results[twin], step_results[mode]
     assert step_results["missing_by_rank"] == [0, 2]  # rank 1 ran 2 fillers after its microbatch
     assert abs(got["loss"] - ddp["loss"]) <= 1e-5 * abs(ddp["loss"])
     assert got["grad_norm"] == pytest.approx(ddp["grad_norm"], rel=1e-5)
@@ -202,6 +218,13 @@ def test_fsdp_step_equals_ddp_from_the_same_start(step_results, mode):
     worst_3 = max((got["after_last"][k] - ddp["after_last"][k]).abs().max().item() for k in start)
     assert worst_1 <= 1e-6, worst_1
     assert worst_3 <= 1e-5, worst_3
+    if mode == "fsdp_value":
+        init = ValueHead(start["model.embed_tokens.weight"].shape[1]).proj.weight.detach()
+        torch.nn.init.normal_(init, std=0.5, generator=torch.Generator().manual_seed(7))
+        assert not torch.equal(got["head"]["proj.weight"], init)  # the head learned
+        for k in ddp["head"]:
+            torch.testing.assert_close(got["head"][k], ddp["head"][k], rtol=1e-5, atol=1e-6)
+        assert got["after_last"].keys() == start.keys()  # the head is not in the model's weights
 
 
 @pytest.mark.slow
@@ -491,3 +514,35 @@ def test_a_filler_adds_no_gradient_under_a_kl_penalty():
     _accumulate_gradients(trainer, [], [], StepStats(), options, 0.01, None, fillers=[filler])
     grads = [p.grad for p in params if p.grad is not None]
     assert grads and all(torch.equal(g, torch.zeros_like(g)) for g in grads)
+
+
+def _value_loop_worker(rank, world_size, port, root):
+    """``loss.advantage=gae`` under FSDP on 2 ranks: a straight 3-step run, and the same run
+    stopped after step 2 (its sharded checkpoint: weights, value head, AdamW's state for both),
+    then resumed to step 3 in its folder."""
+    from grpo_fast import train
+
+    join_cpu_ranks(rank, world_size, port)
+    dist._OWN_GROUP = False  # one process group for the three runs
+    root = Path(root)
+    more = ["loss.advantage=gae", "critic.lr=0.05", "steps=3", "checkpoint_every=2", "eval_every=0"]
+    train.run(load_config("tiny", overrides=_loop_overrides(root / "straight", *more)))
+    train.run(load_config("tiny", overrides=_loop_overrides(root / "part", *more, "steps=2")))
+    if rank == 0:
+        shutil.rmtree(root / "part" / "final")
+    dist.barrier()
+    train.run(load_config("tiny", overrides=_loop_overrides(root / "part", *more, "resume=true")))
+    dist.shutdown()
+
+
+@pytest.mark.slow
+def test_the_value_head_resumes_from_a_sharded_checkpoint(tmp_path):
+    """FSDP with a value head: the step-2 checkpoint holds the head's shards and its AdamW state
+    (DCP names ``value_head.*``), and the resumed step 3 logs the straight run's metrics bitwise,
+    its value loss included. Planted: the head left out of ``_sharded_models`` → the first
+    checkpoint cannot be written (DCP finds no name for the head's AdamW state)."""
+    mp.spawn(_value_loop_worker, args=(2, _free_port(), str(tmp_path)), nprocs=2, join=True)
+    diff = _metrics_diff()
+    straight = diff.read_rows(tmp_path / "straight")
+    assert [r["step"] for r in straight] == [1, 2, 3] and straight[-1]["train/value_loss"] > 0
+    assert diff.differences(straight, diff.read_rows(tmp_path / "part")) == []

@@ -221,7 +221,6 @@ def test_resume_with_the_value_model_logs_the_straight_runs_metrics(tmp_path):
     ("overrides", "message"),
     [
         (["critic.lr=0.1"], r"critic\.lr configures the value model of loss\.advantage=gae; loss\.advantage=group has none"),
-        (["loss.advantage=gae", "train.parallelism=fsdp"], r"loss\.advantage=gae with train\.parallelism=fsdp"),
         (["loss.advantage=gae", "rollout.max_staleness=1", "rollout.old_logprobs=sampler"], r"loss\.advantage=gae with a pipelined rollout"),
         (["loss.advantage=gae", "critic.value_clip=0"], r"critic\.value_clip must be > 0"),
         (["loss.advantage=gae", "critic.lam=1.5"], r"critic\.lam must be in \[0, 1\]"),

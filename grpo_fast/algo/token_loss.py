@@ -444,6 +444,11 @@ class GRPOLossOutput(NamedTuple):
     value_clipped: torch.Tensor | None = None
 
     @property
+    def backward_loss(self) -> torch.Tensor:
+        """What the backward takes: ``loss``, plus ``value_loss`` with a value head."""
+        return self.loss if self.value_loss is None else self.loss + self.value_loss
+
+    @property
     def clipped_low(self) -> torch.Tensor:
         return self.clipped & (self.log_ratio < 0)
 

@@ -85,6 +85,7 @@ def _sharded_models(run: Run) -> dict:
     return {
         "model": run.model,
         **({"ref_model": run.trainer.ref_model} if run.trainer.ref_model is not None else {}),
+        **({"value_head": run.trainer.value_head} if run.trainer.value_head is not None else {}),
     }
 
 

@@ -274,10 +274,10 @@ def _accumulate_gradients(
     for i, mb in enumerate(mbs):
         with parallel.accumulating(trainer.policy, world, i < len(mbs) - 1):
             out_mb = trainer.policy(mb, options, temperature)
-            loss = out_mb.loss if out_mb.value_loss is None else out_mb.loss + out_mb.value_loss
             # DDP (and FSDP) average gradients over ranks; the weights already hold global
-            # normalizers, so scale by the world size to recover the sum.
-            (loss * world.world_size).backward()
+            # normalizers, so scale by the world size to recover the sum. (A value head's loss
+            # rides along: GRPOLossOutput.backward_loss.)
+            (out_mb.backward_loss * world.world_size).backward()
         epoch_stats.add(out_mb, mb)
         if on_microbatch is not None:
             on_microbatch(1)

@@ -171,7 +171,7 @@ def fillers(count: int, like: Microbatch | None, pad_id: int, device: torch.devi
     mb = make_microbatches([Sequence([pad_id, pad_id], 1, 0.0, 0.0)], 1, pad_id, packing=False)[0]
     zeros = torch.zeros(1)
     extra = {}
-    for name in ("old_logprobs", "ref_logprobs", "sampler_logprobs"):
+    for name in ("old_logprobs", "ref_logprobs", "sampler_logprobs", "returns", "old_values"):
         if like is not None and getattr(like, name) is not None:
             extra[name] = zeros
     return [dataclasses.replace(mb, **extra).to(device)] * count

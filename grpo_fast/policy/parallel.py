@@ -102,8 +102,8 @@ def filler_passes(policy: nn.Module, fillers_: list[Microbatch], options, temper
     below log π ≈ −88.7 (0 · inf = NaN, reduce-scattered to every rank); the ratio exp(log π − 0)
     ≤ 1 stays finite."""
     options = dataclasses.replace(options, beta=0.0)
-    for mb in fillers_:
-        policy(mb, options, temperature).loss.backward()
+    for mb in fillers_:  # with a value head its (zero) loss too: the same parameters reduce-scatter
+        policy(mb, options, temperature).backward_loss.backward()
 
 
 def accumulating(policy: nn.Module, world: dist.DistInfo, defer: bool):

@@ -92,8 +92,19 @@ def _state_dicts(models: dict[str, nn.Module], optimizer, with_optimizer: bool) 
 
     state: dict[str, Any] = {name: _model_state(m) for name, m in models.items()}
     if with_optimizer:
-        state["optimizer"] = get_optimizer_state_dict(models["model"], optimizer)
+        state["optimizer"] = get_optimizer_state_dict(_optimizer_owner(models), optimizer)
     return state
+
+
+def _optimizer_owner(models: dict[str, nn.Module]) -> nn.Module:
+    """The module whose parameters the optimizer steps, for DCP's names of its state: the policy,
+    or, with a value head (``loss.advantage=gae``: a second parameter group), a holder of both
+    (``model.*``, ``value_head.*``)."""
+    if "value_head" not in models:
+        return models["model"]
+    holder = nn.Module()
+    holder.model, holder.value_head = models["model"], models["value_head"]
+    return holder
 
 
 def save(
@@ -106,7 +117,7 @@ def save(
     keep: int,
 ) -> Path:
     """Write ``root/step_<step>`` (every rank calls it: a collective) and keep the newest
-    ``keep`` checkpoints. ``models``: ``{"model": policy, "ref_model": reference?}``;
+    ``keep`` checkpoints. ``models``: ``{"model": policy, "ref_model": reference?, "value_head": head?}``;
     ``trainer_state``: rank 0's ``trainer_state.pt`` contents (None elsewhere). A failed write
     raises ``CheckpointError`` on every rank and leaves the previous checkpoint as it was."""
     import torch.distributed.checkpoint as dcp
@@ -211,4 +222,4 @@ def load(path: Path, models: dict[str, nn.Module], optimizer: torch.optim.Optimi
     for name, model in models.items():
         _load_model_state(model, state[name], path)
     if with_optimizer:
-        set_optimizer_state_dict(models["model"], optimizer, state["optimizer"])
+        set_optimizer_state_dict(_optimizer_owner(models), optimizer, state["optimizer"])
