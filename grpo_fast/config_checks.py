@@ -362,11 +362,6 @@ def _check_advantage(cfg: Config) -> None:
             "loss.advantage=gae with train.sequence_parallel > 1: the value head does not run on "
             "sequence shards yet; use train.sequence_parallel=1"
         )
-    elif pipelined(cfg):
-        raise ConfigError(
-            "loss.advantage=gae with a pipelined rollout (rollout.max_staleness > 0, or the hf "
-            "sampler in a process of its own): the value model trains in lockstep only for now"
-        )
     if est != "group" and lo.type == "no_baseline":
         raise ConfigError(
             f"loss.advantage={est} with loss.type=no_baseline: no_baseline trains on the raw reward, "
