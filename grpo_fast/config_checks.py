@@ -357,11 +357,6 @@ def _check_advantage(cfg: Config) -> None:
                 f"critic.{changed[0]} configures the value model of loss.advantage=gae; "
                 f"loss.advantage={est} has none"
             )
-    elif cfg.train.sequence_parallel > 1:
-        raise ConfigError(
-            "loss.advantage=gae with train.sequence_parallel > 1: the value head does not run on "
-            "sequence shards yet; use train.sequence_parallel=1"
-        )
     if est != "group" and lo.type == "no_baseline":
         raise ConfigError(
             f"loss.advantage={est} with loss.type=no_baseline: no_baseline trains on the raw reward, "
