@@ -546,6 +546,20 @@ class CriticConfig:
 
 
 @dataclass(frozen=True)
+class DistillConfig:
+    """``distill.*``: on-policy distillation (docs/loss.md, "On-policy distillation"): a frozen
+    teacher's per-token log-probs of the student's own samples as a dense reward, each sampled
+    token's advantage ``reward_weight · A_t + coef · (log π_teacher − log π_student)_t``."""
+
+    # a trained model's folder or hub name sharing the student's tokenizer; null = off
+    teacher: str | None = None
+    # the weight of the per-token term (the negative of the per-token reverse KL to the teacher)
+    coef: float = option(1.0, Range(0, lo_open=True))
+    # the weight of loss.advantage's advantage beside it; 0 = pure distillation
+    reward_weight: float = option(1.0, Range(0))
+
+
+@dataclass(frozen=True)
 class SFTConfig:
     """An optional supervised warm start before GRPO, logged separately (``sft_metrics.jsonl``)."""
 
@@ -648,6 +662,7 @@ class Config:
     loss: LossConfig = field(default_factory=LossConfig)
     sft: SFTConfig = field(default_factory=SFTConfig)
     critic: CriticConfig = field(default_factory=CriticConfig)
+    distill: DistillConfig = field(default_factory=DistillConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     health: HealthConfig = field(default_factory=HealthConfig)
     threads: ThreadsConfig = field(default_factory=ThreadsConfig)

@@ -345,6 +345,17 @@ def _check_train_and_loss(cfg: Config) -> None:
             f"which must be in [0, loss.entropy_coef_max={lo.entropy_coef_max:g}]"
         )
     _check_advantage(cfg)
+    _check_distill(cfg)
+
+
+def _check_distill(cfg: Config) -> None:
+    """``distill.*`` set without a teacher."""
+    d = cfg.distill
+    if d.teacher is None:
+        changed = [f.name for f in dataclasses.fields(d) if getattr(d, f.name) != f.default]
+        if changed:
+            raise ConfigError(f"distill.{changed[0]} configures on-policy distillation; set distill.teacher")
+        return
 
 
 def _check_advantage(cfg: Config) -> None:

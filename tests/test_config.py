@@ -250,6 +250,8 @@ DOMAINS: dict[str, tuple[list[str], list[str]]] = {
     "loss.entropy_coef": (["0", "0.01", "-0.01"], []),  # negative: an entropy penalty, allowed
     "loss.advantage_eps": (["0", "1e-6"], ["-1e-6"]),
     "loss.gamma": (["0", "0.99", "1"], ["-0.1", "1.5"]),  # != 1: with loss.advantage=reinforce_pp (CONTEXT)
+    "distill.coef": (["0.5", "1", "10"], ["0", "-1"]),  # with distill.teacher (CONTEXT)
+    "distill.reward_weight": (["0", "1", "2"], ["-1"]),
     # critic.*: with loss.advantage=gae (CONTEXT)
     "critic.lr": (["null", "1e-5", "1"], ["0", "-1e-5"]),
     "critic.value_clip": (["null", "0.2", "10"], ["0", "-0.2"]),
@@ -284,6 +286,8 @@ CONTEXT = {
     "data.tool_error_penalty": ["rollout.environment=calculator"],
     "rollout.max_staleness": ["rollout.old_logprobs=sampler"],
     "loss.gamma": ["loss.advantage=reinforce_pp"],
+    "distill.coef": ["distill.teacher=/some/teacher"],
+    "distill.reward_weight": ["distill.teacher=/some/teacher"],
     "critic.lr": ["loss.advantage=gae"],
     "critic.value_clip": ["loss.advantage=gae"],
     "critic.trunk_coef": ["loss.advantage=gae"],

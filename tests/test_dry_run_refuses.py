@@ -85,6 +85,14 @@ CASES = {  # the overrides, and the line's start (the rest is the case's own)
         ["rollout.environment=.x"],
         "rollout.environment: unknown tool environment '.x'",
     ),
+    "a distillation teacher that is not there": (
+        ["distill.teacher=/no/such/teacher"],
+        "distill.teacher='/no/such/teacher': no such folder",
+    ),
+    "a built-in distillation teacher": (
+        ["distill.teacher=builtin:tiny"],
+        "distill.teacher='builtin:tiny': a built-in model is random weights",
+    ),
     **{case: ([], None) for case in MODULES},
 }
 MODULE_LINES = {  # the line's start for a module's case ({m}: the module's name)

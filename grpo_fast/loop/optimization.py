@@ -387,6 +387,9 @@ class ResponseScores:
     kl_totals: tuple[float, float] | None = None  # (Σ k1, sampled tokens) over this rank
     kl_tokens: list[torch.Tensor] | None = None  # [R] of [S] fp32 k1_t
     values: list[torch.Tensor] | None = None  # [R] of [S] fp32: the value head's (loss.advantage=gae)
+    # distill.teacher: [R] of [S] fp32 log π_teacher − log π_student, and the teacher passes' seconds
+    distill: list[torch.Tensor] | None = None
+    teacher_seconds: float = 0.0
 
 
 def response_kl_k1(
@@ -400,11 +403,14 @@ def response_kl_k1(
     return scores.kl_sums, scores.kl_totals, scores.kl_tokens
 
 
-def score_responses(run: Run, rollout: Rollout, temperature: float, *, kl: bool) -> ResponseScores:
+def score_responses(
+    run: Run, rollout: Rollout, temperature: float, *, kl: bool, teacher: bool = False
+) -> ResponseScores:
     """No-grad passes of the fused op over ``rollout`` (the trainer side's modules, which the
     step's finalize asks for): with ``kl`` the policy's and the reference's (``loss.kl_in_reward``:
-    k1 per token and its sum per response), and, when the loss module has a value head
-    (``loss.advantage=gae``), the values from the same policy pass. Each token carries its
+    k1 per token and its sum per response); when the loss module has a value head
+    (``loss.advantage=gae``), the values from the same policy pass; with ``teacher``
+    (``distill.teacher``) the teacher's log-probs less that pass's, per token. Each token carries its
     trajectory's index (``Microbatch.response_index``; a trajectory's labels are consecutive, in
     order), so the sums and the tokens land on the right response whatever the microbatch order
     or packing."""
@@ -424,6 +430,8 @@ def score_responses(run: Run, rollout: Rollout, temperature: float, *, kl: bool)
     has_values = getattr(trainer.policy_loss, "value_head", None) is not None
     per_token = [torch.zeros(0)] * len(trajectories)
     values = [torch.zeros(0)] * len(trajectories)
+    gaps = [torch.zeros(0)] * len(trajectories)
+    teacher_s = 0.0
     # FSDP: as many passes on every rank (zero-weight fillers); none under DDP
     (missing,) = parallel.filler_counts([len(mbs)], trainer.policy_loss, run.device)
     with torch.no_grad():
@@ -436,17 +444,29 @@ def score_responses(run: Run, rollout: Rollout, temperature: float, *, kl: bool)
                 sums.index_add_(0, index.to(run.device)[mb.response_index], k1.double())
                 k1_host = k1.float().cpu()
             v_host = out.values.cpu() if has_values else None
+            if teacher:  # the teacher's fused pass; its time is the step's distillation cost
+                t0 = time.perf_counter()
+                gap_host = (
+                    (trainer.teacher_loss(mb, options, temperature).logprobs - out.logprobs).float().cpu()
+                )
+                teacher_s += time.perf_counter() - t0
             for row in rows.unique().tolist():
                 mine = rows == row
                 if kl:
                     per_token[int(index[row])] = k1_host[mine]
                 if has_values:
                     values[int(index[row])] = v_host[mine]
+                if teacher:
+                    gaps[int(index[row])] = gap_host[mine]
         for filler in parallel.fillers(missing, None, run.tokenizer.pad_token_id, run.device):
             trainer.policy_loss(filler, options, temperature)
             if kl:
                 trainer.ref_loss(filler, options, temperature)
+            if teacher:
+                trainer.teacher_loss(filler, options, temperature)
     scores = ResponseScores(values=values if has_values else None)
+    if teacher:
+        scores.distill, scores.teacher_seconds = gaps, teacher_s
     if kl:
         sums = sums.float().cpu()  # host-device sync, once per step
         scores.kl_sums, scores.kl_tokens = sums, per_token

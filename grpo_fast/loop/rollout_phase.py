@@ -113,11 +113,13 @@ def finalize(
     kl_tokens = kl_per_token = values = None
     outcome = rewards  # before the KL: what a per-token estimator puts on the last token
     estimator = cfg.loss.advantage
-    if estimator == "gae":  # the value head's values (and the KL's log-probs) from one policy pass
-        scores = score_responses(run, rollout, temperature, kl=cfg.loss.kl_in_reward)
+    distill = cfg.distill.teacher is not None
+    scores = None
+    if estimator == "gae" or distill:  # values, the teacher's gap (and the KL's) from one policy pass
+        scores = score_responses(run, rollout, temperature, kl=cfg.loss.kl_in_reward, teacher=distill)
         values = scores.values
     if cfg.loss.kl_in_reward:  # β·Σ k1 of each response leaves its reward (verl's use_kl_in_reward)
-        if estimator == "gae":
+        if scores is not None:
             kl_sums, kl_tokens, kl_per_token = scores.kl_sums, scores.kl_totals, scores.kl_tokens
         else:
             kl_sums, kl_tokens, kl_per_token = response_kl_k1(
@@ -147,6 +149,9 @@ def finalize(
         meta.update(_value_metrics(run, values, returns))
     elif estimator in PER_TOKEN_ESTIMATORS:  # REINFORCE++ (and its baseline variant): [S] per response
         per_token = _reinforce_pp(run, rollout, outcome, beta_kl, reduce_sums)
+    if distill:  # on-policy distillation: the teacher's per-token gap added to each token's advantage
+        per_token = _with_teacher(run, rollout, advantages, per_token, scores.distill)
+        meta.update(_distill_metrics(run, scores))
     if per_token is not None:
         advantages = torch.tensor([float(a.mean()) if a.numel() else 0.0 for a in per_token])
     for i, (t, reward, advantage) in enumerate(
@@ -156,7 +161,7 @@ def finalize(
         t.token_advantages = None if per_token is None else per_token[i]
         if returns is not None:
             t.token_values, t.token_returns = values[i], returns[i]
-    if estimator != "group":
+    if estimator != "group" or distill:
         meta.update(_advantage_metrics(run, rollout))
     reward_meta = {**norm_meta, **_score_means([t.scores for t in rollout.trajectories])}
     if kl_tokens is not None:
@@ -270,6 +275,32 @@ def _value_metrics(run: Run, values: list[torch.Tensor], returns: list[torch.Ten
     if var_r > 1e-10:  # undefined when every target is the same (up to rounding)
         row["rollout/value_explained_variance"] = 1.0 - var_d / var_r
     return row
+
+
+def _with_teacher(
+    run: Run,
+    rollout: Rollout,
+    advantages: torch.Tensor,
+    per_token: list[torch.Tensor] | None,
+    gaps: list[torch.Tensor],
+) -> list[torch.Tensor]:
+    """``distill.teacher``: each response's ``[S]`` advantages ``reward_weight · A_t + coef ·
+    (log π_teacher − log π_student)_t``, ``A_t`` the estimator's (per token, or the response's own
+    on each of its tokens)."""
+    d = run.cfg.distill
+    base = per_token or [
+        torch.full((t.num_sampled,), float(a)) for t, a in zip(rollout.trajectories, advantages.tolist())
+    ]
+    return [d.reward_weight * a + d.coef * g for a, g in zip(base, gaps)]
+
+
+def _distill_metrics(run: Run, scores) -> dict[str, float]:
+    """``distill/reverse_kl``: the mean over every rank's sampled tokens of log π_student − log
+    π_teacher (a sample of the per-token reverse KL to the teacher); ``time/teacher_s``: this rank's
+    teacher passes."""
+    gap = torch.cat(scores.distill).double() if scores.distill else torch.zeros(0, dtype=torch.float64)
+    n, total = dist.all_reduce_sum([float(gap.numel()), gap.sum().item()], run.device, axis=run.world.ranks)
+    return {"distill/reverse_kl": -total / max(n, 1.0), "time/teacher_s": scores.teacher_seconds}
 
 
 def _advantage_metrics(run: Run, rollout: Rollout) -> dict[str, float]:

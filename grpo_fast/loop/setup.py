@@ -39,6 +39,7 @@ from grpo_fast.policy.batch import Sequence, make_microbatches
 from grpo_fast.policy.lora import AdapterOffLoss, is_lora, trainable_counts
 from grpo_fast.policy.loss import PolicyLoss, build_policy_loss
 from grpo_fast.policy.model import autocast_dtype, load_policy, load_tokenizer, policy_dtype
+from grpo_fast.policy.teacher import load_teacher
 from grpo_fast.policy.value import ValueHead
 from grpo_fast.rollout import BackendContext, backend, make_backend
 from grpo_fast.task import tiny
@@ -75,6 +76,11 @@ def setup(cfg: Config, device: torch.device, world: dist.DistInfo, out: Path, en
     model, warm_base = _load_model(cfg, out, tokenizer, device, world)
     parallel.check_model(model, world)  # sp: heads that do not divide, ...: one line now
     amp = autocast_dtype(cfg, device)
+    teacher = None
+    if cfg.distill.teacher is not None:  # before the warm start: a teacher that cannot serve stops now
+        rows = model.get_output_embeddings().weight.shape[0]
+        teacher = load_teacher(cfg.distill.teacher, tokenizer, rows, amp or policy_dtype(cfg, device), device)
+        parallel.prepare_model(teacher, world)  # sp: its attention by all-to-all as the student's
     cpu_threads = _set_threads(cfg, model, device, other_work)  # before the plan: its estimate counts them
     # what the run will do, its inputs loaded
     _announce_plan(cfg, world, logger, device, cpu_threads, others=other_work.latest)
@@ -106,7 +112,7 @@ def setup(cfg: Config, device: torch.device, world: dist.DistInfo, out: Path, en
         )
     if warm_base:  # the warm start made the base (sft.target=base): it is frozen, the adapter goes on it
         model = _adapter_on_warm_base(cfg, model, out, tokenizer, device, world, sft_steps)
-    run = _build_run(cfg, device, world, out, logger, task, tokenizer, model, amp)
+    run = _build_run(cfg, device, world, out, logger, task, tokenizer, model, amp, teacher)
     run.sft_steps, run.rollout.prompts_per_rank = sft_steps, n_prompts // world.ranks.size
     if resume_from is not None:
         restore(run, resume_from)  # a refusal here (another world size, ...) leaves config.yaml as it was
@@ -198,7 +204,7 @@ def _lora_base(cfg: Config, out: Path, tokenizer, world: dist.DistInfo) -> str |
     return None
 
 
-def _build_run(cfg, device, world, out, logger, task, tokenizer, model, amp) -> Run:
+def _build_run(cfg, device, world, out, logger, task, tokenizer, model, amp, teacher=None) -> Run:
     """The run's modules and helpers around the loaded (and possibly warm-started) policy."""
     kl_ctl = AdaptiveKLController(cfg.loss.beta, cfg.loss.target_kl) if cfg.loss.target_kl else None
     # The KL reference is the policy GRPO starts from (after any warm start), frozen, kept in
@@ -219,10 +225,11 @@ def _build_run(cfg, device, world, out, logger, task, tokenizer, model, amp) -> 
         if amp is not None:
             ref_model.to(amp)
         ref_loss = build_policy_loss(cfg, ref_model, amp)
+    # distill.teacher: its log-probs through the same fused op, forward only
+    teacher_loss = build_policy_loss(cfg, teacher, amp) if teacher is not None else None
     # FSDP2: each rank holds 1/N of the weights, gradients and optimizer state
-    sharded = parallel.shard(
-        cfg, world, [policy_loss] + ([ref_loss] if ref_model is not None else []), amp, device
-    )
+    frozen = [m for m in (ref_loss if ref_model is not None else None, teacher_loss) if m is not None]
+    sharded = parallel.shard(cfg, world, [policy_loss, *frozen], amp, device)
     value_params = list(value_head.parameters()) if value_head is not None else []
     optimizer = build_optimizer(cfg, model.parameters(), value_params)  # over the shards, under FSDP
     policy = parallel.wrap(policy_loss, world, device)  # DDP when data parallel and not sharded
@@ -259,6 +266,7 @@ def _build_run(cfg, device, world, out, logger, task, tokenizer, model, amp) -> 
             kl_ctl=kl_ctl,
             state=TrainState(beta=cfg.loss.beta, entropy_coef=_entropy_coef_start(cfg)),
             value_head=value_head,
+            teacher_loss=teacher_loss,
         ),
         rollout=RolloutSide(backend=None, sampler=sampler, pass_rates=pass_rates),
         health=HealthMonitor(

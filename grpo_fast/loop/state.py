@@ -108,6 +108,8 @@ class Trainer:
     state: TrainState = field(default_factory=TrainState)
     # loss.advantage=gae: the value head (in policy_loss; its parameters train with params)
     value_head: torch.nn.Module | None = None
+    # distill.teacher: the frozen teacher's loss module (its per-token log-probs; no gradients)
+    teacher_loss: torch.nn.Module | None = None
 
     def loss_options(self) -> LossOptions:
         """This step's loss options: ``loss.*`` with the current β (0 with ``loss.kl_in_reward``:

@@ -130,8 +130,8 @@ def _run_problems(cfg: Config) -> list[str]:
     """The real run's stops before training that need no model: the OpenMP wait this process
     runs with (``threads.wait_policy``), a sequence-parallel group the ranks do not hold,
     ``output_dir`` (not creatable, not writable, in use, holding a run, a resume that changes a
-    run-defining key), a local model folder that is missing or damaged. Nothing is created or
-    locked."""
+    run-defining key), a local model folder that is missing or damaged, a distillation teacher
+    that cannot serve (``check_teacher``). Nothing is created or locked."""
     from grpo_fast import threads
     from grpo_fast.obs import run_folder
     from grpo_fast.policy import sequence_parallel
@@ -163,6 +163,13 @@ def _run_problems(cfg: Config) -> list[str]:
         check_model_folder(name, "re-save or re-download the model")
     except UserError as exc:
         found.append(str(exc))
+    if cfg.distill.teacher is not None:  # its folder and tokenizer, as the run checks them first
+        from grpo_fast.policy.teacher import check_teacher
+
+        try:
+            check_teacher(cfg.distill.teacher, _offline_tokenizer(name))
+        except UserError as exc:
+            found.append(str(exc))
     return found
 
 

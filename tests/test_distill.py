@@ -1,0 +1,218 @@
+"""On-policy distillation (``distill.*``): the teacher's per-token gap against float64 from full
+logits, its pass's memory against an eager ``log_softmax``, the advantages a run trains on, the
+keys, the refusals; under staleness 1 and on two ranks."""
+
+import json
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from grpo_fast.algo.loss_options import LossOptions
+from grpo_fast.config import load_config
+from grpo_fast.errors import ConfigError
+from grpo_fast.obs.memory import peak_rss_growth
+from grpo_fast.task import tiny
+from grpo_fast.task.rewards import register_reward
+
+
+@register_reward("test_distill_odd_first_digit")
+def _odd_first_digit(response: str, ground_truth: str) -> dict[str, float]:
+    """A reward an untrained tiny model earns about half the time: varied rewards from step 1."""
+    return {"reward": float(response[:1] in ("1", "3", "5", "7", "9"))}
+
+
+@pytest.fixture(scope="module")
+def teacher_folder(tmp_path_factory):
+    """A teacher: the tiny model of another seed, saved with the student's tokenizer."""
+    folder = tmp_path_factory.mktemp("teacher")
+    tok = tiny.build_tokenizer()
+    tiny.build_model(tok, seed=1).save_pretrained(folder)
+    tok.save_pretrained(folder)
+    return folder
+
+
+def _eager_logprobs(model, prompt, response, temperature):
+    ids = torch.tensor([prompt + response])
+    with torch.no_grad():
+        logits = model(ids).logits[0].double() / temperature
+    logp = logits.log_softmax(-1)[len(prompt) - 1 : -1]
+    return logp.gather(1, torch.tensor(response)[:, None])[:, 0]
+
+
+@pytest.mark.parametrize("packing", [False, True])
+def test_the_teachers_gap_is_its_logprob_less_the_students_per_token(packing, teacher_folder):
+    """``score_responses(teacher=True)``: per response, per sampled token, log π_teacher −
+    log π_student at the sampling temperature, equal to float64 from full logits whatever the
+    microbatch order or packing."""
+    from grpo_fast.loop.optimization import score_responses
+    from grpo_fast.policy.loss import PolicyLoss
+    from grpo_fast.policy.teacher import load_teacher
+    from grpo_fast.rollout import Rollout
+
+    tok = tiny.build_tokenizer()
+    student = tiny.build_model(tok, seed=0)
+    teacher = load_teacher(
+        str(teacher_folder), tok, student.get_output_embeddings().weight.shape[0], torch.float32, "cpu"
+    )
+    cfg = load_config("tiny", overrides=["train.micro_batch_size=2", f"train.packing={str(packing).lower()}"])
+    prompts = [[5, 6, 7], [8, 9]]
+    responses = [[10, 11], [12, 13, 14, 3, 4], [2], [6, 7, 8]]
+    rollout = Rollout(prompts, responses, ["x"] * 4, ["stop"] * 4)
+    run = SimpleNamespace(
+        cfg=cfg, device=torch.device("cpu"), tokenizer=tok,
+        trainer=SimpleNamespace(
+            policy_loss=PolicyLoss(student, autocast=None, backend="torch_chunked"),
+            teacher_loss=PolicyLoss(teacher, autocast=None, backend="torch_chunked"),
+            scoring_options=LossOptions,
+        ),
+    )  # fmt: skip
+    scores = score_responses(run, rollout, 0.7, kl=False, teacher=True)
+    assert not any(p.requires_grad for p in teacher.parameters()) and not teacher.training
+    for gap, p, r in zip(scores.distill, rollout.response_prompt_ids(), responses):
+        want = _eager_logprobs(teacher, p, r, 0.7) - _eager_logprobs(student, p, r, 0.7)
+        assert gap.tolist() == pytest.approx(want.tolist(), rel=1e-4, abs=1e-5)
+    assert len({round(float(g.sum()), 3) for g in scores.distill}) == 4  # distinct: a swap would show
+
+
+def teacher_pass_workload(impl: str, n_seq: int = 16, prompt: int = 16, response: int = 128):
+    """A random Qwen2 of the benchmarks' shape (4 layers, D 512, V 32,768) as a teacher and a
+    microbatch of ``n_seq`` sequences: its no-grad log-probs of the response tokens through the
+    fused op (``impl="fused"``, the teacher's pass) or from its full logits and ``log_softmax``
+    (``"eager"``). A top-level function: ``peak_rss_growth`` rebuilds it in a fresh process."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    from grpo_fast.policy.batch import Sequence, make_microbatches
+    from grpo_fast.policy.loss import PolicyLoss
+
+    torch.manual_seed(0)
+    config = Qwen2Config(hidden_size=512, num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=2,
+                         intermediate_size=1408, vocab_size=32768, tie_word_embeddings=True)  # fmt: skip
+    teacher = Qwen2ForCausalLM(config).eval().requires_grad_(False)
+    g = torch.Generator().manual_seed(1)
+    seqs = [Sequence(torch.randint(10, 32000, (prompt + response,), generator=g).tolist(), prompt, 0.0, 1.0)
+            for _ in range(n_seq)]  # fmt: skip
+    mb = make_microbatches(seqs, n_seq, 0, packing=False)[0]
+    loss = PolicyLoss(teacher, autocast=None, backend="torch_chunked")
+
+    def fused():
+        with torch.no_grad():
+            return loss(mb, LossOptions(), 1.0).logprobs
+
+    def eager():
+        with torch.no_grad():
+            logits = teacher(mb.input_ids, attention_mask=mb.attention_mask).logits  # [b, L, V]
+            logp = logits.log_softmax(-1).flatten(0, 1).index_select(0, mb.select_index)
+            return logp.gather(1, mb.labels[:, None])[:, 0]
+
+    return fused if impl == "fused" else eager
+
+
+@pytest.mark.slow
+def test_the_teachers_pass_builds_no_tokens_by_vocab_tensor():
+    """2,048 response tokens at V = 32,768 (an fp32 ``[N, V]`` is 256 MiB, the logits of every
+    position 288 MiB): the teacher's fused pass grows the resident set by at most 0.4× what full
+    logits and their ``log_softmax`` do (each measured in a fresh process). Planted: the pass
+    through the eager backend (``[N, V]`` logits) → the ratio is ~1."""
+    fused = peak_rss_growth(teacher_pass_workload, "fused")
+    eager = peak_rss_growth(teacher_pass_workload, "eager")
+    print(f"teacher pass peak RSS growth: fused {fused / 2**20:.0f} MiB, eager {eager / 2**20:.0f} MiB")
+    assert fused <= 0.4 * eager, (fused / 2**20, eager / 2**20)
+
+
+QUICK = ["steps=2", "eval_every=0", "checkpoint_every=0", "rollout.batch_size=16", "logging.progress=false",
+         "logging.sample_every=0", "sft.steps=0", "data.reward=test_distill_odd_first_digit"]  # fmt: skip
+
+
+@pytest.fixture
+def recorded(monkeypatch):
+    """Every step's finalized batch, and the teacher's gaps its finalize computed."""
+    from grpo_fast.loop import optimization, pipeline, rollout_phase
+
+    batches, gaps = [], []
+    real_finalize, real_scores = rollout_phase.finalize, optimization.score_responses
+
+    def finalize(*args, **kwargs):
+        batches.append(real_finalize(*args, **kwargs))
+        return batches[-1]
+
+    def score_responses(*args, **kwargs):
+        out = real_scores(*args, **kwargs)
+        gaps.append(out.distill)
+        return out
+
+    monkeypatch.setattr(rollout_phase, "finalize", finalize)
+    monkeypatch.setattr(pipeline, "finalize", finalize)
+    monkeypatch.setattr(rollout_phase, "score_responses", score_responses)
+    return batches, gaps
+
+
+def _run(out, teacher, *extra):
+    from grpo_fast import train as train_mod
+
+    train_mod.run(
+        load_config("tiny", overrides=[*QUICK, f"output_dir={out}", f"distill.teacher={teacher}", *extra])
+    )
+    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+
+
+@pytest.mark.parametrize(
+    ("extra", "weight", "coef"),
+    [(("distill.reward_weight=0",), 0.0, 1.0), (("distill.coef=0.5",), 1.0, 0.5),
+     (("distill.coef=0.5", "rollout.max_staleness=1", "rollout.old_logprobs=sampler"), 1.0, 0.5)],
+    ids=["pure", "beside-grpo", "staleness-1"],
+)  # fmt: skip
+def test_each_token_trains_on_the_teachers_gap(tmp_path, teacher_folder, recorded, extra, weight, coef):
+    """Each step's tokens carry ``reward_weight · A + coef · (log π_teacher − log π_student)``: with
+    reward_weight 0 the gap alone (pure distillation), beside GRPO's group advantage, and in the
+    pipeline; ``distill/reverse_kl`` is the mean of −gap over the tokens."""
+    from grpo_fast.algo.advantages import normalize_group_rewards
+
+    rows = _run(tmp_path, teacher_folder, *extra)
+    batches, gaps = recorded
+    assert len(batches) == len(gaps) == 2
+    for batch, gap, row in zip(batches, gaps, rows):
+        a, _ = normalize_group_rewards(batch.raw_rewards, batch.rollout.sizes, 1e-6, scale_rewards="group")
+        for t, adv, g in zip(batch.rollout.trajectories, a.tolist(), gap):
+            torch.testing.assert_close(t.token_advantages, weight * adv + coef * g)
+        every = torch.cat(gap).double()
+        assert row["distill/reverse_kl"] == pytest.approx(-every.mean().item(), rel=1e-6)
+        assert row["distill/reverse_kl"] > 0.01 and row["time/teacher_s"] > 0  # another seed: apart
+
+
+def test_distill_keys_without_a_teacher_are_one_line():
+    with pytest.raises(
+        ConfigError, match=r"^distill\.coef configures on-policy distillation; set distill\.teacher$"
+    ):
+        load_config("tiny", overrides=["distill.coef=2"])
+
+
+def test_a_teacher_with_another_vocabulary_is_one_line(tmp_path):
+    """A tokenizer with one token more: the dry run and the run (before the warm start) refuse it
+    with the same line, naming the difference. (A missing or built-in teacher:
+    tests/test_dry_run_refuses.py.)"""
+    from support.inprocess import one_error_line, run_main
+
+    tok = tiny.build_tokenizer()
+    tiny.build_model(tok, seed=1).save_pretrained(tmp_path / "teacher")
+    tok.add_tokens(["<extra>"])
+    tok.save_pretrained(tmp_path / "teacher")
+    args = ["--preset", "tiny", f"output_dir={tmp_path / 'out'}", f"distill.teacher={tmp_path / 'teacher'}"]
+    line = one_error_line(run_main(args))
+    assert "its tokenizer differs from the student's" in line and "<extra>" in line, line
+    assert one_error_line(run_main([*args, "--dry-run"])) == line
+    assert not (tmp_path / "out" / "metrics.jsonl").exists()
+
+
+@pytest.mark.slow
+def test_two_ranks_distill(tmp_path, teacher_folder):
+    """Data parallel: each rank's teacher scores its own responses; ``distill/reverse_kl`` is over
+    every rank's tokens; the run ends."""
+    from support.ranks import main_on_ranks
+
+    args = ["--preset", "tiny", *QUICK, f"output_dir={tmp_path / 'out'}", f"distill.teacher={teacher_folder}"]
+    args = [a for a in args if not a.startswith("data.reward=")]  # a spawned rank has no test reward
+    codes = main_on_ranks(args, tmp_path / "ranks")
+    assert [c["code"] for c in codes] == [0, 0], codes
+    rows = [json.loads(x) for x in (tmp_path / "out" / "metrics.jsonl").read_text().splitlines()]
+    assert rows[-1]["world_size"] == 2 and rows[-1]["distill/reverse_kl"] > 0.01
