@@ -277,7 +277,8 @@ def test_kl_in_reward_sums_k1_per_response_whatever_the_microbatch_order(packing
             scoring_options=LossOptions,
         ),
     )
-    sums, (total, tokens), per_token = phase.response_kl_k1(run, rollout, temperature=0.7)
+    sums, (total, tokens) = phase.response_kl_k1(run, rollout, temperature=0.7)
+    per_token = phase.score_responses(run, rollout, 0.7, kl=True).kl_tokens
     expected = [
         _eager_logprob_sum(policy, p, r, 0.7) - _eager_logprob_sum(ref, p, r, 0.7)
         for p, r in zip(rollout.response_prompt_ids(), responses)
@@ -294,7 +295,7 @@ def test_kl_in_reward_lowers_each_reward_by_beta_times_its_k1_sum(monkeypatch):
     """loss.kl_in_reward with β 0.1: the rewards the advantages use are r − 0.1·Σk1 (the sums
     here are fixed: 2, −1, 0.5, 4)."""
     fixed = torch.tensor([2.0, -1.0, 0.5, 4.0])
-    monkeypatch.setattr(phase, "response_kl_k1", lambda run, rollout, t: (fixed, (5.5, 8.0), None))
+    monkeypatch.setattr(phase, "response_kl_k1", lambda run, rollout, t: (fixed, (5.5, 8.0)))
     run = _run({p: MIXED for p in range(6)}, "loss.beta=0.1", "loss.kl_in_reward=true")
     batch = phase.rollout_phase(run, 1, _Progress())
     assert batch.raw_rewards.tolist() == pytest.approx([1 - 0.2, 0 + 0.1, 1 - 0.05, 0 - 0.4])

@@ -448,19 +448,19 @@ def test_advantage_sweep_trains_each_estimator_on_its_advantages(tmp_path, monke
     from grpo_fast.loop import optimization, rollout_phase
 
     calls, batches, kls = _record_loss_calls(monkeypatch), [], []
-    real_finalize, real_kl = rollout_phase.finalize, optimization.response_kl_k1
+    real_finalize, real_scores = rollout_phase.finalize, optimization.score_responses
 
     def finalize(*args, **kwargs):
         batches.append((len(calls), real_finalize(*args, **kwargs)))
         return batches[-1][1]
 
-    def response_kl_k1(*args):
-        out = real_kl(*args)
-        kls.append(out[2])
+    def score_responses(*args, **kwargs):
+        out = real_scores(*args, **kwargs)
+        kls.append(out.kl_tokens)
         return out
 
     monkeypatch.setattr(rollout_phase, "finalize", finalize)
-    monkeypatch.setattr(rollout_phase, "response_kl_k1", response_kl_k1)
+    monkeypatch.setattr(rollout_phase, "score_responses", score_responses)
 
     def check(estimator, **expected):
         for step, (start, batch) in enumerate(batches):

@@ -394,13 +394,12 @@ class ResponseScores:
 
 def response_kl_k1(
     run: Run, rollout: Rollout, temperature: float
-) -> tuple[torch.Tensor, tuple[float, float], list[torch.Tensor]]:
+) -> tuple[torch.Tensor, tuple[float, float]]:
     """``loss.kl_in_reward``: each response's Σ_t k1_t = Σ_t (log π − log π_ref) over its sampled
-    tokens, ``[R]`` fp32 on the CPU; (Σ k1, sampled tokens) over this rank, for the metrics; and
-    each response's k1_t, ``[R]`` tensors of ``[S]`` fp32 (the per-token estimators' KL rewards).
-    ``score_responses`` with ``kl=True``."""
+    tokens, ``[R]`` fp32 on the CPU, and (Σ k1, sampled tokens) over this rank, for the metrics
+    (``score_responses`` with ``kl=True``, which also has each token's k1)."""
     scores = score_responses(run, rollout, temperature, kl=True)
-    return scores.kl_sums, scores.kl_totals, scores.kl_tokens
+    return scores.kl_sums, scores.kl_totals
 
 
 def score_responses(

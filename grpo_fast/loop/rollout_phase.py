@@ -115,16 +115,15 @@ def finalize(
     estimator = cfg.loss.advantage
     distill = cfg.distill.teacher is not None
     scores = None
-    if estimator == "gae" or distill:  # values, the teacher's gap (and the KL's) from one policy pass
+    per_token_kl = cfg.loss.kl_in_reward and estimator in PER_TOKEN_ESTIMATORS
+    if estimator == "gae" or distill or per_token_kl:  # values, the teacher's gap, k1 per token:
         scores = score_responses(run, rollout, temperature, kl=cfg.loss.kl_in_reward, teacher=distill)
-        values = scores.values
+        values = scores.values  # (one policy pass for them all)
     if cfg.loss.kl_in_reward:  # β·Σ k1 of each response leaves its reward (verl's use_kl_in_reward)
         if scores is not None:
             kl_sums, kl_tokens, kl_per_token = scores.kl_sums, scores.kl_totals, scores.kl_tokens
         else:
-            kl_sums, kl_tokens, kl_per_token = response_kl_k1(
-                run, rollout, temperature
-            )  # the trainer's passes
+            kl_sums, kl_tokens = response_kl_k1(run, rollout, temperature)  # the trainer's passes
         kl_term = run.trainer.state.beta * kl_sums
         rewards = rewards - kl_term
         shaping = -kl_term if shaping is None else shaping - kl_term
