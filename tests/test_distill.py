@@ -160,13 +160,14 @@ def _run(out, teacher, *extra):
 @pytest.mark.parametrize(
     ("extra", "weight", "coef"),
     [(("distill.reward_weight=0",), 0.0, 1.0), (("distill.coef=0.5",), 1.0, 0.5),
-     (("distill.coef=0.5", "rollout.max_staleness=1", "rollout.old_logprobs=sampler"), 1.0, 0.5)],
-    ids=["pure", "beside-grpo", "staleness-1"],
+     (("distill.coef=0.5", "rollout.max_staleness=1", "rollout.old_logprobs=sampler"), 1.0, 0.5),
+     (("distill.reward_weight=0", "model.lora.r=8"), 0.0, 1.0)],
+    ids=["pure", "beside-grpo", "staleness-1", "lora-student"],
 )  # fmt: skip
 def test_each_token_trains_on_the_teachers_gap(tmp_path, teacher_folder, recorded, extra, weight, coef):
     """Each step's tokens carry ``reward_weight · A + coef · (log π_teacher − log π_student)``: with
-    reward_weight 0 the gap alone (pure distillation), beside GRPO's group advantage, and in the
-    pipeline; ``distill/reverse_kl`` is the mean of −gap over the tokens."""
+    reward_weight 0 the gap alone (pure distillation), beside GRPO's group advantage, in the
+    pipeline, and for a LoRA student; ``distill/reverse_kl`` is the mean of −gap over the tokens."""
     from grpo_fast.algo.advantages import normalize_group_rewards
 
     rows = _run(tmp_path, teacher_folder, *extra)
