@@ -557,6 +557,9 @@ class DistillConfig:
     coef: float = option(1.0, Range(0, lo_open=True))
     # the weight of loss.advantage's advantage beside it; 0 = pure distillation
     reward_weight: float = option(1.0, Range(0))
+    # the teacher's linear layers in NF4 (bitsandbytes; its lm_head stays as loaded): a quarter of
+    # its bf16 bytes, for a teacher larger than the student
+    load_in_4bit: bool = False
 
 
 @dataclass(frozen=True)

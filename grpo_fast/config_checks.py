@@ -442,10 +442,13 @@ def _check_machine(cfg: Config, preset: str | None) -> None:
         problem = cannot_run_here(r.environment)
         if problem is not None:
             raise ConfigError(f"rollout.environment={r.environment} cannot run here: {problem}")
-    if cfg.model.load_in_4bit:
-        why = nf4_unavailable(cfg.device)
+    for key, on in (
+        ("model.load_in_4bit", cfg.model.load_in_4bit),
+        ("distill.load_in_4bit", cfg.distill.load_in_4bit),
+    ):
+        why = nf4_unavailable(cfg.device) if on else None
         if why is not None:
-            raise ConfigError(f"model.load_in_4bit=true: {why}")
+            raise ConfigError(f"{key}=true: {why}")
     check_paths(cfg)
     _check_launch(cfg)
 

@@ -218,3 +218,48 @@ def test_two_ranks_distill(tmp_path, teacher_folder):
     assert [c["code"] for c in codes] == [0, 0], codes
     rows = [json.loads(x) for x in (tmp_path / "out" / "metrics.jsonl").read_text().splitlines()]
     assert rows[-1]["world_size"] == 2 and rows[-1]["distill/reverse_kl"] > 0.01
+
+
+def test_a_4bit_teacher_scores_close_to_its_full_precision_self(teacher_folder):
+    """``distill.load_in_4bit``: the teacher's linear layers in NF4 (its lm_head as loaded); its
+    per-token log-probs of the same tokens differ from the fp32 teacher's (the 4-bit path ran) by
+    NF4's rounding, well under the distance to another model (the student: another seed)."""
+    import bitsandbytes as bnb
+
+    from grpo_fast.policy.batch import Sequence, make_microbatches
+    from grpo_fast.policy.loss import PolicyLoss
+    from grpo_fast.policy.teacher import load_teacher
+
+    tok = tiny.build_tokenizer()
+    student = tiny.build_model(tok, seed=0)
+    rows = student.get_output_embeddings().weight.shape[0]
+    full = load_teacher(str(teacher_folder), tok, rows, torch.float32, "cpu")
+    nf4 = load_teacher(str(teacher_folder), tok, rows, torch.float32, "cpu", load_in_4bit=True)
+    assert any(isinstance(m, bnb.nn.Linear4bit) for m in nf4.modules())
+    seqs = [Sequence([5, 6, 7, 10, 11, 12, 13], 3, 0.0, 1.0), Sequence([8, 9, 14, 3, 4, 2], 2, 0.0, 1.0)]
+    mb = make_microbatches(seqs, 2, tok.pad_token_id, packing=False)[0]
+    with torch.no_grad():
+        a, b, c = (
+            PolicyLoss(m, autocast=None, backend="torch_chunked")(mb, LossOptions(), 1.0).logprobs
+            for m in (full, nf4, student)
+        )
+    rounding, other = (a - b).abs().mean().item(), (a - c).abs().mean().item()
+    print(f"mean |Δ log p|: NF4 teacher {rounding:.4f}, another model {other:.4f}")
+    assert 0 < rounding < 0.5 * other, (rounding, other)
+
+
+def test_the_run_loads_the_teacher_in_4bit_when_asked(tmp_path, teacher_folder, monkeypatch, recorded):
+    """``distill.load_in_4bit=true`` reaches the run's teacher (NF4 linear layers) and the run
+    trains on its gap."""
+    import bitsandbytes as bnb
+
+    from grpo_fast.loop import setup as setup_mod
+
+    loaded, real = [], setup_mod.load_teacher
+    monkeypatch.setattr(setup_mod, "load_teacher", lambda *a, **k: loaded.append(real(*a, **k)) or loaded[-1])
+    rows = _run(tmp_path, teacher_folder, "distill.load_in_4bit=true", "distill.reward_weight=0", "steps=1")
+    assert any(isinstance(m, bnb.nn.Linear4bit) for m in loaded[0].modules())
+    batch, gaps = recorded[0][0], recorded[1][0]
+    for t, g in zip(batch.rollout.trajectories, gaps):
+        torch.testing.assert_close(t.token_advantages, g)
+    assert rows[-1]["distill/reverse_kl"] > 0.01

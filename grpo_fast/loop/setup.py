@@ -79,7 +79,8 @@ def setup(cfg: Config, device: torch.device, world: dist.DistInfo, out: Path, en
     teacher = None
     if cfg.distill.teacher is not None:  # before the warm start: a teacher that cannot serve stops now
         rows = model.get_output_embeddings().weight.shape[0]
-        teacher = load_teacher(cfg.distill.teacher, tokenizer, rows, amp or policy_dtype(cfg, device), device)
+        dtype = amp or policy_dtype(cfg, device)
+        teacher = load_teacher(cfg.distill.teacher, tokenizer, rows, dtype, device, cfg.distill.load_in_4bit)
         parallel.prepare_model(teacher, world)  # sp: its attention by all-to-all as the student's
     cpu_threads = _set_threads(cfg, model, device, other_work)  # before the plan: its estimate counts them
     # what the run will do, its inputs loaded

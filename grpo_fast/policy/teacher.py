@@ -24,18 +24,30 @@ __all__ = ["check_teacher", "load_teacher"]
 
 
 def load_teacher(
-    source: str, student_tokenizer, student_vocab_size: int, dtype: torch.dtype, device
+    source: str,
+    student_tokenizer,
+    student_vocab_size: int,
+    dtype: torch.dtype,
+    device,
+    load_in_4bit: bool = False,
 ) -> nn.Module:
     """The frozen teacher at ``source`` (a model folder, a hub name, or a built-in model), on
-    ``device`` in ``dtype``. ``ConfigError`` in one line when it cannot be loaded, or its tokenizer
-    or vocabulary differs from the student's (``student_tokenizer``, ``student_vocab_size``:
-    the student's embedding rows)."""
+    ``device`` in ``dtype`` (``load_in_4bit``: its linear layers in NF4, computing in ``dtype``).
+    ``ConfigError`` in one line when it cannot be loaded, or its tokenizer or vocabulary differs
+    from the student's (``student_tokenizer``, ``student_vocab_size``: the student's embedding
+    rows)."""
     from transformers import AutoModelForCausalLM
 
     where = f"distill.teacher={source!r}"
     check_teacher(source, student_tokenizer)
+    extra = {}
+    if load_in_4bit:
+        from transformers import BitsAndBytesConfig
+
+        quant = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype=dtype)
+        extra = dict(quantization_config=quant, device_map={"": device})
     try:
-        teacher = AutoModelForCausalLM.from_pretrained(source, dtype=dtype)
+        teacher = AutoModelForCausalLM.from_pretrained(source, dtype=dtype, **extra)
     except (OSError, ValueError) as exc:
         raise ConfigError(f"{where}: cannot load the model ({str(exc).splitlines()[0]})") from None
     rows = teacher.get_output_embeddings().weight.shape[0]
@@ -45,7 +57,9 @@ def load_teacher(
             "teacher must share the student's tokenizer and vocabulary"
         )
     teacher.config.use_cache = False
-    return teacher.to(device).eval().requires_grad_(False)
+    if not load_in_4bit:  # bitsandbytes placed the 4-bit model already
+        teacher.to(device)
+    return teacher.eval().requires_grad_(False)
 
 
 def check_teacher(source: str, student_tokenizer) -> None:
