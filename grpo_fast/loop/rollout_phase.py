@@ -90,35 +90,10 @@ def finalize(
     the advantages. ``meta``: the sampling's ``rollout/`` metrics so far; ``started``: when the
     step's rollout began (``perf_counter``), for ``time/rollout_s``."""
     cfg = run.cfg
-    rewards = task_rewards(rollout)
     meta.update(_table_metrics(run, rollout))
-    if cfg.data.overlong_buffer > 0:  # DAPO's soft overlong punishment
-        penalty = overlong_penalty(
-            [t.num_sampled for t in rollout.trajectories],
-            cfg.rollout.max_tokens,
-            cfg.data.overlong_buffer,
-            cfg.data.overlong_penalty,
-        )
-        meta["rollout/overlong_penalty_mean"] = penalty.mean().item()
-        rewards = rewards + penalty
-    shaping = penalty if cfg.data.overlong_buffer > 0 else None  # the shaping terms' sum
-    if cfg.rollout.environment != "none":  # tool use: its metrics, and the tool-error penalty
-        meta.update(_tool_metrics(run, rollout))
-        if cfg.data.tool_error_penalty > 0:  # each failed call costs its response
-            failed = [float(sum(not c.ok for c in t.tool_calls)) for t in rollout.trajectories]
-            tool_term = -cfg.data.tool_error_penalty * torch.tensor(failed, dtype=torch.float32)
-            meta["rollout/tool_error_penalty_mean"] = tool_term.mean().item()
-            rewards = rewards + tool_term
-            shaping = tool_term if shaping is None else shaping + tool_term
-    kl_tokens = kl_per_token = values = None
-    outcome = rewards  # before the KL: what a per-token estimator puts on the last token
-    estimator = cfg.loss.advantage
-    distill = cfg.distill.teacher is not None
-    scores = None
-    per_token_kl = cfg.loss.kl_in_reward and estimator in PER_TOKEN_ESTIMATORS
-    if estimator == "gae" or distill or per_token_kl:  # values, the teacher's gap, k1 per token:
-        scores = score_responses(run, rollout, temperature, kl=cfg.loss.kl_in_reward, teacher=distill)
-        values = scores.values  # (one policy pass for them all)
+    outcome, shaping = _shaped_rewards(run, rollout, meta)  # task reward + overlong + tool errors
+    scores = _scores(run, rollout, temperature)  # the no-grad passes per token, when any is needed
+    rewards, kl_tokens, kl_per_token = outcome, None, None
     if cfg.loss.kl_in_reward:  # β·Σ k1 of each response leaves its reward (verl's use_kl_in_reward)
         if scores is not None:
             kl_sums, kl_tokens, kl_per_token = scores.kl_sums, scores.kl_totals, scores.kl_tokens
@@ -128,29 +103,10 @@ def finalize(
         rewards = rewards - kl_term
         shaping = -kl_term if shaping is None else shaping - kl_term
     reduce_sums = lambda sums: dist.all_reduce_sum(sums, run.device, axis=run.world.ranks)  # batch std
-    normalize = compute_rloo_advantages if estimator == "rloo" else normalize_group_rewards
-    advantages, norm_meta = normalize(  # group's or rloo's; the per-token estimators' reward metadata
-        rewards,
-        rollout.sizes,
-        advantage_eps=cfg.loss.advantage_eps,
-        scale_rewards=cfg.loss.scale_rewards,
-        reduce_sums=reduce_sums,
+    advantages, norm_meta = _response_advantages(run, rollout, rewards, shaping, reduce_sums)
+    per_token, returns = _token_advantages(
+        run, rollout, outcome, advantages, kl_per_token, scores, reduce_sums, meta
     )
-    if cfg.data.reward_aggregation == "normalize_each":  # GDPO: each reward normalized in its group
-        advantages = _normalize_each(run, rollout, shaping, reduce_sums)
-        norm_meta["advantage_abs_mean"] = advantages.abs().mean().item()
-    if cfg.loss.type == "no_baseline":  # REINFORCE without a baseline: A = the raw reward
-        advantages = rewards
-    per_token = returns = None
-    beta_kl = None if kl_per_token is None else [-run.trainer.state.beta * k for k in kl_per_token]
-    if estimator == "gae":  # GAE from the value head's values: [S] per response, and the targets
-        per_token, returns = _gae(run, rollout, outcome, beta_kl, values, reduce_sums)
-        meta.update(_value_metrics(run, values, returns))
-    elif estimator in PER_TOKEN_ESTIMATORS:  # REINFORCE++ (and its baseline variant): [S] per response
-        per_token = _reinforce_pp(run, rollout, outcome, beta_kl, reduce_sums)
-    if distill:  # on-policy distillation: the teacher's per-token gap added to each token's advantage
-        per_token = _with_teacher(run, rollout, advantages, per_token, scores.distill)
-        meta.update(_distill_metrics(run, scores))
     if per_token is not None:
         advantages = torch.tensor([float(a.mean()) if a.numel() else 0.0 for a in per_token])
     for i, (t, reward, advantage) in enumerate(
@@ -159,8 +115,8 @@ def finalize(
         t.reward, t.advantage = reward, advantage
         t.token_advantages = None if per_token is None else per_token[i]
         if returns is not None:
-            t.token_values, t.token_returns = values[i], returns[i]
-    if estimator != "group" or distill:
+            t.token_values, t.token_returns = scores.values[i], returns[i]
+    if cfg.loss.advantage != "group" or cfg.distill.teacher is not None:
         meta.update(_advantage_metrics(run, rollout))
     reward_meta = {**norm_meta, **_score_means([t.scores for t in rollout.trajectories])}
     if kl_tokens is not None:
@@ -175,6 +131,88 @@ def finalize(
         extra=meta,
         seconds=time.perf_counter() - started,
     )
+
+
+def _shaped_rewards(run: Run, rollout: Rollout, meta: dict) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``[R]`` the task rewards plus the shaping terms before the KL (DAPO's overlong penalty, the
+    tool-error penalty), and the shaping terms' sum (None without any); their metrics into
+    ``meta``."""
+    cfg = run.cfg
+    rewards, shaping = task_rewards(rollout), None
+    if cfg.data.overlong_buffer > 0:  # DAPO's soft overlong punishment
+        penalty = overlong_penalty(
+            [t.num_sampled for t in rollout.trajectories],
+            cfg.rollout.max_tokens,
+            cfg.data.overlong_buffer,
+            cfg.data.overlong_penalty,
+        )
+        meta["rollout/overlong_penalty_mean"] = penalty.mean().item()
+        rewards, shaping = rewards + penalty, penalty
+    if cfg.rollout.environment != "none":  # tool use: its metrics, and the tool-error penalty
+        meta.update(_tool_metrics(run, rollout))
+        if cfg.data.tool_error_penalty > 0:  # each failed call costs its response
+            failed = [float(sum(not c.ok for c in t.tool_calls)) for t in rollout.trajectories]
+            tool_term = -cfg.data.tool_error_penalty * torch.tensor(failed, dtype=torch.float32)
+            meta["rollout/tool_error_penalty_mean"] = tool_term.mean().item()
+            rewards = rewards + tool_term
+            shaping = tool_term if shaping is None else shaping + tool_term
+    return rewards, shaping
+
+
+def _scores(run: Run, rollout: Rollout, temperature: float):
+    """The finalize's no-grad passes per token (``score_responses``: one policy pass for the value
+    head's values, the teacher's gap and k1 per token), when the estimator or distillation needs
+    them; None otherwise (the KL's per-response sums then come from ``response_kl_k1``)."""
+    cfg, estimator = run.cfg, run.cfg.loss.advantage
+    distill = cfg.distill.teacher is not None
+    per_token_kl = cfg.loss.kl_in_reward and estimator in PER_TOKEN_ESTIMATORS
+    if not (estimator == "gae" or distill or per_token_kl):
+        return None
+    return score_responses(run, rollout, temperature, kl=cfg.loss.kl_in_reward, teacher=distill)
+
+
+def _response_advantages(
+    run: Run, rollout: Rollout, rewards: torch.Tensor, shaping: torch.Tensor | None, reduce_sums
+) -> tuple[torch.Tensor, dict]:
+    """``[R]`` one advantage per response and the rewards' metadata: group normalization (or
+    RLOO's leave-one-out), GDPO's per-reward normalization, or the raw reward (``no_baseline``).
+    The per-token estimators use the metadata (their advantages come after)."""
+    cfg = run.cfg
+    normalize = compute_rloo_advantages if cfg.loss.advantage == "rloo" else normalize_group_rewards
+    advantages, norm_meta = normalize(
+        rewards,
+        rollout.sizes,
+        advantage_eps=cfg.loss.advantage_eps,
+        scale_rewards=cfg.loss.scale_rewards,
+        reduce_sums=reduce_sums,
+    )
+    if cfg.data.reward_aggregation == "normalize_each":  # GDPO: each reward normalized in its group
+        advantages = _normalize_each(run, rollout, shaping, reduce_sums)
+        norm_meta["advantage_abs_mean"] = advantages.abs().mean().item()
+    if cfg.loss.type == "no_baseline":  # REINFORCE without a baseline: A = the raw reward
+        advantages = rewards
+    return advantages, norm_meta
+
+
+def _token_advantages(
+    run: Run, rollout: Rollout, outcome, advantages, kl_per_token, scores, reduce_sums, meta: dict
+) -> tuple[list[torch.Tensor] | None, list[torch.Tensor] | None]:
+    """Each response's ``[S]`` advantages when they differ along it (None: one per response), and
+    GAE's value targets (None without a value head): GAE or REINFORCE++ from the ``outcome`` rewards
+    (before the KL) with ``−β·k1_t`` per token; then distillation's teacher term. Their metrics
+    into ``meta``."""
+    cfg, estimator = run.cfg, run.cfg.loss.advantage
+    per_token = returns = None
+    beta_kl = None if kl_per_token is None else [-run.trainer.state.beta * k for k in kl_per_token]
+    if estimator == "gae":  # GAE from the value head's values: [S] per response, and the targets
+        per_token, returns = _gae(run, rollout, outcome, beta_kl, scores.values, reduce_sums)
+        meta.update(_value_metrics(run, scores.values, returns))
+    elif estimator in PER_TOKEN_ESTIMATORS:  # REINFORCE++ (and its baseline variant)
+        per_token = _reinforce_pp(run, rollout, outcome, beta_kl, reduce_sums)
+    if cfg.distill.teacher is not None:  # the teacher's per-token gap added to each token's advantage
+        per_token = _with_teacher(run, rollout, advantages, per_token, scores.distill)
+        meta.update(_distill_metrics(run, scores))
+    return per_token, returns
 
 
 def _reinforce_pp(
