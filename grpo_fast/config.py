@@ -543,6 +543,9 @@ class CriticConfig:
     # VAPO's length-adaptive policy λ = 1 − 1/(α·l) for a response of l sampled tokens (at least
     # 0), in place of policy_lam; null = off (VAPO: α = 0.05)
     lam_alpha: float | None = option(None, Range(0, lo_open=True, none_ok=True))
+    # the policy's GAE advantages whitened over the batch's sampled tokens (mean 0, std 1, across
+    # ranks), as PPO implementations do; false = the raw GAE (in the rewards' units)
+    whiten_advantages: bool = True
 
 
 @dataclass(frozen=True)

@@ -139,7 +139,8 @@ def _expected(batch, cfg):
         values[i, : t.num_sampled] = t.token_values
     c = cfg.critic
     lam = c.policy_lam if c.lam_alpha is None else (1 - 1 / (c.lam_alpha * n.float())).clamp(min=0)
-    adv = whiten_over_batch(compute_gae(rewards, values, mask, cfg.loss.gamma, lam)[0], mask)
+    adv = compute_gae(rewards, values, mask, cfg.loss.gamma, lam)[0]
+    adv = whiten_over_batch(adv, mask) if c.whiten_advantages else adv
     _, ret = compute_gae(rewards, values, mask, cfg.loss.gamma, c.lam)
     return [adv[i, :k] for i, k in enumerate(n.tolist())], [ret[i, :k] for i, k in enumerate(n.tolist())]
 
@@ -171,6 +172,7 @@ def test_each_step_trains_on_gae_of_the_value_heads_values(tmp_path, finalized, 
     ("key", "context"),
     [("critic.lr=0.5", ()), ("critic.trunk_coef=1.0", ()), ("critic.lam=0.5", ()),
      ("critic.policy_lam=0.5", ()), ("critic.lam_alpha=0.3", ()), ("loss.gamma=0.5", ()),
+     ("critic.whiten_advantages=false", ()),
      # the clip acts from the second epoch on (the first starts at the values it is centred on)
      ("critic.value_clip=0.001", ("train.epochs_per_rollout_batch=2",))],
 )  # fmt: skip

@@ -264,7 +264,8 @@ def _gae(
     (``grpo_fast.algo.advantages.compute_gae``): the outcome reward ``[R]`` on its last sampled
     token, ``−β·k1_t`` on each (``kl_rewards``), the value head's ``values``; the advantages with
     the policy's λ (``critic.policy_lam``, or ``1 − 1/(critic.lam_alpha·l)`` per response of ``l``
-    sampled tokens), whitened over every rank's sampled tokens; the targets ``A(critic.lam) + V``."""
+    sampled tokens), whitened over every rank's sampled tokens (``critic.whiten_advantages``); the
+    targets ``A(critic.lam) + V``."""
     cfg, c = run.cfg, run.cfg.critic
     counts = torch.tensor([t.num_sampled for t in rollout.trajectories], dtype=torch.long)  # [R]
     width = int(counts.max()) if len(counts) else 0
@@ -278,7 +279,9 @@ def _gae(
     else:
         policy_lam = c.policy_lam
     raw, _ = compute_gae(token_rewards, v, mask, cfg.loss.gamma, policy_lam)
-    advantages = whiten_over_batch(raw, mask, cfg.loss.advantage_eps, reduce_sums)
+    advantages = (
+        whiten_over_batch(raw, mask, cfg.loss.advantage_eps, reduce_sums) if c.whiten_advantages else raw
+    )
     _, targets = compute_gae(token_rewards, v, mask, cfg.loss.gamma, c.lam)
     n = counts.tolist()
     return [advantages[i, :k].clone() for i, k in enumerate(n)], [
