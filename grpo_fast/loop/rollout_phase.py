@@ -223,15 +223,9 @@ def _reinforce_pp(
     outcome reward ``[R]`` (task reward and shaping) on its last sampled token, ``−β·k1_t`` on
     each (``kl_rewards``, with ``loss.kl_in_reward``), returns discounted by ``loss.gamma``,
     whitened over every rank's sampled tokens."""
-    cfg, trajectories = run.cfg, rollout.trajectories
-    counts = torch.tensor([t.num_sampled for t in trajectories], dtype=torch.long)  # [R]
-    width = int(counts.max()) if len(counts) else 0
-    mask = torch.arange(width)[None, :] < counts[:, None]  # [R, S_max]: sampled tokens, in order
-    token_rewards = None
-    if kl_rewards is not None:
-        token_rewards = torch.zeros(mask.shape)
-        for i, k in enumerate(kl_rewards):
-            token_rewards[i, : k.numel()] = k
+    cfg = run.cfg
+    counts, mask = _sampled_mask(rollout)
+    token_rewards = _padded(kl_rewards, mask.shape[1]) if kl_rewards is not None else None
     advantages, _ = compute_reinforce_pp_advantages(
         outcome,
         mask,
@@ -242,6 +236,14 @@ def _reinforce_pp(
         reduce_sums=reduce_sums,
     )
     return [advantages[i, :n].clone() for i, n in enumerate(counts.tolist())]
+
+
+def _sampled_mask(rollout: Rollout) -> tuple[torch.Tensor, torch.Tensor]:
+    """``counts [R]`` each response's sampled tokens and ``mask [R, S_max]`` (its sampled tokens,
+    in order, then padding): the per-token estimators' layout."""
+    counts = torch.tensor([t.num_sampled for t in rollout.trajectories], dtype=torch.long)
+    width = int(counts.max()) if len(counts) else 0
+    return counts, torch.arange(width)[None, :] < counts[:, None]
 
 
 def _padded(rows: list[torch.Tensor], width: int) -> torch.Tensor:
@@ -267,9 +269,8 @@ def _gae(
     sampled tokens), whitened over every rank's sampled tokens (``critic.whiten_advantages``); the
     targets ``A(critic.lam) + V``."""
     cfg, c = run.cfg, run.cfg.critic
-    counts = torch.tensor([t.num_sampled for t in rollout.trajectories], dtype=torch.long)  # [R]
-    width = int(counts.max()) if len(counts) else 0
-    mask = torch.arange(width)[None, :] < counts[:, None]  # [R, S_max]: sampled tokens, in order
+    counts, mask = _sampled_mask(rollout)
+    width = mask.shape[1]
     token_rewards = _padded(kl_rewards, width) if kl_rewards is not None else torch.zeros(mask.shape)
     rows = torch.nonzero(counts > 0).squeeze(1)
     token_rewards[rows, counts[rows] - 1] += outcome[rows]
