@@ -1,16 +1,18 @@
 """Peak resident-set growth of one optimization step (fused lm_head + loss, AdamW) on a random Qwen2
-of the benchmarks' shape (4 layers, D 512, V 32,768, tied; 8 prompts of 128 tokens x 8 responses
+of the benchmarks' shape (``bench/peers/workloads.py``'s ``wide_config`` at 4 layers: D 512,
+MLP 1,536, V 32,768, tied; 8 prompts of 128 tokens x 8 responses
 of 64, microbatch 8), with and without the value head of ``loss.advantage=gae``; each measurement
 in a fresh process (``grpo_fast.obs.memory.peak_rss_growth``), alternating, 2 rounds.
 
-    OMP_NUM_THREADS=1 python bench/value_head_memory.py
+    OMP_NUM_THREADS=1 python -m bench.value_head_memory
 
 docs/loss.md ("The value model") has the figures.
 """
 
 import torch
-from transformers import Qwen2Config, Qwen2ForCausalLM
+from transformers import Qwen2ForCausalLM
 
+from bench.peers.workloads import wide_config
 from grpo_fast.algo.loss_options import LossOptions
 from grpo_fast.config import load_config
 from grpo_fast.loop.optim import build_optimizer
@@ -25,15 +27,7 @@ from grpo_fast.rollout import Rollout
 
 def build(value: bool):
     torch.manual_seed(0)
-    cfg_m = Qwen2Config(
-        hidden_size=512,
-        num_hidden_layers=4,
-        num_attention_heads=8,
-        num_key_value_heads=2,
-        intermediate_size=1408,
-        vocab_size=32768,
-        tie_word_embeddings=True,
-    )
+    cfg_m = wide_config(layers=4)  # the benchmarks' random Qwen2 (bench/peers/workloads.py)
     model = Qwen2ForCausalLM(cfg_m)
     cfg = load_config(
         "tiny",

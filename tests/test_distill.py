@@ -76,18 +76,19 @@ def test_the_teachers_gap_is_its_logprob_less_the_students_per_token(packing, te
 
 
 def teacher_pass_workload(impl: str, n_seq: int = 8, prompt: int = 16, response: int = 128):
-    """A random Qwen2 of the benchmarks' shape (4 layers, D 512, V 32,768) as a teacher and a
+    """The benchmarks' random Qwen2 (``bench/peers/workloads.py``'s ``wide_config`` at 4 layers:
+    D 512, V 32,768) as a teacher and a
     microbatch of ``n_seq`` sequences: its no-grad log-probs of the response tokens through the
     fused op (``impl="fused"``, the teacher's pass) or from its full logits and ``log_softmax``
     (``"eager"``). A top-level function: ``peak_rss_growth`` rebuilds it in a fresh process."""
-    from transformers import Qwen2Config, Qwen2ForCausalLM
+    from transformers import Qwen2ForCausalLM
 
+    from bench.peers.workloads import wide_config
     from grpo_fast.policy.batch import Sequence, make_microbatches
     from grpo_fast.policy.loss import PolicyLoss
 
     torch.manual_seed(0)
-    config = Qwen2Config(hidden_size=512, num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=2,
-                         intermediate_size=1408, vocab_size=32768, tie_word_embeddings=True)  # fmt: skip
+    config = wide_config(layers=4)
     teacher = Qwen2ForCausalLM(config).eval().requires_grad_(False)
     g = torch.Generator().manual_seed(1)
     seqs = [Sequence(torch.randint(10, 32000, (prompt + response,), generator=g).tolist(), prompt, 0.0, 1.0)
@@ -113,7 +114,7 @@ def test_the_teachers_pass_builds_no_tokens_by_vocab_tensor():
     """1,024 response tokens at V = 32,768 (an fp32 ``[N, V]`` is 128 MiB, the logits of every
     position 144 MiB): the teacher's fused pass grows the resident set by at most 0.4× what full
     logits and their ``log_softmax`` do (each measured in a fresh process). Measured 2026-12-07,
-    alone: 85 MiB against 446 MiB (0.19×), the test 10 s; at 2,048 tokens 94 against 913 MiB.
+    alone: 76 MiB against 477 MiB (0.16×), the test 12 s.
     Planted: the pass through the eager backend (``[N, V]`` logits) → the ratio is ~1."""
     fused = peak_rss_growth(teacher_pass_workload, "fused")
     eager = peak_rss_growth(teacher_pass_workload, "eager")
