@@ -217,7 +217,6 @@ class RolloutConfig:
     max_prompt_tokens: int = option(512, _tokens(1))  # longer prompts are left-truncated, with a warning
     # hf backend: prompts·group_size sequences per generate call
     generation_batch_size: int = option(64, _sequences(1), resume="safe")
-    eval_temperature: float = option(0.0, _NONNEG)  # 0 = greedy
     # vllm: fraction of the card, or auto (memory planner)
     gpu_memory_utilization: Any = option(AUTO, Range(0.05, 0.99, auto_ok=True), resume="safe")
     # vllm sleep mode during the training phase: 0 = stay awake, 1 = offload the weights to CPU
@@ -516,6 +515,8 @@ class LossConfig(LossOptions):
 # Keys that no longer exist -> what to write instead (a ConfigError says so).
 _REPLACED_KEYS = {
     "loss.normalize_by_std": "use loss.scale_rewards=group (was true) or none (was false); batch is new",
+    # the evaluation's sampling is its own section: eval.temperature, eval.top_p, eval.max_tokens, eval.k
+    "rollout.eval_temperature": "use eval.temperature (the same meaning; 0 = greedy)",
 }
 
 
@@ -563,6 +564,31 @@ class DistillConfig:
     # the teacher's linear layers in NF4 (bitsandbytes; its lm_head stays as loaded): a quarter of
     # its bf16 bytes, for a teacher larger than the student
     load_in_4bit: bool = False
+
+
+@dataclass(frozen=True)
+class EvalConfig:
+    """``eval.*``: what the evaluations sample and grade (docs/evaluation.md): the sets, ``k``
+    samples per problem at the evaluation's own sampling, pass@k and avg@k per set. When they run
+    is ``eval_every`` (a fixed subset of ``data.eval_subset_size`` problems of each set) and
+    ``full_eval_every`` (every problem). Nothing here changes training: a resume may change any."""
+
+    RESUME = "safe"  # every key of the section (grpo_fast.config.resume_class)
+
+    # The sets by name (grpo_fast.task.eval_sets): data.task's own (its eval split, data.prompt_template,
+    # data.reward), a registered set with its own template and reward (tiny_3digit, gsm8k, math500,
+    # aime24, amc23, ...), or NAME=PATH (a .jsonl/.parquet file read with data.task's fields, template
+    # and reward). Empty = [data.task]. The first set's metrics are also the headline eval/accuracy.
+    sets: list[str] = field(default_factory=list)
+    # samples per problem: eval/<set>/avg@k (the mean correctness of all k·problems samples) and the
+    # unbiased pass@j (Chen et al. 2021) for j = 2, 4, 8, ... and k; above 1 needs a temperature
+    k: int = option(
+        1, Range(1, 1024, integer=True, hi_why=": 1,024 samples a problem (papers report up to avg@64)")
+    )
+    temperature: float = option(0.0, _NONNEG)  # 0 = greedy (then top_p 1, top_k 0)
+    top_p: float = option(1.0, Range(0, 1, lo_open=True))
+    # new tokens a response; auto = rollout.max_tokens
+    max_tokens: Any = option(AUTO, Range(1, MAX_TOKENS, integer=True, auto_ok=True, hi_why=_TOKENS_WHY))
 
 
 @dataclass(frozen=True)
@@ -669,6 +695,7 @@ class Config:
     sft: SFTConfig = field(default_factory=SFTConfig)
     critic: CriticConfig = field(default_factory=CriticConfig)
     distill: DistillConfig = field(default_factory=DistillConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     health: HealthConfig = field(default_factory=HealthConfig)
     threads: ThreadsConfig = field(default_factory=ThreadsConfig)

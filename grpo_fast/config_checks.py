@@ -49,6 +49,7 @@ def validate(cfg: Config, preset: str | None = None, check_device: bool = True) 
     _check_reward(cfg.data)
     _check_prompt_template(cfg.data)
     _check_train_and_loss(cfg)
+    _check_eval(cfg)
     _check_parallelism(cfg)
     from grpo_fast.obs.health import HealthThresholds
 
@@ -319,6 +320,24 @@ def _check_placement(cfg: Config) -> None:
             "rollout.weight_transfer=nccl broadcasts from the trainer's GPU to the engine's: set rollout.engine_devices "
             "to GPUs the trainer does not use (NCCL needs one GPU per rank)"
         )
+
+
+def _check_eval(cfg: Config) -> None:
+    """``eval.*``: the sets well formed and known (``grpo_fast.task.eval_sets``; whether a set can
+    be read is the loader's, before the run starts), k samples that can differ."""
+    from grpo_fast.task.eval_sets import check_entries
+
+    e = cfg.eval
+    if not isinstance(e.sets, (list, tuple)):
+        raise ConfigError(f"eval.sets must be a list of set names, got {shown(e.sets)}")
+    check_entries(cfg)
+    if e.k > 1 and e.temperature == 0:
+        raise ConfigError(
+            f"eval.k={e.k} with eval.temperature=0: greedy decoding gives the same answer {e.k} times; "
+            "set eval.temperature above 0 (papers' pass@k: 0.6-1.0), or eval.k=1"
+        )
+    if e.temperature == 0 and e.top_p != 1.0:
+        raise ConfigError(f"eval.top_p={e.top_p} with eval.temperature=0: greedy decoding reads no top_p")
 
 
 def _check_train_and_loss(cfg: Config) -> None:

@@ -54,6 +54,17 @@ def test_resolved_yaml_round_trips(tmp_path):
         (["train.micro_batch_size=0"], "train.micro_batch_size=0 is out of range"),
         (["loss.target_kl=0.1"], "loss.target_kl needs an initial loss.beta > 0"),
         (["rollout.top_p=0"], "rollout.top_p must be in (0, 1]"),
+        # the evaluation's own section (docs/evaluation.md): the old key names its new place
+        (
+            ["rollout.eval_temperature=0.5"],
+            "'rollout.eval_temperature' in override rollout.eval_temperature=... was replaced: use eval.temperature",
+        ),
+        (["eval.sets=[mat500]"], "eval.sets: unknown set 'mat500' (did you mean 'math500'?)"),
+        (["eval.sets=[tiny,tiny]"], "eval.sets=['tiny', 'tiny'] names the set 'tiny' twice"),
+        (["eval.sets=[x=a.csv]"], "eval.sets: 'x=a.csv': 'a.csv' is not a .jsonl or .parquet file"),
+        (["eval.sets=[a/b=x.jsonl]"], "the set's name 'a/b' must be letters, digits"),
+        (["eval.k=8"], "eval.k=8 with eval.temperature=0: greedy decoding gives the same answer 8 times"),
+        (["eval.top_p=0.9"], "eval.top_p=0.9 with eval.temperature=0: greedy decoding reads no top_p"),
         (["train.betas=[0.9,1.5]"], "train.betas must be two numbers in [0, 1)"),
         (["loss.dual_clip=0.5"], "loss.dual_clip must be > 1"),
         (["nonsense"], "override 'nonsense' is not of the form key=value"),
@@ -200,7 +211,6 @@ DOMAINS: dict[str, tuple[list[str], list[str]]] = {
     "rollout.min_tokens": (["0", "4"], ["-1", "2000", "1048577"]),  # 2000: above max_tokens=1024
     "rollout.max_prompt_tokens": (["1", "1048576"], ["0", "-1", "1048577"]),
     "rollout.generation_batch_size": (["1", "1048576"], ["0", "-1", "1048577"]),
-    "rollout.eval_temperature": (["0", "0.7"], ["-0.1"]),
     "rollout.gpu_memory_utilization": (["auto", "0.5"], ["0", "-0.5", "1.5"]),
     "rollout.sleep_level": (["0", "2"], ["-1", "3"]),
     "rollout.weight_sync_tolerance": (["auto", "0", "0.05"], ["-0.1"]),
@@ -250,6 +260,10 @@ DOMAINS: dict[str, tuple[list[str], list[str]]] = {
     "loss.entropy_coef": (["0", "0.01", "-0.01"], []),  # negative: an entropy penalty, allowed
     "loss.advantage_eps": (["0", "1e-6"], ["-1e-6"]),
     "loss.gamma": (["0", "0.99", "1"], ["-0.1", "1.5"]),  # != 1: with loss.advantage=reinforce_pp (CONTEXT)
+    "eval.k": (["1", "8", "1024"], ["0", "-1", "2.5", "1025"]),  # above 1 with a temperature (CONTEXT)
+    "eval.temperature": (["0", "0.7"], ["-0.1"]),
+    "eval.top_p": (["1.0", "0.95"], ["0", "-0.5", "1.5"]),  # below 1 with a temperature (CONTEXT)
+    "eval.max_tokens": (["auto", "1", "1048576"], ["0", "-1", "2.5", "1048577"]),
     "distill.coef": (["0.5", "1", "10"], ["0", "-1"]),  # with distill.teacher (CONTEXT)
     "distill.reward_weight": (["0", "1", "2"], ["-1"]),
     # critic.*: with loss.advantage=gae (CONTEXT)
@@ -282,6 +296,8 @@ DOMAINS: dict[str, tuple[list[str], list[str]]] = {
 # Other keys a value needs to be valid in combination.
 CONTEXT = {
     "loss.target_kl": ["loss.beta=0.1"],
+    "eval.k": ["eval.temperature=0.6"],
+    "eval.top_p": ["eval.temperature=0.6"],
     "data.eval_subset_size": ["eval_every=0"],
     "data.tool_error_penalty": ["rollout.environment=calculator"],
     "rollout.max_staleness": ["rollout.old_logprobs=sampler"],

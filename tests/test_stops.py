@@ -126,7 +126,7 @@ def test_a_signal_in_the_first_rollout_without_a_warm_start_writes_nothing_and_s
 
 
 def test_a_signal_in_an_evaluation_cuts_it_short_and_checkpoints_the_step(tmp_path, monkeypatch, capsys):
-    _signal_at(monkeypatch, step_end, "evaluate", _nth_call(2))  # step 0's, then step 2's
+    _signal_at(monkeypatch, step_end, "evaluate_sets", _nth_call(2))  # step 0's, then step 2's
     out = tmp_path / "run"
     args = [*QUICK, "steps=4", "eval_every=2", f"output_dir={out}"]
     assert main(args) == 128 + signal.SIGTERM
@@ -142,7 +142,7 @@ def test_a_signal_in_an_evaluation_cuts_it_short_and_checkpoints_the_step(tmp_pa
 def test_a_signal_in_the_evaluation_before_grpo_keeps_the_warm_start(tmp_path, monkeypatch, capsys):
     """The warm start's 20 steps are kept as a step-0 checkpoint; resumed, the step-0 evaluation
     runs then, and the run is the one that was never stopped (SFT log included)."""
-    _signal_at(monkeypatch, step_end, "evaluate", lambda *a, **k: True)
+    _signal_at(monkeypatch, step_end, "evaluate_sets", lambda *a, **k: True)
     warm = ["sft.steps=20", "sft.target_accuracy=null", "eval_every=2"]
     out = tmp_path / "run"
     assert main([*QUICK, *warm, "steps=3", f"output_dir={out}"]) == 128 + signal.SIGTERM
@@ -382,7 +382,7 @@ def test_ctrl_c_in_a_reward_that_hangs_stops_the_run_at_once_saying_what_it_kept
     if phase == "rollout":
         _arm_at(monkeypatch, loop_step, "rollout_phase", lambda run, step, progress: step == 2)
     else:
-        _arm_at(monkeypatch, step_end, "evaluate", _nth_call(2))  # step 0's, then step 2's
+        _arm_at(monkeypatch, step_end, "evaluate_sets", _nth_call(2))  # step 0's, then step 2's
     out = tmp_path / "run"
     args = [*QUICK, "data.reward=test_stops:hanging_reward", "steps=4", "eval_every=2"]
     assert main([*args, f"output_dir={out}"]) == 128 + signal.SIGINT

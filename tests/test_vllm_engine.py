@@ -15,10 +15,14 @@ import os
 import pytest
 import torch
 
+from grpo_fast.config import load_config
+from grpo_fast.rollout import BackendContext, make_backend
 from grpo_fast.rollout.base import SamplingParams
 from grpo_fast.rollout.vllm import VLLMBackend, VLLMEngine, WeightSyncError, WeightSyncProbe
 from grpo_fast.task import tiny
+from grpo_fast.task.loader import load_task
 from grpo_fast.testing import tiny_vllm_engine
+from grpo_fast.tools.evaluate import evaluate
 
 pytestmark = pytest.mark.vllm
 
@@ -139,6 +143,41 @@ def test_seeded_sampling_is_reproducible_and_logprobs_match_the_trainer(served):
                 logits = model(torch.tensor([seq])).logits[0, len(p) - 1 : -1].double() / 0.7
             want = torch.log_softmax(logits, -1).gather(-1, torch.tensor(c["token_ids"])[:, None])[:, 0]
             assert (torch.tensor(c["logprobs"], dtype=torch.float64) - want).abs().max() < 1e-4
+
+
+@pytest.mark.xdist_group("served")
+def test_evaluation_on_vllm_grades_the_answers_the_hf_decoder_gives(served):
+    """``evaluate`` through vLLM (docs/evaluation.md: the run's own engine): greedy, one answer a
+    problem, the same answers as the trainer's hf decoder problem by problem (a group paired with
+    the wrong problem grades another problem's answer); ``eval.k=4`` at temperature 1: four
+    samples a problem, the same twice with one seed, pass@2 and pass@4 logged."""
+    engine, model, tok = served
+    model = copy.deepcopy(model)  # the random model answers '====' to every prompt: one that does not
+    gen = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(2.0 * p.std() * torch.randn(p.shape, generator=gen) if p.numel() > 1 else 0)
+    cpu = torch.device("cpu")
+    cfg = load_config("tiny", [], ["rollout.max_tokens=4"])
+    task = load_task(cfg, tok)
+    problems = task.eval[:12]
+    vllm = VLLMBackend(engine, tok, sleep_level=0)
+    vllm.update_weights(model, step=0)
+    hf = make_backend(BackendContext(cfg, model, tok, cpu))
+    _, want = evaluate(hf, task, problems, cfg, cpu)
+    _, got = evaluate(vllm, task, problems, cfg, cpu)
+    answers = [r["response"] for r in got]
+    assert len(set(answers)) > 1  # the prompts lead to different answers: a mispairing shows
+    assert [(r["prompt"], r["response"]) for r in got] == [(r["prompt"], r["response"]) for r in want]
+
+    hot = load_config("tiny", [], ["rollout.max_tokens=4", "eval.k=4", "eval.temperature=1.0"])
+    m, first = evaluate(vllm, task, problems, hot, cpu, seed=7)
+    _, again = evaluate(vllm, task, problems, hot, cpu, seed=7)
+    assert [r["response"] for r in first] == [r["response"] for r in again]
+    assert [(r["prompt"], r["sample"]) for r in first] == [
+        (task.prompt_text(e), j) for e in problems for j in range(4)
+    ]
+    assert m["num_examples"] == 12 and {"pass@2", "pass@4"} <= m.keys()
 
 
 @pytest.mark.gpu

@@ -43,7 +43,7 @@ from grpo_fast.policy.teacher import load_teacher
 from grpo_fast.policy.value import ValueHead
 from grpo_fast.rollout import BackendContext, backend, make_backend
 from grpo_fast.task import tiny
-from grpo_fast.task.loader import Task, load_task
+from grpo_fast.task.loader import Task, load_eval_sets, load_task
 from grpo_fast.task.registry import task as task_spec
 from grpo_fast.tools import dry_run, plan
 
@@ -70,9 +70,11 @@ def setup(cfg: Config, device: torch.device, world: dist.DistInfo, out: Path, en
     logger = MetricsLogger(cfg, out, enabled=world.is_main)
 
     task: Task = load_task(cfg)  # the data first: a bad file fails in seconds, before any model loads
+    eval_sets = load_eval_sets(cfg, task)  # and eval.sets (a missing one: one line)
     ckpt.check_model_folder(cfg.model.name_or_path, "re-save or re-download the model")
     tokenizer = load_tokenizer(cfg.model.name_or_path)
-    task.tokenizer = tokenizer
+    for t in {id(t): t for t in (task, *(s.task for s in eval_sets))}.values():
+        t.tokenizer = tokenizer
     model, warm_base = _load_model(cfg, out, tokenizer, device, world)
     parallel.check_model(model, world)  # sp: heads that do not divide, ...: one line now
     amp = autocast_dtype(cfg, device)
@@ -113,7 +115,7 @@ def setup(cfg: Config, device: torch.device, world: dist.DistInfo, out: Path, en
         )
     if warm_base:  # the warm start made the base (sft.target=base): it is frozen, the adapter goes on it
         model = _adapter_on_warm_base(cfg, model, out, tokenizer, device, world, sft_steps)
-    run = _build_run(cfg, device, world, out, logger, task, tokenizer, model, amp, teacher)
+    run = _build_run(cfg, device, world, out, logger, task, tokenizer, model, amp, teacher, eval_sets)
     run.sft_steps, run.rollout.prompts_per_rank = sft_steps, n_prompts // world.ranks.size
     if resume_from is not None:
         restore(run, resume_from)  # a refusal here (another world size, ...) leaves config.yaml as it was
@@ -126,7 +128,7 @@ def setup(cfg: Config, device: torch.device, world: dist.DistInfo, out: Path, en
         run.rollout.backend = _make_backend(run, engine)
 
     model_row = _announce_trainable(run)
-    if run.trainer.state.step == 0 and cfg.eval_every and run.eval_subset and not logger.has_row(0):
+    if run.trainer.state.step == 0 and cfg.eval_every and run.eval_subset_size and not logger.has_row(0):
         # a signal, or a failed engine (on any rank: every rank together): the warm start kept
         with stop_within(run, 0, "the evaluation before GRPO", together=True):
             row = evaluate_run(run, 0, full=False)
@@ -205,7 +207,9 @@ def _lora_base(cfg: Config, out: Path, tokenizer, world: dist.DistInfo) -> str |
     return None
 
 
-def _build_run(cfg, device, world, out, logger, task, tokenizer, model, amp, teacher=None) -> Run:
+def _build_run(
+    cfg, device, world, out, logger, task, tokenizer, model, amp, teacher=None, eval_sets=()
+) -> Run:
     """The run's modules and helpers around the loaded (and possibly warm-started) policy."""
     kl_ctl = AdaptiveKLController(cfg.loss.beta, cfg.loss.target_kl) if cfg.loss.target_kl else None
     # The KL reference is the policy GRPO starts from (after any warm start), frozen, kept in
@@ -273,7 +277,7 @@ def _build_run(cfg, device, world, out, logger, task, tokenizer, model, amp, tea
         health=HealthMonitor(
             HealthThresholds(**thresholds), group_baseline=cfg.loss.advantage in GROUP_ESTIMATORS
         ),
-        eval_subset=task.eval_subset(cfg.data.eval_subset_size, cfg.seed),
+        eval_sets=eval_sets,
         agree=agreement.make_group(world, cfg.rollout.request_timeout),
     )
 

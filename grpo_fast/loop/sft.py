@@ -33,7 +33,7 @@ import torch
 
 from grpo_fast import dist, threads
 from grpo_fast.algo.loss_options import LossOptions
-from grpo_fast.config import Config
+from grpo_fast.config import Config, EvalConfig
 from grpo_fast.errors import Preempted
 from grpo_fast.loop import preempt
 from grpo_fast.loop.checkpointing import load_sft_progress, remove_sft_progress, save_sft_progress
@@ -97,7 +97,8 @@ def sft_warm_start(
             row = {"step": step, "sft/loss": nll, "sft/lr": lr}
             reached = False
             if s.target_accuracy is not None and step % s.check_every == 0:
-                metrics, _ = evaluate(checker, task, check_set, cfg, device)
+                # one greedy answer a problem, whatever eval.* asks of the evaluations
+                metrics, _ = evaluate(checker, task, check_set, cfg, device, sampling=EvalConfig())
                 row["sft/train_accuracy"] = metrics["accuracy"]
                 reached = metrics["accuracy"] >= s.target_accuracy
             row["time/elapsed_s"] = time.perf_counter() - t0

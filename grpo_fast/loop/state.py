@@ -182,7 +182,8 @@ class Run:
     trainer: Trainer
     rollout: RolloutSide
     health: HealthMonitor
-    eval_subset: list
+    # eval.sets, loaded (grpo_fast.task.eval_sets.EvalSet: each with its task and fixed subset)
+    eval_sets: list
     sft_steps: int = 0
     # the pipeline while a pipelined run trains (grpo_fast.loop.pipeline.Pipeline): what its
     # checkpoints record of the producer's side; None in lockstep
@@ -190,6 +191,11 @@ class Run:
     # under torchrun, the gloo group the ranks agree on each unit of rollout work over
     # (grpo_fast.loop.agreement); None in a world of one
     agree: object | None = None
+
+    @property
+    def eval_subset_size(self) -> int:
+        """Problems the subset evaluation (``eval_every``) grades, over every set (0: none)."""
+        return sum(len(s.subset) for s in self.eval_sets)
 
     @property
     def ckpt_root(self) -> Path:

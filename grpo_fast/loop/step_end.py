@@ -26,33 +26,36 @@ from grpo_fast.obs.metrics import PhaseProgress
 from grpo_fast.policy import checkpoint as ckpt
 from grpo_fast.policy import parallel
 from grpo_fast.policy.lora import is_lora, merged_model
-from grpo_fast.tools.evaluate import evaluate, tool_record
+from grpo_fast.tools.evaluate import evaluate_sets, tool_record
 
 
 def evaluate_run(run: Run, step: int, full: bool, progress: PhaseProgress | None = None) -> dict[str, float]:
-    """Greedy accuracy on the eval subset (``full``: the whole eval set), split over ranks; rank 0
-    writes the first ``logging.samples_per_dump`` records to ``samples/eval_step_<step>.jsonl``."""
-    examples = run.task.eval if full else run.eval_subset
+    """Every eval set's subset (``full``: all its problems) at the ``eval`` section's sampling,
+    split over ranks (``evaluate_sets``: the metrics ``eval/<set>/...`` and the first set's
+    ``eval/...``; ``full``: ``eval_full/``); rank 0 writes each set's first
+    ``logging.samples_per_dump`` records to ``samples/eval_step_<step>.jsonl``."""
+    share = lambda s: len((s.task.eval if full else s.subset)[run.world.dp.rank :: run.world.dp.size])
     preempt.check_unit()  # a signal before it began: not a chunk of it
     if progress is not None:
-        progress.phase("eval", len(examples[run.world.dp.rank :: run.world.dp.size]))
+        progress.phase("eval", sum(share(s) for s in run.eval_sets))
     advance = preempt.unit_callback(progress.advance_phase if progress is not None else None)
     with run.generation_weights(), preempt.rewards_abandonable():  # a reward that hangs: Interrupt
-        metrics, records = evaluate(
+        metrics, records = evaluate_sets(
             run.eval_backend(),
-            run.task,
-            examples,
+            run.eval_sets,
             run.cfg,
             run.device,
+            full=full,
+            prefix="eval_full/" if full else "eval/",
             world=run.world,
             progress=advance,
             graded=lambda error: agree(run.agree, run.world, error, what="evaluation"),  # every rank together
         )
     if run.world.is_main:
         n = run.cfg.logging.samples_per_dump
-        _dump_samples(run.out / "samples" / f"eval_step_{step}.jsonl", records[:n])
-    prefix = "eval_full/" if full else "eval/"
-    return {prefix + k: v for k, v in metrics.items()}
+        firsts = [rec for s in run.eval_sets for rec in [r for r in records if r["set"] == s.name][:n]]
+        _dump_samples(run.out / "samples" / f"eval_step_{step}.jsonl", firsts)
+    return metrics
 
 
 def end_of_step(run: Run, step: int, batch, result, row: dict, progress: PhaseProgress) -> None:
@@ -73,7 +76,7 @@ def end_of_step(run: Run, step: int, batch, result, row: dict, progress: PhasePr
                     fh.write(json.dumps(ev.to_dict()) + "\n")
     cut = None  # the signal that cut this step's evaluation short
     try:
-        if cfg.eval_every and (step % cfg.eval_every == 0 or step == cfg.steps) and run.eval_subset:
+        if cfg.eval_every and (step % cfg.eval_every == 0 or step == cfg.steps) and run.eval_subset_size:
             t0 = time.perf_counter()
             row.update(evaluate_run(run, step, full=False, progress=progress))
             row["time/eval_s"] = time.perf_counter() - t0

@@ -94,7 +94,7 @@ COST_KEYS: tuple[str, ...] = (
     *("model.name_or_path", "model.dtype", "model.attn_implementation", "model.gradient_checkpointing"),
     *("model.load_in_4bit", "model.lora.r", "model.lora.target_modules", "train.mixed_precision"),
     *("data.task", "data.train_path", "data.eval_path", "data.hub_name", "data.prompt_template"),
-    *("data.reward", "data.eval_subset_size"),
+    *("data.reward", "data.eval_subset_size", "eval.sets", "eval.k", "eval.max_tokens"),
     *("rollout.backend", "rollout.group_size", "rollout.batch_size", "rollout.max_tokens"),
     *("rollout.min_tokens", "rollout.max_prompt_tokens", "rollout.generation_batch_size"),
     *("rollout.dynamic_sampling", "rollout.max_sampling_rounds", "rollout.adaptive_group_size"),

@@ -26,6 +26,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import re
 from collections import Counter
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -292,7 +293,7 @@ def write_report(run_dir: str | Path, out_dir: str | Path | None = None) -> Path
     out = Path(out_dir) if out_dir is not None else run.run_dir / "report"
     out.mkdir(parents=True, exist_ok=True)
     written, skipped = [], []
-    for spec in PLOTS:
+    for spec in (*PLOTS, *eval_set_plots(run.rows)):
         if spec.name == "memory" and run.device in MEMORY_TITLES:
             spec = PlotSpec(spec.name, MEMORY_TITLES[run.device], spec.panels)
         if _render(spec, run.rows, out / f"{spec.name}.png", run.reward_range):
@@ -318,6 +319,36 @@ def main(argv: Sequence[str] | None = None, prog: str = "python -m grpo_fast.rep
 # ----------------------------------------------------------------------------------------------
 # Plots
 # ----------------------------------------------------------------------------------------------
+
+
+_SET_KEY = re.compile(r"(eval|eval_full)/([^/]+)/((?:avg|pass)@(\d+))")
+
+
+def _set_keys(rows: list[dict[str, Any]]) -> dict[tuple[str, str], list[str]]:
+    """(prefix, set) → its ``avg@k`` / ``pass@j`` keys in the rows, avg first, then j rising."""
+    found: dict[tuple[str, str], set[str]] = {}
+    for row in rows:
+        for key in row:
+            if m := _SET_KEY.fullmatch(key):
+                found.setdefault((m[1], m[2]), set()).add(key)
+    order = lambda k: (k.rsplit("/", 1)[1].startswith("pass"), int(k.rsplit("@", 1)[1]))
+    return {ps: sorted(keys, key=order) for ps, keys in sorted(found.items())}
+
+
+def eval_set_plots(rows: list[dict[str, Any]]) -> tuple[PlotSpec, ...]:
+    """``eval_sets.png`` (``eval_full_sets.png`` for the full evaluations): one panel per eval set,
+    its avg@k and pass@j over the steps; none for a run that logs no per-set keys."""
+    specs = []
+    for prefix, title in (
+        ("eval", "Evaluation by set (eval_every)"),
+        ("eval_full", "Full evaluation by set"),
+    ):
+        panels = tuple(
+            Panel(f"{name}", tuple(keys)) for (p, name), keys in _set_keys(rows).items() if p == prefix
+        )
+        if panels:
+            specs.append(PlotSpec(f"{prefix}_sets", title, panels, optional=True))
+    return tuple(specs)
 
 
 def _render(spec: PlotSpec, rows: list[dict[str, Any]], path: Path, reward_range=None) -> bool:
@@ -352,6 +383,34 @@ def _render(spec: PlotSpec, rows: list[dict[str, Any]], path: Path, reward_range
     fig.suptitle(spec.title)
     fig.savefig(path, dpi=110)
     return True
+
+
+def _eval_set_lines(rows: list[dict[str, Any]]) -> list[str]:
+    """``## Evaluation by set``: each set's last evaluation (subset and full), the figures a
+    paper's table reports: avg@k, pass@j, the format rate and the mean response length."""
+    keys = _set_keys(rows)
+    if not keys:
+        return []
+    table = []
+    for (prefix, name), scored in keys.items():
+        steps, _ = series(rows, scored[0])
+        last = next(r for r in reversed(rows) if scored[0] in r)
+        figures = ", ".join(f"{k.rsplit('/', 1)[1]} {_fmt(last[k])}" for k in scored if k in last)
+        base = f"{prefix}/{name}/"
+        n = last.get(base + "num_examples")
+        table.append(
+            (
+                f"`{name}`",
+                prefix,
+                f"{steps[-1]:g}",
+                f"{n:g}" if n is not None else "",
+                figures,
+                _fmt(last.get(base + "format_rate")),
+                _fmt(last.get(base + "response_length_mean")),
+            )
+        )
+    head = ("set", "evaluation", "step", "problems", "score", "format rate", "mean length")
+    return ["", "## Evaluation by set", "", *_table(head, table)]
 
 
 def _std_band(ax, rows, steps, values, color, reward_range=None) -> None:
@@ -412,6 +471,7 @@ def _summary_markdown(run: RunData, written: list[PlotSpec], skipped: list[str])
         )
     else:
         lines.append("No `eval/accuracy` in the metrics.")
+    lines += _eval_set_lines(run.rows)
     lines += _turns_lines(run.turns_sample)
     lines += ["", "## Health", "", *_health_lines(run.events), "", "## Final metrics", ""]
     lines += _table(("metric", "step", "last value"), _final_values(run.rows))

@@ -9,13 +9,14 @@ round) its own sampling seed, so that a resumed run samples what the straight ru
 from __future__ import annotations
 
 import contextlib
+import zlib
 
 import numpy as np
 import torch
 
 from grpo_fast.rollout.base import SamplingParams
 
-__all__ = ["sampling_params", "sampling_rng", "step_seed"]
+__all__ = ["eval_seed", "sampling_params", "sampling_rng", "step_seed"]
 
 
 def sampling_params(
@@ -25,29 +26,37 @@ def sampling_params(
     n: int | None = None,
     temperature: float | None = None,
     seed: int | None = None,
-    for_eval: bool = False,
+    for_eval=False,
 ) -> SamplingParams:
     """``SamplingParams`` from the ``rollout`` config section.
 
     Training (default): ``n = rollout.group_size`` responses at ``temperature`` (default
     ``rollout.temperature``; the loop passes it with the health monitor's boost),
     ``rollout.top_p``, ``rollout.top_k``, ``rollout.min_tokens``..``rollout.max_tokens`` new tokens.
-    ``for_eval``: one response at ``rollout.eval_temperature`` (0 = greedy, then top_p 1 and top_k
-    0), no minimum length.
+    ``for_eval``: the ``eval`` section (``grpo_fast.config.EvalConfig``; ``True``: its defaults,
+    one greedy response): ``eval.k`` responses at ``eval.temperature`` and ``eval.top_p`` (0 =
+    greedy, then top_p 1 and top_k 0; else ``rollout.top_k``), up to ``eval.max_tokens`` (auto =
+    ``rollout.max_tokens``) new tokens, no minimum length.
 
     Example: ``sampling_params(cfg.rollout, task.stop, seed=step_seed(cfg.seed, step, rank))``.
     """
     r = rollout_cfg
-    if for_eval:
-        greedy = r.eval_temperature == 0
+    if for_eval is not False:
+        # True: the section's defaults (one greedy answer, rollout.max_tokens)
+        k, temp, top_p, most = (
+            (1, 0.0, 1.0, "auto")
+            if for_eval is True
+            else (for_eval.k, for_eval.temperature, for_eval.top_p, for_eval.max_tokens)
+        )
+        greedy = temp == 0
         return SamplingParams(
-            n=1,
-            temperature=r.eval_temperature,
-            top_p=1.0 if greedy else r.top_p,
-            max_tokens=r.max_tokens,
+            n=k,
+            temperature=temp,
+            top_p=1.0 if greedy else top_p,
+            max_tokens=r.max_tokens if most == "auto" else most,
             min_tokens=0,
             stop=tuple(stop),
-            seed=seed,
+            seed=None if greedy else seed,
             top_k=0 if greedy else r.top_k,
         )
     return SamplingParams(
@@ -60,6 +69,17 @@ def sampling_params(
         seed=seed,
         top_k=r.top_k,
     )
+
+
+def eval_seed(seed: int, name: str, rank: int) -> int:
+    """The sampling seed of eval set ``name`` on ``rank``: the same at every evaluation of a run (the
+    steps' figures then differ by the model alone, not by the draws) and in ``grpo-fast evaluate``
+    with the same ``seed``; a set's draws do not depend on which other sets are evaluated.
+
+    Example: ``eval_seed(0, "tiny", 0) != eval_seed(0, "tiny_3digit", 0)``; fits in 31 bits.
+    """
+    entropy = [seed, zlib.crc32(name.encode()), rank, 0xE7A1]
+    return int(np.random.SeedSequence(entropy).generate_state(1)[0] >> 1)
 
 
 def step_seed(seed: int, step: int, rank: int, round: int = 0) -> int:

@@ -18,7 +18,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from grpo_fast.config import AUTO, Config
-from grpo_fast.errors import ConfigError, shown
+from grpo_fast.errors import ConfigError, DataError, shown
+from grpo_fast.task import eval_sets
 from grpo_fast.task.data import Example, TaskSpec, load_examples
 from grpo_fast.task.prompts import PLACEHOLDER, PromptTemplate, get_template
 from grpo_fast.task.registry import task as task_spec
@@ -219,3 +220,69 @@ def _import_reward(spec: str) -> Callable[[str, str], dict[str, float]]:
     if not callable(fn):
         raise ConfigError(f"data.reward={spec!r} is not a function")
     return fn
+
+
+def load_eval_sets(cfg, task) -> list[eval_sets.EvalSet]:
+    """The sets of ``eval.sets`` for the run whose task is ``task`` (``grpo_fast.task.loader.Task``);
+    each set's subset drawn with ``cfg.seed`` (the same every evaluation, every resume)."""
+    out = []
+    for entry in eval_sets.entries(cfg):
+        try:
+            set_task = task if entry.kind == "run" else _set_task(cfg, task, entry)
+        except (DataError, ConfigError) as exc:
+            raise type(exc)(f"eval.sets: {shown(entry.name)}: {exc}") from None  # exc names a file's path
+        out.append(
+            eval_sets.EvalSet(entry.name, set_task, set_task.eval_subset(cfg.data.eval_subset_size, cfg.seed))
+        )
+    return out
+
+
+def _set_task(cfg, task, entry: eval_sets.Entry):
+    """The ``Task`` grading a registered or file set: the run's tokenizer and prompt length."""
+    run_spec = task_spec(cfg.data.task)
+    if entry.kind == "file":
+        spec, template, reward = run_spec, cfg.data.prompt_template, task.reward_fn
+    else:
+        reg = eval_sets.EVAL_SETS[entry.name]
+        spec, template = task_spec(reg.task), reg.template
+        reward = _guarded_reward(reg.reward or spec.reward, reg.task, cfg.data.reward_errors)
+    # the characters the model's tokenizer knows (the built-in tiny tokenizer's: 0-9 + =)
+    alphabet_of = run_spec.alphabet or spec.alphabet
+    alphabet = alphabet_of(cfg.model.name_or_path) if alphabet_of is not None else None
+    if entry.kind == "file":
+        examples = load_examples(
+            cfg.data.task,
+            entry.path,
+            split="eval",
+            question_field=cfg.data.question_field,
+            answer_field=cfg.data.answer_field,
+            alphabet=alphabet,
+        )
+    else:
+        reg = eval_sets.EVAL_SETS[entry.name]
+        if reg.builtin is not None:
+            examples = reg.builtin()
+        else:
+            examples = load_examples(
+                reg.task,
+                None,
+                split=reg.split,
+                question_field=reg.question_field,
+                answer_field=reg.answer_field,
+                hub_name=reg.hub_name,
+                hub_config=reg.hub_config,
+            )
+        if alphabet is not None:
+            eval_sets.check_alphabet(examples, alphabet)
+    if alphabet is not None:
+        _check_template_alphabet(template, get_template(template), alphabet)
+    return dataclasses.replace(
+        task,
+        name=spec.name,
+        train=[],
+        eval=examples,
+        template=template,
+        stop=list(get_template(template).stop),
+        reward_fn=reward,
+        _ids={},
+    )

@@ -25,7 +25,7 @@ def tasks() -> dict[str, TaskSpec]:
     if _FOUND is None:
         found = {}
         for info in sorted(pkgutil.iter_modules([str(Path(__file__).parent)]), key=lambda m: m.name):
-            if info.name in ("registry", "loader", "data"):  # loader: a floor above; data reads this
+            if info.name in ("registry", "loader", "data", "eval_sets"):  # a floor above; data reads this
                 continue
             spec = getattr(importlib.import_module(f"{__package__}.{info.name}"), "TASK", None)
             if isinstance(spec, TaskSpec):

@@ -77,14 +77,36 @@ def dry_run(preset: str, config_files: list[str], overrides: list[str]) -> int:
             f"  per step: {n_prompts} prompts × {r.group_size} responses; {cfg.steps} steps use "
             f"{cfg.steps * n_prompts / max(len(task.train), 1):.2f} passes over the train set"
         )
-        subset = min(cfg.data.eval_subset_size, len(task.eval))
-        print(f"  eval: {evaluations(cfg) or 'none (eval_every=0)'}, {subset} problems each (eval_every)")
+        _print_eval_sets(cfg, task, problems)
         if task.train:
             _print_sample_prompt(task, cfg)
     for msg in problems:
         print(f"error: {one_line(msg)}", file=sys.stderr)
     print("\ndry run: no model was loaded")
     return 2 if problems else 0
+
+
+def _print_eval_sets(cfg: Config, task, problems: list[str]) -> None:
+    """The eval sets as the run loads them (a set that cannot be read: the run's line, in
+    ``problems``), each with its problems, template and the subset eval_every grades."""
+    from grpo_fast.task.loader import load_eval_sets
+
+    try:
+        sets = load_eval_sets(cfg, task)
+    except UserError as exc:
+        problems.append(str(exc))
+        print(f"  cannot load the eval sets: {exc}")
+        return
+    e = cfg.eval
+    how = "greedy" if e.temperature == 0 else f"temperature {e.temperature:g}, top_p {e.top_p:g}"
+    when = evaluations(cfg) or "none (eval_every=0)"
+    print(
+        f"  eval: {when}, {e.k} sample{'s' * (e.k > 1)} a problem ({how}); full sets every {cfg.full_eval_every or 'never'}"
+    )
+    for s in sets:
+        print(
+            f"    {s.name}: {len(s.task.eval)} problems, template {s.task.template}, {len(s.subset)} each eval_every"
+        )
 
 
 def _trainable_text(cfg: Config, plan) -> str:
