@@ -149,3 +149,28 @@ def test_a_file_set_is_read_as_the_runs_task_and_its_characters_checked(tmp_path
         DataError, match=r"eval\.sets: 'bad': .*bad\.jsonl:1: the question '1 \+ 2 =' holds ' '"
     ):
         load_eval_sets(cfg, load_task(cfg))
+
+
+def test_the_report_plots_each_set_and_tables_its_last_evaluation(two_set_run):
+    """``eval_sets.png`` with a panel per set, and ``summary.md``'s "Evaluation by set": each set's
+    last evaluation (step 2, 24 problems) with its avg@8 and pass@j as the metrics say. Planted:
+    the table's row read from the first evaluation → the step and figures differ."""
+    from grpo_fast.obs.report import eval_set_plots, write_report
+
+    rows = list(_rows(two_set_run).values())
+    (spec,) = eval_set_plots(rows)
+    assert spec.name == "eval_sets" and [p.ylabel for p in spec.panels] == ["tiny", "tiny_3digit"]
+    out = write_report(two_set_run).parent
+    assert (out / "eval_sets.png").stat().st_size > 0
+    summary = (out / "summary.md").read_text()
+    table = summary[summary.index("## Evaluation by set") :].split("\n\n")[1].splitlines()
+    last = _rows(two_set_run)[2]
+    for name in ("tiny", "tiny_3digit"):
+        (line,) = [row for row in table if row.startswith(f"| `{name}` ")]
+        cells = [c.strip() for c in line.strip("|").split("|")]
+        assert cells[1:4] == ["eval", "2", "24"], cells
+        assert f"avg@8 {last[f'eval/{name}/avg@8']:.4g}" in cells[4], cells
+        assert f"pass@8 {last[f'eval/{name}/pass@8']:.4g}" in cells[4], cells
+        assert cells[5:] == [
+            f"{last[f'eval/{name}/{k}']:.4g}" for k in ("format_rate", "response_length_mean")
+        ]
