@@ -516,7 +516,7 @@ class LossConfig(LossOptions):
 _REPLACED_KEYS = {
     "loss.normalize_by_std": "use loss.scale_rewards=group (was true) or none (was false); batch is new",
     # the evaluation's sampling is its own section: eval.temperature, eval.top_p, eval.max_tokens, eval.k
-    "rollout.eval_temperature": "use eval.temperature (the same meaning; 0 = greedy)",
+    "rollout.eval_temperature": "use eval.temperature (the same meaning; 0 = greedy; auto: greedy at eval.k=1)",
 }
 
 
@@ -585,10 +585,19 @@ class EvalConfig:
     k: int = option(
         1, Range(1, 1024, integer=True, hi_why=": 1,024 samples a problem (papers report up to avg@64)")
     )
-    temperature: float = option(0.0, _NONNEG)  # 0 = greedy (then top_p 1, top_k 0)
+    # 0 = greedy (then top_p 1, top_k 0); auto: greedy at k = 1, rollout.temperature (the policy's own
+    # sampling, what it trains on) above, so that `grpo-fast evaluate --k 16` samples as it should
+    temperature: Any = option(AUTO, Range(0, auto_ok=True))
     top_p: float = option(1.0, Range(0, 1, lo_open=True))
     # new tokens a response; auto = rollout.max_tokens
     max_tokens: Any = option(AUTO, Range(1, MAX_TOKENS, integer=True, auto_ok=True, hi_why=_TOKENS_WHY))
+
+    def sampling_temperature(self, rollout_temperature: float) -> float:
+        """The temperature the evaluation samples at: ``temperature``, its ``auto`` resolved (0 at
+        k = 1, ``rollout_temperature`` above)."""
+        if self.temperature != AUTO:
+            return self.temperature
+        return 0.0 if self.k == 1 else rollout_temperature
 
 
 @dataclass(frozen=True)

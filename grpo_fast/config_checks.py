@@ -331,13 +331,16 @@ def _check_eval(cfg: Config) -> None:
     if not isinstance(e.sets, (list, tuple)):
         raise ConfigError(f"eval.sets must be a list of set names, got {shown(e.sets)}")
     check_entries(cfg)
-    if e.k > 1 and e.temperature == 0:
+    if e.k > 1 and e.sampling_temperature(cfg.rollout.temperature) == 0:
         raise ConfigError(
             f"eval.k={e.k} with eval.temperature=0: greedy decoding gives the same answer {e.k} times; "
             "set eval.temperature above 0 (papers' pass@k: 0.6-1.0), or eval.k=1"
         )
-    if e.temperature == 0 and e.top_p != 1.0:
-        raise ConfigError(f"eval.top_p={e.top_p} with eval.temperature=0: greedy decoding reads no top_p")
+    if e.sampling_temperature(cfg.rollout.temperature) == 0 and e.top_p != 1.0:
+        said = "0" if e.temperature != AUTO else "auto (greedy at eval.k=1)"
+        raise ConfigError(
+            f"eval.top_p={e.top_p} with eval.temperature={said}: greedy decoding reads no top_p"
+        )
 
 
 def _check_train_and_loss(cfg: Config) -> None:

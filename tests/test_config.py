@@ -63,8 +63,18 @@ def test_resolved_yaml_round_trips(tmp_path):
         (["eval.sets=[tiny,tiny]"], "eval.sets=['tiny', 'tiny'] names the set 'tiny' twice"),
         (["eval.sets=[x=a.csv]"], "eval.sets: 'x=a.csv': 'a.csv' is not a .jsonl or .parquet file"),
         (["eval.sets=[a/b=x.jsonl]"], "the set's name 'a/b' must be letters, digits"),
-        (["eval.k=8"], "eval.k=8 with eval.temperature=0: greedy decoding gives the same answer 8 times"),
-        (["eval.top_p=0.9"], "eval.top_p=0.9 with eval.temperature=0: greedy decoding reads no top_p"),
+        (
+            ["eval.k=8", "eval.temperature=0"],
+            "eval.k=8 with eval.temperature=0: greedy decoding gives the same answer 8 times",
+        ),
+        (
+            ["eval.top_p=0.9"],
+            "eval.top_p=0.9 with eval.temperature=auto (greedy at eval.k=1): greedy decoding reads no top_p",
+        ),
+        (
+            ["eval.top_p=0.9", "eval.temperature=0"],
+            "eval.top_p=0.9 with eval.temperature=0: greedy decoding reads no top_p",
+        ),
         (["train.betas=[0.9,1.5]"], "train.betas must be two numbers in [0, 1)"),
         (["loss.dual_clip=0.5"], "loss.dual_clip must be > 1"),
         (["nonsense"], "override 'nonsense' is not of the form key=value"),
@@ -261,7 +271,7 @@ DOMAINS: dict[str, tuple[list[str], list[str]]] = {
     "loss.advantage_eps": (["0", "1e-6"], ["-1e-6"]),
     "loss.gamma": (["0", "0.99", "1"], ["-0.1", "1.5"]),  # != 1: with loss.advantage=reinforce_pp (CONTEXT)
     "eval.k": (["1", "8", "1024"], ["0", "-1", "2.5", "1025"]),  # above 1 with a temperature (CONTEXT)
-    "eval.temperature": (["0", "0.7"], ["-0.1"]),
+    "eval.temperature": (["0", "0.7", "auto"], ["-0.1"]),
     "eval.top_p": (["1.0", "0.95"], ["0", "-0.5", "1.5"]),  # below 1 with a temperature (CONTEXT)
     "eval.max_tokens": (["auto", "1", "1048576"], ["0", "-1", "2.5", "1048577"]),
     "distill.coef": (["0.5", "1", "10"], ["0", "-1"]),  # with distill.teacher (CONTEXT)

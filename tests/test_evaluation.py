@@ -115,6 +115,18 @@ def test_eval_sampling_keys_reach_the_sampler(two_set_run, capsys):
     assert greedy["eval/tiny/response_length_mean"] > 1.0
 
 
+def test_eval_temperature_auto_is_greedy_alone_and_the_policys_temperature_at_k_above_1(two_set_run, capsys):
+    """``eval.temperature=auto`` (the default): ``--k 2`` alone samples at ``rollout.temperature``
+    (the issue's ``grpo-fast evaluate --k 16`` with no temperature runs), the same draws as that
+    temperature given; k = 1 stays greedy. Planted: auto read as 1.0 → the 0.7 run differs."""
+    model = ["--model", str(two_set_run / "final"), "--sets", "tiny", "--limit", "40"]
+    auto = _cli_metrics(capsys, *model, "--k", "2", "rollout.temperature=0.7")
+    assert auto == _cli_metrics(capsys, *model, "--k", "2", "--temperature", "0.7")
+    assert auto != _cli_metrics(capsys, *model, "--k", "2", "--temperature", "1.0")
+    greedy = _cli_metrics(capsys, *model)
+    assert greedy == _cli_metrics(capsys, *model, "--temperature", "0")
+
+
 def test_a_set_that_cannot_be_read_is_one_line_before_the_run_starts(tmp_path, capsys):
     """A missing file, and a Hub set offline (the tests' Hub is off: tests/conftest.py): one line
     naming the set, exit 2, and the run folder holds no run."""

@@ -34,8 +34,9 @@ def sampling_params(
     ``rollout.temperature``; the loop passes it with the health monitor's boost),
     ``rollout.top_p``, ``rollout.top_k``, ``rollout.min_tokens``..``rollout.max_tokens`` new tokens.
     ``for_eval``: the ``eval`` section (``grpo_fast.config.EvalConfig``; ``True``: its defaults,
-    one greedy response): ``eval.k`` responses at ``eval.temperature`` and ``eval.top_p`` (0 =
-    greedy, then top_p 1 and top_k 0; else ``rollout.top_k``), up to ``eval.max_tokens`` (auto =
+    one greedy response): ``eval.k`` responses at ``eval.temperature``
+    (``EvalConfig.sampling_temperature``: auto = greedy at k = 1, ``rollout.temperature`` above)
+    and ``eval.top_p`` (0 = greedy, then top_p 1 and top_k 0; else ``rollout.top_k``), up to ``eval.max_tokens`` (auto =
     ``rollout.max_tokens``) new tokens, no minimum length.
 
     Example: ``sampling_params(cfg.rollout, task.stop, seed=step_seed(cfg.seed, step, rank))``.
@@ -46,7 +47,12 @@ def sampling_params(
         k, temp, top_p, most = (
             (1, 0.0, 1.0, "auto")
             if for_eval is True
-            else (for_eval.k, for_eval.temperature, for_eval.top_p, for_eval.max_tokens)
+            else (
+                for_eval.k,
+                for_eval.sampling_temperature(r.temperature),
+                for_eval.top_p,
+                for_eval.max_tokens,
+            )
         )
         greedy = temp == 0
         return SamplingParams(

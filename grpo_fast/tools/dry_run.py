@@ -98,7 +98,8 @@ def _print_eval_sets(cfg: Config, task, problems: list[str]) -> None:
         print(f"  cannot load the eval sets: {exc}")
         return
     e = cfg.eval
-    how = "greedy" if e.temperature == 0 else f"temperature {e.temperature:g}, top_p {e.top_p:g}"
+    temp = e.sampling_temperature(cfg.rollout.temperature)
+    how = "greedy" if temp == 0 else f"temperature {temp:g}, top_p {e.top_p:g}"
     when = evaluations(cfg) or "none (eval_every=0)"
     print(
         f"  eval: {when}, {e.k} sample{'s' * (e.k > 1)} a problem ({how}); full sets every {cfg.full_eval_every or 'never'}"

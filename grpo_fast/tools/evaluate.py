@@ -218,7 +218,12 @@ def parse_args(argv, prog: str = "python -m grpo_fast.evaluate"):
     p.add_argument("--config", action="append", default=[], metavar="FILE.yaml")
     p.add_argument("--sets", default=None, metavar="A,B", help="eval.sets: the sets by name, comma-separated")
     p.add_argument("--k", type=int, default=None, help="eval.k: samples per problem (pass@k, avg@k)")
-    p.add_argument("--temperature", type=float, default=None, help="eval.temperature (0 = greedy)")
+    p.add_argument(
+        "--temperature",
+        type=float,
+        default=None,
+        help="eval.temperature (0 = greedy; default auto: greedy at k = 1, rollout.temperature above)",
+    )
     p.add_argument("--top-p", type=float, default=None, help="eval.top_p")
     p.add_argument(
         "--max-tokens", type=int, default=None, help="eval.max_tokens (default: rollout.max_tokens)"
