@@ -120,6 +120,7 @@ class Produced:
     wait_s: float  # the producer's wait for this job (its weights)
     load_s: float  # loading the job's weights into the backend (0 when it held them)
     wait_trainer_s: float = 0.0  # the trainer's wait for it
+    lag: int = 0  # optimizer steps between its oldest sampling weights and the trainer's (_collect)
 
     @property
     def temperature(self) -> float:
@@ -289,6 +290,8 @@ class Pipeline:
         except BaseException as exc:  # every rank raises together (agreement.agree)
             produced, error = None, exc
         lag, newest = self._lag(step, produced.rollout) if produced is not None else (0, 0)
+        if produced is not None:
+            produced.lag = lag  # this rank's, for rollout/policy_lag; every rank's largest below
         lag, newest = agree(self.run.agree, self.run.world, error, [lag, newest], "rollout producer")
         self._taken(step)
         return produced, int(lag), int(newest)
@@ -372,9 +375,8 @@ class Pipeline:
     def metrics(self, step: int) -> dict[str, float]:
         """The step's pipeline metrics (module docstring), of the batch ``batch`` returned last."""
         produced = self.produced
-        lag, _ = self._lag(step, produced.rollout)
         return {
-            "rollout/policy_lag": float(lag),
+            "rollout/policy_lag": float(produced.lag),
             "time/wait_trainer_s": produced.wait_trainer_s,
             "time/wait_producer_s": produced.wait_s,
             "time/produce_s": produced.seconds,
