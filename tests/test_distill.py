@@ -181,6 +181,10 @@ def test_each_token_trains_on_the_teachers_gap(tmp_path, teacher_folder, recorde
         every = torch.cat(gap).double()
         assert row["distill/reverse_kl"] == pytest.approx(-every.mean().item(), rel=1e-6)
         assert row["distill/reverse_kl"] > 0.01 and row["time/teacher_s"] > 0  # another seed: apart
+        assert row["time/teacher_share"] == pytest.approx(row["time/teacher_s"] / row["time/step_s"])
+        assert 0 < row["time/teacher_share"] < 1
+        # the teacher's own peak, and the step's peak still holds the phases around it
+        assert 0 < row["memory/teacher_peak_gb"] <= row["memory/peak_gb"]
 
 
 def test_distill_keys_without_a_teacher_are_one_line():
@@ -264,3 +268,20 @@ def test_the_run_loads_the_teacher_in_4bit_when_asked(tmp_path, teacher_folder, 
     for t, g in zip(batch.rollout.trajectories, gaps):
         torch.testing.assert_close(t.token_advantages, g)
     assert rows[-1]["distill/reverse_kl"] > 0.01
+
+
+def test_the_teachers_peak_is_its_own_and_the_steps_peak_keeps_what_came_before():
+    """``phase_peak_gb`` (``memory/teacher_peak_gb``) resets the peak counter for its phase and
+    carries what it held into ``memory/peak_gb``: a 400 MB tensor freed before a small phase is
+    in the step's peak, not in the phase's. Planted: the carry left out → the step's peak loses it."""
+    from grpo_fast.obs.metrics import peak_memory_gb, phase_peak_gb, reset_peak_memory
+
+    cpu = torch.device("cpu")
+    reset_peak_memory(cpu)
+    before = peak_memory_gb(cpu)
+    big = torch.ones(100_000_000)  # 400 MB, touched
+    del big
+    total, phase = phase_peak_gb(cpu, torch.ones(1000).sum)
+    assert total == 1000
+    assert peak_memory_gb(cpu) >= before + 0.35
+    assert phase < before + 0.2

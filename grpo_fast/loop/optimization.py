@@ -22,7 +22,7 @@ from grpo_fast.algo.sampler_correction import cut_importance_weights, raw_import
 from grpo_fast.config import Config, shares_prompts
 from grpo_fast.loop.state import Run, Trainer
 from grpo_fast.loop.stats import StepStats
-from grpo_fast.obs.metrics import MetricsLogger, PhaseProgress
+from grpo_fast.obs.metrics import MetricsLogger, PhaseProgress, phase_peak_gb
 from grpo_fast.policy import parallel
 from grpo_fast.policy.batch import Microbatch, Sequence, loss_trajectories, make_microbatches
 from grpo_fast.rollout import Rollout, Trajectory
@@ -390,6 +390,7 @@ class ResponseScores:
     # distill.teacher: [R] of [S] fp32 log π_teacher − log π_student, and the teacher passes' seconds
     distill: list[torch.Tensor] | None = None
     teacher_seconds: float = 0.0
+    teacher_peak_gb: float = 0.0  # the largest peak memory of a teacher pass (obs.metrics.phase_peak_gb)
 
 
 def response_kl_k1(
@@ -430,7 +431,7 @@ def score_responses(
     per_token = [torch.zeros(0)] * len(trajectories)
     values = [torch.zeros(0)] * len(trajectories)
     gaps = [torch.zeros(0)] * len(trajectories)
-    teacher_s = 0.0
+    teacher_s, teacher_peak = 0.0, 0.0
     # FSDP: as many passes on every rank (zero-weight fillers); none under DDP
     (missing,) = parallel.filler_counts([len(mbs)], trainer.policy_loss, run.device)
     with torch.no_grad():
@@ -445,10 +446,10 @@ def score_responses(
             v_host = out.values.cpu() if has_values else None
             if teacher:  # the teacher's fused pass; its time is the step's distillation cost
                 t0 = time.perf_counter()
-                gap_host = (
-                    (trainer.teacher_loss(mb, options, temperature).logprobs - out.logprobs).float().cpu()
-                )
+                taught, peak = phase_peak_gb(run.device, trainer.teacher_loss, mb, options, temperature)
+                gap_host = (taught.logprobs - out.logprobs).float().cpu()
                 teacher_s += time.perf_counter() - t0
+                teacher_peak = max(teacher_peak, peak)
             for row in rows.unique().tolist():
                 mine = rows == row
                 if kl:
@@ -465,7 +466,7 @@ def score_responses(
                 trainer.teacher_loss(filler, options, temperature)
     scores = ResponseScores(values=values if has_values else None)
     if teacher:
-        scores.distill, scores.teacher_seconds = gaps, teacher_s
+        scores.distill, scores.teacher_seconds, scores.teacher_peak_gb = gaps, teacher_s, teacher_peak
     if kl:
         sums = sums.float().cpu()  # host-device sync, once per step
         scores.kl_sums, scores.kl_tokens = sums, per_token

@@ -338,10 +338,16 @@ def _with_teacher(
 def _distill_metrics(run: Run, scores) -> dict[str, float]:
     """``distill/reverse_kl``: the mean over every rank's sampled tokens of log π_student − log
     π_teacher (a sample of the per-token reverse KL to the teacher); ``time/teacher_s``: this rank's
-    teacher passes."""
+    teacher passes; ``memory/teacher_peak_gb``: this rank's peak memory during them (as
+    ``memory/peak_gb`` measures it). ``time/teacher_share`` (their share of ``time/step_s``) is
+    ``grpo_fast.loop.stats``'s, which knows the step's time."""
     gap = torch.cat(scores.distill).double() if scores.distill else torch.zeros(0, dtype=torch.float64)
     n, total = dist.all_reduce_sum([float(gap.numel()), gap.sum().item()], run.device, axis=run.world.ranks)
-    return {"distill/reverse_kl": -total / max(n, 1.0), "time/teacher_s": scores.teacher_seconds}
+    return {
+        "distill/reverse_kl": -total / max(n, 1.0),
+        "time/teacher_s": scores.teacher_seconds,
+        "memory/teacher_peak_gb": scores.teacher_peak_gb,
+    }
 
 
 def _advantage_metrics(run: Run, rollout: Rollout) -> dict[str, float]:

@@ -209,7 +209,7 @@ def step_metrics(run, step: int, batch, result, totals: dict, step_s: float) -> 
     (β after this step's update), changes nothing."""
     cfg, world, device, state = run.cfg, run.world, run.device, run.trainer.state
     c = result.counts
-    return {
+    out = {
         "train/loss": totals["loss"],
         "train/reward_mean": totals["reward_mean"],
         "train/reward_std": totals["reward_std"],
@@ -255,6 +255,9 @@ def step_metrics(run, step: int, batch, result, totals: dict, step_s: float) -> 
         **result.extra,
         **gpu_stats(device),
     }
+    if "time/teacher_s" in out:  # distill.teacher: the teacher passes' share of the step
+        out["time/teacher_share"] = out["time/teacher_s"] / step_s
+    return out
 
 
 def _reward_errors(cfg, reward_fn, device: torch.device, axis: dist.Axis) -> dict[str, float]:

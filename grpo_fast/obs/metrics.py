@@ -32,23 +32,52 @@ from grpo_fast.config import AUTO, Config, to_dict
 from grpo_fast.errors import ConfigError
 from grpo_fast.obs.memory import process_peak_bytes, reset_process_peak
 
+# The peak a phase_peak_gb reset away from the counter (bytes), kept for peak_memory_gb
+_carried_peak = 0
+
+
+def _peak_bytes(device: torch.device) -> int:
+    """The counter's peak since its last reset: CUDA allocated bytes, or on CPU the process's peak
+    resident memory (VmHWM; the lifetime ru_maxrss where /proc is missing)."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device)
+    try:
+        return process_peak_bytes()
+    except (OSError, RuntimeError):
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux: kB
+
 
 def peak_memory_gb(device: torch.device) -> float:
-    """Peak memory since the last ``reset_peak_memory``: CUDA allocated bytes, or on CPU the
-    process's peak resident memory (VmHWM; the lifetime ru_maxrss where /proc is missing)."""
-    if device.type == "cuda":
-        return torch.cuda.max_memory_allocated(device) / 1e9
-    try:
-        return process_peak_bytes() / 1e9
-    except (OSError, RuntimeError):
-        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / 1e9  # Linux: kB
+    """Peak memory since the last ``reset_peak_memory`` (``_peak_bytes``'s measure), GB; the
+    phases ``phase_peak_gb`` measured on their own included."""
+    return max(_peak_bytes(device), _carried_peak) / 1e9
 
 
 def reset_peak_memory(device: torch.device) -> None:
+    global _carried_peak
+    _carried_peak = 0
+    _reset_counter(device)
+
+
+def _reset_counter(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     else:
         reset_process_peak()
+
+
+def phase_peak_gb(device: torch.device, fn, *args):
+    """``(fn(*args), the peak memory while it ran, GB)``, measured as ``peak_memory_gb`` is (on a CPU
+    the whole process's resident memory: the weights included), without losing the step's peak
+    so far: the counter is reset for the phase, and what it held is carried into
+    ``peak_memory_gb``. Example: the teacher's pass of on-policy distillation."""
+    global _carried_peak
+    _carried_peak = max(_carried_peak, _peak_bytes(device))
+    _reset_counter(device)
+    out = fn(*args)
+    peak = _peak_bytes(device)
+    _carried_peak = max(_carried_peak, peak)
+    return out, peak / 1e9
 
 
 def gpu_stats(device: torch.device) -> dict[str, float]:
