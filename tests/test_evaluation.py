@@ -186,3 +186,33 @@ def test_the_report_plots_each_set_and_tables_its_last_evaluation(two_set_run):
         assert cells[5:] == [
             f"{last[f'eval/{name}/{k}']:.4g}" for k in ("format_rate", "response_length_mean")
         ]
+
+
+def test_a_hub_set_is_read_with_its_split_and_config_and_refused_offline_by_name(tmp_path):
+    """``NAME=hub:ORG/DATASET[:CONFIG][@SPLIT]``: a dataset ``datasets.load_dataset`` reads (here
+    a local dataset folder: the tests' Hub is off), its split chosen, read and graded as the run's
+    own task; a bare ``hub:ORG/DATASET`` is named by DATASET; one that cannot be reached is one line
+    naming the set. Planted: the split ignored (always "test") → the validation rows are not read."""
+    from grpo_fast.task.eval_sets import parse_entry
+
+    folder = tmp_path / "sums"
+    folder.mkdir()
+    (folder / "test.jsonl").write_text('{"question": "1+2=", "answer": "3"}\n')
+    (folder / "validation.jsonl").write_text(
+        '{"question": "4+4=", "answer": "8"}\n{"question": "5+5=", "answer": "10"}\n'
+    )
+    assert parse_entry("hub:org/gsm_hard:main@train", "tiny") == parse_entry(
+        "gsm_hard=hub:org/gsm_hard:main@train", "tiny"
+    )
+    cfg = load_config("tiny", overrides=[f"eval.sets=[tiny,test=hub:{folder},val=hub:{folder}@validation]"])
+    task = load_task(cfg)
+    _, test, val = load_eval_sets(cfg, task)
+    assert [e.answer for e in test.task.eval] == ["3"] and [e.answer for e in val.task.eval] == ["8", "10"]
+    assert val.task.reward_fn is task.reward_fn and val.task.template == task.template
+    cfg = load_config("tiny", overrides=["eval.sets=[tiny,far=hub:nobody/nothing]"])
+    with pytest.raises(
+        DataError, match=r"^eval\.sets: 'far': could not load 'nobody/nothing' .*OfflineModeIsEnabled"
+    ):
+        load_eval_sets(cfg, task)
+    with pytest.raises(Exception, match=r"give a Hub dataset as hub:ORG/DATASET\[:CONFIG\]\[@SPLIT\]"):
+        load_config("tiny", overrides=["eval.sets=[x=hub:org/ds@]"])

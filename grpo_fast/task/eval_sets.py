@@ -12,6 +12,8 @@ An entry of ``eval.sets`` is one of:
 - ``NAME=PATH`` or a bare ``PATH`` (``.jsonl`` / ``.parquet``; NAME = the file's stem): a file
   read as ``data.task``'s (``data.question_field`` / ``data.answer_field``), graded as the run's
   own set.
+- ``NAME=hub:ORG/DATASET[:CONFIG][@SPLIT]`` or a bare ``hub:...`` (NAME = DATASET): a Hub dataset
+  (split ``test`` by default), read and graded as a file set.
 
 A name becomes a metric's middle part (``eval/<name>/avg@k``): letters, digits, ``_ . -``. A set
 that cannot be read (no such file, offline and not cached, a character the tokenizer does not
@@ -134,14 +136,32 @@ EVAL_SETS: dict[str, EvalSetSpec] = {
 }
 
 
+HUB = "hub:"  # NAME=hub:ORG/DATASET[:CONFIG][@SPLIT]: a Hub dataset (or a local dataset folder)
+
+
 @dataclass(frozen=True)
 class Entry:
     """One ``eval.sets`` entry, parsed: its metric name and what it is (``run``: data.task's own;
-    ``registered``: ``EVAL_SETS[name]``; ``file``: ``path``)."""
+    ``registered``: ``EVAL_SETS[name]``; ``file``: ``path``; ``hub``: ``path`` is the dataset,
+    ``config`` and ``split`` its own)."""
 
     name: str
     kind: str
     path: str | None = None
+    config: str | None = None
+    split: str = "test"
+
+
+def _hub_entry(entry: str, name: str | None, spec: str) -> Entry:
+    """``hub:ORG/DATASET[:CONFIG][@SPLIT]`` (after ``NAME=``, or bare: NAME = DATASET) → its Entry."""
+    spec, at, split = spec.partition("@")
+    dataset, colon, config = spec.partition(":")
+    if not dataset or (colon and not config) or (at and not split):
+        raise ConfigError(
+            f"eval.sets: {shown(entry)}: give a Hub dataset as {HUB}ORG/DATASET[:CONFIG][@SPLIT]"
+        )
+    name = name if name is not None else dataset.rstrip("/").rsplit("/", 1)[-1]
+    return Entry(name, "hub", dataset, config or None, split or "test")
 
 
 def parse_entry(entry: str, run_task: str) -> Entry:
@@ -151,6 +171,10 @@ def parse_entry(entry: str, run_task: str) -> Entry:
             f"eval.sets: {shown(entry)} is not a set name (a registered set, {run_task!r}, or NAME=PATH)"
         )
     name, sep, path = entry.partition("=")
+    hub = None
+    if entry.startswith(HUB) or path.startswith(HUB):
+        hub = _hub_entry(entry, name if sep else None, (path if sep else entry)[len(HUB) :])
+        name, sep, path = hub.name, "", ""
     if not sep and Path(entry).suffix.lower() in SUPPORTED_EXTENSIONS:
         name, path, sep = Path(entry).stem, entry, "="
     if sep:
@@ -165,6 +189,8 @@ def parse_entry(entry: str, run_task: str) -> Entry:
             f"eval.sets: {shown(entry)}: the set's name {shown(name)} must be letters, digits, '_', '.' or "
             "'-' (at most 64; it is part of the metrics' names)"
         )
+    if hub is not None:
+        return hub
     if sep:
         return Entry(name, "file", path)
     if name == run_task:
@@ -175,7 +201,8 @@ def parse_entry(entry: str, run_task: str) -> Entry:
     close = difflib.get_close_matches(name, choices, n=1, cutoff=0.6)
     hint = f" (did you mean {close[0]!r}?)" if close else ""
     raise ConfigError(
-        f"eval.sets: unknown set {shown(name)}{hint}: one of {', '.join(choices)}, or NAME=PATH.jsonl for a file"
+        f"eval.sets: unknown set {shown(name)}{hint}: one of {', '.join(choices)}, NAME=PATH.jsonl for a file, "
+        f"or NAME={HUB}ORG/DATASET for a Hub dataset"
     )
 
 

@@ -238,9 +238,9 @@ def load_eval_sets(cfg, task) -> list[eval_sets.EvalSet]:
 
 
 def _set_task(cfg, task, entry: eval_sets.Entry):
-    """The ``Task`` grading a registered or file set: the run's tokenizer and prompt length."""
+    """The ``Task`` grading a registered, file or Hub set: the run's tokenizer and prompt length."""
     run_spec = task_spec(cfg.data.task)
-    if entry.kind == "file":
+    if entry.kind in ("file", "hub"):  # read and graded as the run's own data
         spec, template, reward = run_spec, cfg.data.prompt_template, task.reward_fn
     else:
         reg = eval_sets.EVAL_SETS[entry.name]
@@ -249,13 +249,16 @@ def _set_task(cfg, task, entry: eval_sets.Entry):
     # the characters the model's tokenizer knows (the built-in tiny tokenizer's: 0-9 + =)
     alphabet_of = run_spec.alphabet or spec.alphabet
     alphabet = alphabet_of(cfg.model.name_or_path) if alphabet_of is not None else None
-    if entry.kind == "file":
+    if entry.kind in ("file", "hub"):
+        hub = entry.kind == "hub"
         examples = load_examples(
             cfg.data.task,
-            entry.path,
-            split="eval",
+            None if hub else entry.path,
+            split=entry.split if hub else "eval",
             question_field=cfg.data.question_field,
             answer_field=cfg.data.answer_field,
+            hub_name=entry.path if hub else None,
+            hub_config=entry.config,
             alphabet=alphabet,
         )
     else:
