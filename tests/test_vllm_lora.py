@@ -108,6 +108,23 @@ def test_a_stale_adapter_is_caught_by_the_weight_sync_check(served):
     assert backend.weight_sync_abs_diff > 1e-3
 
 
+def test_an_adapter_id_is_never_given_twice_even_after_the_engine_s_lora_was_cleared(served):
+    """vLLM caches adapters by id: an id given again serves the first adapter loaded under it.
+    With the engine's LoRA cleared (``lora_request = None``, as the merged push's test does) the
+    next push took id 1 again and served a stale adapter (mean |Δ log p| 0.228 in the QLoRA test,
+    whenever the stale-adapter and merged tests ran before it on one worker). Planted: the id from
+    the request in use (1 after a clear) → the id repeats and the probe fails."""
+    engine, folder, tok = served
+    first = _peft_policy(folder, seed_b=6)
+    _backend(engine, tok, first, "adapter").update_weights(first, step=0)
+    used = engine.lora_request.lora_int_id
+    engine.lora_request = None
+    second = _peft_policy(folder, seed_b=7)
+    backend = _backend(engine, tok, second, "adapter")
+    backend.update_weights(second, step=1)
+    assert engine.lora_request.lora_int_id > used and backend.weight_sync_abs_diff < 1e-5
+
+
 def test_the_merged_push_serves_the_adapted_policy(served):
     """rollout.lora_sync=merged: W + (alpha/r)·B·A of each adapted layer pushed as full weights
     (the engine's own LoRA off); vLLM then serves the peft model's log-probs."""

@@ -6,6 +6,7 @@ It meets ``Engine`` (``grpo_fast.rollout.vllm.placement``), as the engine proces
 
 from __future__ import annotations
 
+import itertools
 import logging
 import os
 from collections.abc import Iterable
@@ -107,6 +108,9 @@ class VLLMEngine:
             # use offset")
             extra["enable_chunked_prefill"] = False
         self.lora_request = None  # the adapter every generate and probe uses (load_adapter)
+        # LoRARequest ids, never reused: vLLM caches an adapter by its id, so an id given again
+        # serves the adapter first loaded under it, whatever folder the new request names
+        self._lora_ids = itertools.count(1)
         self.version: int | None = None  # the policy version of the weights served (load_weights)
         self.llm = LLM(
             model=model_path,
@@ -189,12 +193,13 @@ class VLLMEngine:
 
     def load_adapter(self, folder: str, version: int | None = None) -> None:
         """Serve the peft adapter saved in ``folder`` from now on: a new ``LoRARequest`` id (the
-        engine caches adapters by id), loaded at once; the previous adapter is removed, so one is
-        held at a time."""
+        engine caches adapters by id; ids count up for the engine's life, never derived from the
+        request in use, which may have been cleared), loaded at once; the previous adapter is
+        removed, so one is held at a time."""
         from vllm.lora.request import LoRARequest
 
         previous = self.lora_request
-        lora_id = 1 if previous is None else previous.lora_int_id + 1
+        lora_id = next(self._lora_ids)
         self.lora_request = LoRARequest(f"grpo_fast_{lora_id}", lora_id, folder)
         self.llm.llm_engine.add_lora(self.lora_request)
         if previous is not None:
