@@ -71,6 +71,13 @@ class EngineTimeout(EngineError):
     ``sync_timeout``): the message names what was waited for and for how long."""
 
 
+class WeightSyncError(UserError):
+    """An engine serves other weights than the ones it was given: its probe after a weight load
+    disagrees (vLLM: the probe's log-probs against the trainer's; an hf worker: the digest of its
+    parameters against the staged tensors'). Not an ``EngineError``: the engine answers, so the
+    run stops where the sync was asked (a fleet takes the engine out of service instead)."""
+
+
 class Preempted(UserError):
     """SIGTERM/SIGINT: a checkpoint of the last finished step was written (the message says
     where); exit code 128 + the signal number, as a shell reports a process killed by it."""

@@ -40,6 +40,31 @@ def stage_trainable(model: torch.nn.Module, keep: bool = True) -> dict[str, torc
     return staged_tensors(model) if keep else trainable_tensors(model)
 
 
+_DIGEST_CHUNK = 1 << 20  # elements per step of ``weights_digest`` (8 MiB of int64 temporaries)
+
+
+def weights_digest(tensors: dict[str, torch.Tensor]) -> list[tuple[int, int]]:
+    """Per tensor, in ``tensors``' order: (the sum of its raw words, their sum weighted by position
+    mod 65,521), as int64 that wraps. Integer arithmetic, so it is the same whatever the thread
+    count or the order of the additions: two processes holding the same bytes agree exactly, and
+    a stale, torn or permuted copy disagrees. The probe of a worker's weight load; ~1 ms per
+    million parameters on one core."""
+    weights = torch.arange(_DIGEST_CHUNK, dtype=torch.int64) % 65521 + 1
+    out = []
+    for t in tensors.values():
+        flat = t.detach().contiguous().view(-1)
+        words = flat.view(
+            {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[flat.element_size()]
+        )
+        plain = weighted = 0
+        for start in range(0, words.numel(), _DIGEST_CHUNK):
+            w = words[start : start + _DIGEST_CHUNK].to(torch.int64)
+            plain += int(w.sum())
+            weighted += int((w * weights[: w.numel()]).sum())
+        out.append((plain % 2**64, weighted % 2**64))
+    return out
+
+
 def _generator(params: SamplingParams, device: torch.device) -> torch.Generator | None:
     """A random stream of the call's own, seeded by ``params.seed`` (None: torch's global one): a
     sampler apart from the trainer draws the same tokens whatever runs beside it."""

@@ -6,7 +6,10 @@ optimizer's step run on separate cores.
 It takes the weights of a policy version as ``HFCopyBackend`` does
 (``grpo_fast.rollout.hf.copied``: ``load_weights(tensors, version)``, the trainable parameters by
 name, copied exactly). The worker gets them through shared memory: one ``[numel]`` buffer per
-tensor, allocated once, written by the parent, read by the worker on a ``load`` message.
+tensor, allocated once, written by the parent, read by the worker on a ``load`` message; the
+worker then sends the digest of the parameters it holds (``weights_digest``), which must equal
+the staged tensors' (``WeightSyncError`` otherwise: the probe of every load). Several workers (a
+fleet, ``grpo_fast.rollout.fleet``) share one set of buffers: written once, read by each.
 
 Every wait on the worker has a limit and raises one line (``grpo_fast.errors.EngineTimeout``,
 ``EngineDied``): its start (``rollout.start_timeout``), a rollout (``request_timeout``), a weight
@@ -28,9 +31,9 @@ from dataclasses import dataclass
 
 import torch
 
-from grpo_fast.errors import EngineDied, EngineTimeout
+from grpo_fast.errors import EngineDied, EngineTimeout, WeightSyncError
 from grpo_fast.rollout.base import Rollout, SamplingParams, WeightsFromStage
-from grpo_fast.rollout.hf.copied import _generator, stage_trainable, trainable_tensors
+from grpo_fast.rollout.hf.copied import _generator, stage_trainable, trainable_tensors, weights_digest
 from grpo_fast.rollout.hf.decoder import HFBackend
 
 
@@ -43,13 +46,28 @@ class Timeouts:
     sync: float = 600.0
 
 
-def worker_threads(setting, cpus: int | None = None) -> int:
-    """The worker's torch threads for ``rollout.worker_threads`` (an int, or auto: half the CPUs
-    this process may use, at least 1)."""
+def worker_threads(setting, cpus: int | None = None, workers: int = 1) -> int:
+    """Each worker's torch threads for ``rollout.worker_threads`` (an int, or auto: the workers
+    share half the CPUs this process may use, at least 1 each)."""
     if setting != "auto":
         return int(setting)
     cpus = cpus if cpus is not None else len(os.sched_getaffinity(0))
-    return max(1, cpus // 2)
+    return max(1, cpus // 2 // workers)
+
+
+def shared_buffers(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """``[numel]``-shaped shared-memory copies of ``model``'s trainable tensors, by name: what the
+    parent writes a policy version into and its workers read it from."""
+    return {n: t.to("cpu", copy=True).share_memory_() for n, t in trainable_tensors(model).items()}
+
+
+def worker_payload(
+    model: torch.nn.Module, tokenizer, generation_batch_size: int, autocast_dtype=None
+) -> bytes:
+    """What a worker starts from (the model, the tokenizer, the batch size, the autocast dtype),
+    pickled: made once, so that a worker restarted mid-run never reads the trainer's model while
+    it trains (a fleet keeps it)."""
+    return pickle.dumps((model, tokenizer, generation_batch_size, autocast_dtype))
 
 
 class HFProcessBackend(WeightsFromStage):
@@ -73,16 +91,23 @@ class HFProcessBackend(WeightsFromStage):
         threads: int = 1,
         timeouts: Timeouts = Timeouts(),
         autocast_dtype=None,
+        payload: bytes | None = None,
+        shm: dict[str, torch.Tensor] | None = None,
+        name: str | None = None,
     ):
+        """``payload`` (``worker_payload``) instead of pickling ``model`` now; ``shm``
+        (``shared_buffers``) shared with other workers instead of buffers of its own; ``name``:
+        how messages call it (``the hf rollout worker 1``)."""
         import torch.multiprocessing as mp  # shared-memory tensors travel to the child by handle
 
         self.timeouts = timeouts
         self.version = 0
         self.sync_seconds: float | None = None
+        self.name = "the hf rollout worker" + (f" {name}" if name else "")
         self._broken: str | None = None  # a wait that ran out: the worker's state is unknown
         self._ids = itertools.count()
         # [numel] per trainable tensor, shared with the worker: the parent writes, the worker copies
-        self._shm = {n: t.to("cpu", copy=True).share_memory_() for n, t in trainable_tensors(model).items()}
+        self._shm = shm if shm is not None else shared_buffers(model)
         ctx = mp.get_context("spawn")  # never fork a process with threads (the producer's, torch's)
         self._conn, child = ctx.Pipe()
         self._proc = ctx.Process(
@@ -93,7 +118,8 @@ class HFProcessBackend(WeightsFromStage):
         )
         self._proc.start()
         child.close()
-        payload = pickle.dumps((model, tokenizer, generation_batch_size, autocast_dtype))
+        if payload is None:
+            payload = worker_payload(model, tokenizer, generation_batch_size, autocast_dtype)
         try:
             self._call("start", payload, limit=timeouts.start, key="start_timeout", doing="starting")
         except BaseException:  # no backend to close it later: the worker goes now
@@ -104,18 +130,39 @@ class HFProcessBackend(WeightsFromStage):
     def pid(self) -> int | None:
         return self._proc.pid
 
+    @property
+    def who(self) -> str:
+        """The worker as messages name it: ``the hf rollout worker (pid 1234)``."""
+        return f"{self.name} (pid {self.pid})"
+
     stage = staticmethod(stage_trainable)  # a policy version of ``model``, for ``load_weights``
 
     def load_weights(self, tensors: dict[str, torch.Tensor], version: int) -> None:
         """Policy version ``version``'s trainable parameters (``trainable_tensors``), into the
-        worker: written into shared memory, then copied by the worker into its model."""
+        worker: written into shared memory, then copied by the worker into its model and probed
+        (``load_shared``)."""
         t0 = time.perf_counter()
         for name, value in tensors.items():
             self._shm[name].copy_(value)
-        doing = f"loading the weights of policy version {version}"
-        self._call("load", version, limit=self.timeouts.sync, key="sync_timeout", doing=doing)
-        self.version = version
+        self.load_shared(version, weights_digest(self._shm))
         self.sync_seconds = time.perf_counter() - t0
+
+    def load_shared(self, version: int, expect: list[tuple[int, int]]) -> None:
+        """Policy version ``version`` from the shared buffers as they are now (written by the
+        caller), copied by the worker into its model; ``expect``: the buffers' ``weights_digest``,
+        which the worker's parameters must match after the copy (``WeightSyncError`` naming the
+        first tensor that differs, and the worker is not trusted again)."""
+        doing = f"loading the weights of policy version {version}"
+        got = self._call("load", version, limit=self.timeouts.sync, key="sync_timeout", doing=doing)
+        if got != expect:
+            names = list(self._shm)
+            bad = [names[i] for i, (a, b) in enumerate(zip(got, expect)) if a != b] or names
+            self._broken = f"{self.who} failed the probe of policy version {version}'s load"
+            raise WeightSyncError(
+                f"{self.who} serves other weights than policy version {version}'s after its load: "
+                f"the digest of {len(bad)} of {len(names)} tensors differs (first {bad[0]})"
+            )
+        self.version = version
 
     def generate(self, prompt_ids: list[list[int]], params: SamplingParams, progress=None) -> Rollout:
         doing = f"generating {len(prompt_ids)} prompts × {params.n}"
@@ -159,7 +206,7 @@ class HFProcessBackend(WeightsFromStage):
             if code is not None
             else "its pipe closed"
         )
-        self._broken = f"the hf rollout worker (pid {self.pid}) exited ({how})"
+        self._broken = f"{self.who} exited ({how})"
         return EngineDied(f"{self._broken} while {doing}")
 
     def _call(self, kind: str, *args, limit: float, key: str, doing: str, progress=None):
@@ -177,11 +224,8 @@ class HFProcessBackend(WeightsFromStage):
         while True:
             left = limit - (time.monotonic() - t0)
             if left <= 0:
-                self._broken = f"the hf rollout worker (pid {self.pid}) did not answer in time"
-                raise EngineTimeout(
-                    f"the hf rollout worker (pid {self.pid}) did not finish {doing} within "
-                    f"rollout.{key}={limit:g} s"
-                )
+                self._broken = f"{self.who} did not answer in time"
+                raise EngineTimeout(f"{self.who} did not finish {doing} within rollout.{key}={limit:g} s")
             if not self._conn.poll(min(left, 0.1)):
                 if self._proc.exitcode is not None:
                     raise self._died(doing)
@@ -197,7 +241,7 @@ class HFProcessBackend(WeightsFromStage):
                     progress(body)
                 continue
             if what == "error":  # a bug in the worker keeps its traceback
-                raise RuntimeError(f"the hf rollout worker (pid {self.pid}) raised while {doing}:\n{body}")
+                raise RuntimeError(f"{self.who} raised while {doing}:\n{body}")
             return body
 
 
@@ -251,7 +295,7 @@ def _serve(conn, shm: dict[str, torch.Tensor], threads: int, parent_pid: int) ->
                     for name, value in shm.items():
                         params[name].copy_(value)
                 backend.version = int(args[0])
-                result = None
+                result = weights_digest({name: params[name] for name in shm})
             elif kind == "generate":
                 prompt_ids, sp = args
                 backend.generator = _generator(sp, torch.device("cpu"))

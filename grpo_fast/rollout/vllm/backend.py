@@ -34,7 +34,7 @@ from pathlib import Path
 import torch
 
 from grpo_fast.dist import unwrap, whole_tensor
-from grpo_fast.errors import ConfigError, UserError
+from grpo_fast.errors import ConfigError, WeightSyncError
 from grpo_fast.rollout import multi_turn
 from grpo_fast.rollout.base import (
     BackendContext,
@@ -83,10 +83,6 @@ VLLM_MANAGED_ARGS = {
     "port": "the server the run starts (a free port)",
     "generation_config": "the server the run starts (vllm: the model's generation_config.json fills nothing)",
 }
-
-
-class WeightSyncError(UserError):
-    """vLLM's log-probs of the probe disagree with the trainer's after a weight push."""
 
 
 @dataclass(frozen=True)
