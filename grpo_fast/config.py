@@ -351,6 +351,21 @@ class RolloutConfig:
         Range(1, 1024, integer=True, auto_ok=True, hi_why=": more threads than any machine's cores"),
         resume="safe",
     )
+    # placement=process (hf): the worker processes generating for this trainer process (a fleet,
+    # grpo_fast.rollout.fleet): each prompt batch cut into shards balanced over them, each with its
+    # own seed; one that dies, times out or fails its weight probe is taken out of service, its
+    # shard re-sent with the same seed, and it is restarted, loaded and probed in the background.
+    # 1: one worker, as before (docs/rollout.md: a fleet of engines)
+    num_engines: int = option(
+        1, Range(1, 64, integer=True, hi_why=": each worker holds a whole copy of the policy"), resume="safe"
+    )
+    # the engines in service the run goes on with; below it the run stops with one line and the
+    # last step's checkpoint (1..num_engines)
+    min_engines: int = option(
+        1,
+        Range(1, 64, integer=True, hi_why=": it cannot exceed rollout.num_engines (64 at most)"),
+        resume="safe",
+    )
     # placement=server: the base URL of a running vLLM server to attach to (http://127.0.0.1:8000),
     # started as docs/rollout.md says; null: the run starts its own (log: output_dir/vllm_server.log)
     server_url: str | None = option(None, resume="safe")

@@ -242,6 +242,17 @@ def _check_pipeline(cfg: Config) -> None:
             f"rollout.worker_threads is for rollout.placement=process with rollout.backend=hf (the hf "
             f"decoder's worker process; got placement={r.placement}, backend={r.backend})"
         )
+    if r.min_engines > r.num_engines:
+        raise ConfigError(
+            f"rollout.min_engines={r.min_engines} is above rollout.num_engines={r.num_engines}: the run could "
+            "never start"
+        )
+    if (r.num_engines > 1 or r.min_engines > 1) and (r.placement != "process" or own_weights):
+        raise ConfigError(
+            f"rollout.num_engines={r.num_engines} / rollout.min_engines={r.min_engines} is a fleet of hf "
+            f"worker processes: rollout.backend=hf with rollout.placement=process (got backend={r.backend}, "
+            f"placement={r.placement}; a fleet of vLLM engines is not in this build)"
+        )
     if r.max_staleness > 0 and not (r.is_correction or r.old_logprobs == "sampler"):
         raise ConfigError(
             f"rollout.max_staleness={r.max_staleness} trains on batches sampled by an older policy and "

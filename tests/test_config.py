@@ -243,6 +243,8 @@ DOMAINS: dict[str, tuple[list[str], list[str]]] = {
     "data.tool_error_penalty": (["0", "0.5"], ["-0.1"]),  # above 0 needs an environment: CONTEXT
     "rollout.max_staleness": (["0", "1", "8"], ["-1", "9", "1.5"]),  # > 0 needs a correction: CONTEXT
     "rollout.worker_threads": (["auto", "1", "1024"], ["0", "-1", "1.5", "1025"]),
+    "rollout.num_engines": (["1", "64"], ["0", "1.5", "65"]),
+    "rollout.min_engines": (["1", "64"], ["0", "1.5", "65"]),
     "rollout.start_timeout": (["0.5", "900"], ["0", "-1"]),
     "rollout.request_timeout": (["0.5", "3600"], ["0", "-1"]),
     "rollout.sync_timeout": (["0.5", "600"], ["0", "-1"]),
@@ -322,6 +324,8 @@ CONTEXT = {
     "critic.policy_lam": ["loss.advantage=gae"],
     "critic.lam_alpha": ["loss.advantage=gae"],
     "rollout.worker_threads": ["rollout.placement=process"],
+    "rollout.num_engines": ["rollout.placement=process", "rollout.min_engines=1"],
+    "rollout.min_engines": ["rollout.placement=process", "rollout.num_engines=64"],
 }
 NUMERIC_TYPES = {"int", "float", "float | None", "int | None", "Any", "tuple[float, float]"}
 

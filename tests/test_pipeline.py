@@ -140,6 +140,20 @@ def _alive(pid: int) -> bool:
             "rollout.max_staleness=1 with rollout.backend=vllm needs the engine apart from the trainer: "
             "rollout.placement=process|server",
         ),
+        (
+            ["rollout.placement=process", "rollout.num_engines=2", "rollout.min_engines=3"],
+            "rollout.min_engines=3 is above rollout.num_engines=2",
+        ),
+        (
+            ["rollout.num_engines=2"],
+            "rollout.num_engines=2 / rollout.min_engines=1 is a fleet of hf worker processes",
+        ),
+        (
+            ["rollout.backend=vllm", "rollout.placement=server", "rollout.num_engines=2"],
+            "rollout.num_engines=2 / rollout.min_engines=1 is a fleet of hf worker processes: rollout.backend=hf "
+            "with rollout.placement=process (got backend=vllm, placement=server; a fleet of vLLM engines is not in "
+            "this build)",
+        ),
     ],
 )
 def test_what_the_pipeline_refuses_is_one_line_naming_the_keys(overrides, says):
@@ -686,6 +700,7 @@ def test_staleness_one_learns_as_well_as_lockstep(tmp_path, tiny_preset_run):
 def test_worker_threads_auto_is_half_the_cpus():
     assert [hf_process.worker_threads("auto", n) for n in (1, 2, 3, 16)] == [1, 1, 1, 8]
     assert hf_process.worker_threads(3, 2) == 3
+    assert [hf_process.worker_threads("auto", 16, workers=k) for k in (1, 2, 3, 16)] == [8, 4, 2, 1]
 
 
 def _torchrun_cmd(out: Path, *extra: str) -> list[str]:

@@ -18,7 +18,7 @@ import math
 import sys
 from pathlib import Path
 
-MACHINE_PREFIXES = ("time/", "memory/", "throughput/", "gpu/")
+MACHINE_PREFIXES = ("time/", "memory/", "throughput/", "gpu/", "fleet/")
 
 
 def read_rows(path: Path) -> list[dict]:

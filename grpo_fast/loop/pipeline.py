@@ -72,9 +72,16 @@ from grpo_fast.loop.step import train as train_steps
 from grpo_fast.obs.metrics import PhaseProgress
 from grpo_fast.rollout import Rollout
 from grpo_fast.rollout import backend as backend_spec
+from grpo_fast.rollout.fleet import Fleet
 from grpo_fast.rollout.hf import HFBackend
-from grpo_fast.rollout.hf.copied import HFCopyBackend
-from grpo_fast.rollout.hf.process import HFProcessBackend, Timeouts, worker_threads
+from grpo_fast.rollout.hf.copied import HFCopyBackend, weights_digest
+from grpo_fast.rollout.hf.process import (
+    HFProcessBackend,
+    Timeouts,
+    shared_buffers,
+    worker_payload,
+    worker_threads,
+)
 
 
 def train(run: Run, progress: PhaseProgress) -> None:
@@ -119,6 +126,7 @@ class Produced:
     seconds: float  # generation + scoring
     wait_s: float  # the producer's wait for this job (its weights)
     load_s: float  # loading the job's weights into the backend (0 when it held them)
+    fleet: dict[str, float] = field(default_factory=dict)  # a fleet's metrics over this batch
     wait_trainer_s: float = 0.0  # the trainer's wait for it
     lag: int = 0  # optimizer steps between its oldest sampling weights and the trainer's (_collect)
 
@@ -382,6 +390,7 @@ class Pipeline:
             "time/produce_s": produced.seconds,
             "time/weight_sync_s": self.publish_s,
             "time/weight_load_s": produced.load_s,
+            **produced.fleet,
         }
 
     def checkpoint_state(self, step: int) -> dict:
@@ -463,7 +472,8 @@ class Pipeline:
         t0 = time.perf_counter()
         production = Production(job.step, 0, job.temperature, reward_fn, prompts=job.prompts)
         rollout = produce(self.side, run.cfg, run.task, run.world, run.device, production, _Quiet(self.stop))
-        return Produced(job, rollout, reward_fn, time.perf_counter() - t0, wait_s, load_s)
+        fleet = self.backend.take_metrics() if isinstance(self.backend, Fleet) else {}
+        return Produced(job, rollout, reward_fn, time.perf_counter() - t0, wait_s, load_s, fleet=fleet)
 
 
 def producer_backend(run: Run):
@@ -474,14 +484,17 @@ def producer_backend(run: Run):
     if backend_spec(r.backend).needs_weight_push:
         return run.rollout.backend  # the run's own: it stays awake and lives as long as the run
     if r.placement == "process":
-        threads = worker_threads(r.worker_threads)
+        threads = worker_threads(r.worker_threads, workers=r.num_engines)
         cpus = len(os.sched_getaffinity(0))
-        torch.set_num_threads(max(1, min(torch.get_num_threads(), cpus - threads)))
+        left = max(1, cpus - threads * r.num_engines)
+        torch.set_num_threads(max(1, min(torch.get_num_threads(), left)))
         if (
             cpu_threads.follower is not None
-        ):  # a count following the machine: never above what the worker leaves
-            cpu_threads.follower.most = min(cpu_threads.follower.most, max(1, cpus - threads))
+        ):  # a count following the machine: never above what the workers leave
+            cpu_threads.follower.most = min(cpu_threads.follower.most, left)
         timeouts = Timeouts(r.start_timeout, r.request_timeout, r.sync_timeout)
+        if r.num_engines > 1:
+            return hf_fleet(run, threads, timeouts)
         return HFProcessBackend(
             run.model,
             run.tokenizer,
@@ -491,3 +504,35 @@ def producer_backend(run: Run):
             autocast_dtype=run.amp,
         )
     return HFCopyBackend(run.model, run.tokenizer, r.generation_batch_size, run.amp)
+
+
+def hf_fleet(run: Run, threads: int, timeouts: Timeouts) -> Fleet:
+    """``rollout.num_engines`` hf workers as one backend (``grpo_fast.rollout.fleet``): one set of
+    shared-memory buffers they all read a version from, written once per version; each load
+    probed by the digest of the worker's parameters."""
+    r = run.cfg.rollout
+    payload = worker_payload(run.model, run.tokenizer, r.generation_batch_size, run.amp)
+    shm = shared_buffers(run.model)
+
+    def start(i: int) -> HFProcessBackend:
+        return HFProcessBackend(
+            run.model, run.tokenizer, r.generation_batch_size, threads=threads, timeouts=timeouts,
+            payload=payload, shm=shm, name=str(i),
+        )  # fmt: skip
+
+    def share(tensors: dict[str, torch.Tensor]) -> list[tuple[int, int]]:
+        for name, value in tensors.items():
+            shm[name].copy_(value)
+        return weights_digest(shm)
+
+    return Fleet(
+        start,
+        share,
+        lambda worker, digest, version: worker.load_shared(version, digest),
+        HFProcessBackend.stage,
+        num_engines=r.num_engines,
+        min_engines=r.min_engines,
+        generation_batch_size=r.generation_batch_size,
+        warn=run.logger.event,
+        what="hf rollout worker",
+    )
