@@ -368,7 +368,7 @@ def test_a_worker_process_caps_the_count_the_trainer_follows_to(monkeypatch):
     )
     before = torch.get_num_threads()
     rollout = SimpleNamespace(backend="hf", placement="process", worker_threads=1, start_timeout=1, request_timeout=1,
-                              sync_timeout=1, generation_batch_size=8)  # fmt: skip
+                              sync_timeout=1, generation_batch_size=8, num_engines=1)  # fmt: skip
     run = SimpleNamespace(cfg=SimpleNamespace(rollout=rollout), model=None, tokenizer=None, amp=None)
     try:
         assert pipeline.producer_backend(run) == "worker"
