@@ -29,7 +29,8 @@ FLOORS: dict[str, int] = {
     "grpo_fast.task": 3,  # data, prompts, rewards, the tiny task
     "grpo_fast.obs.health": 3,
     "grpo_fast.obs.memory": 3,
-    "grpo_fast.config": 4,  # the config tables: domains from the floors below
+    "grpo_fast.config": 4,  # the config: its sections assembled, loaded, checked
+    "grpo_fast.config_sections": 4,  # the config's section tables: domains from the floors below
     "grpo_fast.config_parse": 4,  # YAML files and key=value overrides into config trees
     "grpo_fast.presets": 4,  # the presets: values over the config's defaults
     "grpo_fast.config_checks": 4,  # the config's checks (relations between keys, the machine)
