@@ -405,11 +405,14 @@ def test_a_seeded_copy_leaves_torch_s_global_stream_alone():
 def test_process_placement_trains_the_same_run_as_the_copy_in_this_process(tmp_path, one_thread):
     """The worker (its own process and weights, loaded through shared memory) and the copy in
     this process sample with the same seeds from the same versions: the runs are the same,
-    metric for metric, and end on the same weights."""
-    assert main([*QUICK, *S1, "steps=4", f"output_dir={tmp_path / 'copy'}"]) == 0
-    assert (
-        main([*QUICK, *S1, "steps=4", "rollout.placement=process", f"output_dir={tmp_path / 'worker'}"]) == 0
-    )
+    metric for metric, and end on the same weights. Both sample on one thread (the copy on the
+    trainer's: ``threads.intra_op=1``; the worker on its own: ``rollout.worker_threads=1``):
+    another thread count sums the logits in another order (run without ``-n``, the trainer
+    took both cores and step 2's metrics differed)."""
+    args = [*QUICK, *S1, "steps=4", "threads.intra_op=1"]
+    assert main([*args, f"output_dir={tmp_path / 'copy'}"]) == 0
+    process = ["rollout.placement=process", "rollout.worker_threads=1"]
+    assert main([*args, *process, f"output_dir={tmp_path / 'worker'}"]) == 0
     _same_run(tmp_path / "copy", tmp_path / "worker")
 
 
