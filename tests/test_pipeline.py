@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import pickle
 import shutil
 import signal
 import subprocess
@@ -416,15 +417,23 @@ def test_process_placement_trains_the_same_run_as_the_copy_in_this_process(tmp_p
     _same_run(tmp_path / "copy", tmp_path / "worker")
 
 
+class _SlowToLoad:
+    """A worker's payload that takes 600 s to unpickle: a model whose load outlasts
+    ``rollout.start_timeout`` (a 7 B model on a slow disk), whatever the machine's speed."""
+
+    def __reduce__(self):
+        return (time.sleep, (600,))
+
+
 def test_a_worker_that_does_not_start_in_time_raises_naming_the_key_and_is_ended(monkeypatch):
     model, tok = _tiny_model()
     started = []
     real = HFProcessBackend.close
     monkeypatch.setattr(HFProcessBackend, "close", lambda self: (started.append(self.pid), real(self)))
     with pytest.raises(EngineTimeout) as err:
-        HFProcessBackend(model, tok, 64, timeouts=Timeouts(start=0.05))
+        HFProcessBackend(model, tok, 64, timeouts=Timeouts(start=0.5), payload=pickle.dumps(_SlowToLoad()))
     assert str(err.value) == (
-        f"the hf rollout worker (pid {started[0]}) did not finish starting within rollout.start_timeout=0.05 s"
+        f"the hf rollout worker (pid {started[0]}) did not finish starting within rollout.start_timeout=0.5 s"
     )
     assert not _alive(started[0])
 
@@ -579,6 +588,16 @@ def _children(pid: int) -> list[int]:
     return kids
 
 
+def _workers(pid: int) -> list[int]:
+    """The processes a trainer started, its hf rollout workers among them: its children (the
+    server the workers fork from, multiprocessing's resource tracker) and theirs (the workers).
+    At least one grandchild, or no worker was found."""
+    kids = _children(pid)
+    grandchildren = [g for k in kids for g in _children(k)]
+    assert grandchildren, f"no worker under the trainer (pid {pid}): its children {kids} have none"
+    return kids + grandchildren
+
+
 def _popen(out: Path, *extra: str) -> subprocess.Popen:
     # tests/ (data.reward=test_pipeline:...), then the checkout (tests/conftest.py puts it on PYTHONPATH)
     path = os.pathsep.join(p for p in (str(Path(__file__).parent), os.environ.get("PYTHONPATH")) if p)
@@ -603,8 +622,7 @@ def test_a_signal_to_the_process_group_stops_trainer_and_worker_within_seconds(t
                 break
             time.sleep(0.05)
         assert proc.poll() is None, proc.communicate()[1][-2000:]
-        workers = _children(proc.pid)
-        assert workers
+        workers = _workers(proc.pid)
         os.killpg(proc.pid, getattr(signal, signame))
         sent = time.monotonic()
         _, err = proc.communicate(timeout=60)
@@ -620,7 +638,11 @@ def test_a_signal_to_the_process_group_stops_trainer_and_worker_within_seconds(t
     assert last.startswith(f"error: {signame} during step ") and last.endswith(
         "resume=true continues from there"
     )
-    time.sleep(1.0)  # the worker's watchdog polls its parent every 0.5 s
+    # the worker's lifeline closed with the trainer, its watch thread exits it (at once: no poll);
+    # the limit is for a busy machine, not a sleep the check relies on
+    gone_by = time.monotonic() + 30
+    while any(_alive(pid) for pid in workers) and time.monotonic() < gone_by:
+        time.sleep(0.05)
     assert not any(_alive(pid) for pid in workers)
 
 
@@ -642,7 +664,7 @@ def test_sigkill_then_resume_with_staleness_one_gives_the_same_metrics(tmp_path)
     deadline = time.time() + 900
     while not target.exists() and proc.poll() is None and time.time() < deadline:
         time.sleep(0.05)
-    workers = _children(proc.pid)
+    workers = _workers(proc.pid)
     os.kill(proc.pid, signal.SIGKILL)  # mid-run, after the step-6 checkpoint, before the end
     proc.wait()
     assert target.exists() and not (killed / "final").exists()

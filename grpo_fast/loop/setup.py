@@ -42,6 +42,7 @@ from grpo_fast.policy.model import autocast_dtype, load_policy, load_tokenizer, 
 from grpo_fast.policy.teacher import load_teacher
 from grpo_fast.policy.value import ValueHead
 from grpo_fast.rollout import BackendContext, backend, make_backend
+from grpo_fast.rollout.hf.process import start_worker_server
 from grpo_fast.task import tiny
 from grpo_fast.task.loader import Task, load_eval_sets, load_task
 from grpo_fast.task.registry import task as task_spec
@@ -71,6 +72,8 @@ def setup(cfg: Config, device: torch.device, world: dist.DistInfo, out: Path, en
 
     task: Task = load_task(cfg)  # the data first: a bad file fails in seconds, before any model loads
     eval_sets = load_eval_sets(cfg, task)  # and eval.sets (a missing one: one line)
+    if cfg.rollout.placement == "process" and cfg.rollout.backend == "hf":
+        start_worker_server()  # its imports (~5 s of a core) beside the model's load, not after
     ckpt.check_model_folder(cfg.model.name_or_path, "re-save or re-download the model")
     tokenizer = load_tokenizer(cfg.model.name_or_path)
     for t in {id(t): t for t in (task, *(s.task for s in eval_sets))}.values():

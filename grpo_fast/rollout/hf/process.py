@@ -14,7 +14,12 @@ fleet, ``grpo_fast.rollout.fleet``) share one set of buffers: written once, read
 Every wait on the worker has a limit and raises one line (``grpo_fast.errors.EngineTimeout``,
 ``EngineDied``): its start (``rollout.start_timeout``), a rollout (``request_timeout``), a weight
 load (``sync_timeout``). The worker ignores SIGINT/SIGTERM (the run stops it; a Ctrl-C reaches
-the whole process group) and exits when its parent is gone.
+the whole process group) and exits when its parent is gone (the end of its lifeline pipe closes).
+
+Workers fork from one server per trainer process (``multiprocessing``'s forkserver, which
+imported torch and the model code once: ``grpo_fast.rollout.hf._forkserver``): the first worker
+of a process waits for the server's imports as a spawned one waited for its own; each later one
+(a fleet's, a restart, the next run in the same process) starts in a fraction of a second.
 """
 
 from __future__ import annotations
@@ -55,6 +60,30 @@ def worker_threads(setting, cpus: int | None = None, workers: int = 1) -> int:
     return max(1, cpus // 2 // workers)
 
 
+# what the forkserver imports before it forks a worker (its docstring: why, and the SIGTERM rule)
+FORKSERVER_PRELOAD = ["grpo_fast.rollout.hf._forkserver"]
+
+
+def worker_context():
+    """The ``multiprocessing`` context the workers start from: ``forkserver``, preloaded with
+    ``FORKSERVER_PRELOAD`` (the server starts at the first worker; ``start_worker_server`` starts
+    it earlier)."""
+    import torch.multiprocessing as mp  # shared-memory tensors travel to the child by handle
+
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(FORKSERVER_PRELOAD)
+    return ctx
+
+
+def start_worker_server() -> None:
+    """Start the workers' server now, so that its imports (torch, the model code: ~5 s of a core)
+    run while this process builds its model, not after."""
+    from multiprocessing import forkserver
+
+    worker_context()
+    forkserver.ensure_running()
+
+
 def shared_buffers(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     """``[numel]``-shaped shared-memory copies of ``model``'s trainable tensors, by name: what the
     parent writes a policy version into and its workers read it from."""
@@ -71,7 +100,8 @@ def worker_payload(
 
 
 class HFProcessBackend(WeightsFromStage):
-    """The hf decoder in a worker process (``spawn``) with its own copy of the weights.
+    """The hf decoder in a worker process (forked from the workers' server: ``worker_context``)
+    with its own copy of the weights.
 
     The parent pickles the model and tokenizer to the worker once (its start); after that, a
     policy version is its trainable tensors written into shared memory and a ``load`` message
@@ -98,8 +128,6 @@ class HFProcessBackend(WeightsFromStage):
         """``payload`` (``worker_payload``) instead of pickling ``model`` now; ``shm``
         (``shared_buffers``) shared with other workers instead of buffers of its own; ``name``:
         how messages call it (``the hf rollout worker 1``)."""
-        import torch.multiprocessing as mp  # shared-memory tensors travel to the child by handle
-
         self.timeouts = timeouts
         self.version = 0
         self.sync_seconds: float | None = None
@@ -108,16 +136,19 @@ class HFProcessBackend(WeightsFromStage):
         self._ids = itertools.count()
         # [numel] per trainable tensor, shared with the worker: the parent writes, the worker copies
         self._shm = shm if shm is not None else shared_buffers(model)
-        ctx = mp.get_context("spawn")  # never fork a process with threads (the producer's, torch's)
+        ctx = worker_context()  # never fork this process (its threads: the producer's, torch's)
         self._conn, child = ctx.Pipe()
+        # the worker's lifeline: it exits when this end closes (a close, or this process's death)
+        lifeline, self._lifeline = ctx.Pipe(duplex=False)
         self._proc = ctx.Process(
             target=_serve,
-            args=(child, self._shm, threads, os.getpid()),
+            args=(child, self._shm, threads, lifeline),
             daemon=True,
             name="grpo_fast-hf-worker",
         )
         self._proc.start()
         child.close()
+        lifeline.close()
         if payload is None:
             payload = worker_payload(model, tokenizer, generation_batch_size, autocast_dtype)
         try:
@@ -195,6 +226,7 @@ class HFProcessBackend(WeightsFromStage):
                 self._proc.kill()
                 self._proc.join(5.0)
         self._conn.close()
+        self._lifeline.close()
 
     def _died(self, doing: str) -> EngineDied:
         self._proc.join(1.0)
@@ -260,20 +292,22 @@ def _plain_attention(model: torch.nn.Module) -> None:
         config._attn_implementation = impl.rsplit("+", 1)[1]
 
 
-def _watch_parent(parent_pid: int) -> None:
-    """End the worker once its parent is gone (a SIGKILL leaves no one to close it)."""
-    while os.getppid() == parent_pid:
-        time.sleep(0.5)
+def _watch_parent(lifeline) -> None:
+    """End the worker once its parent is gone (a SIGKILL leaves no one to close it): the parent
+    never writes to the lifeline, so a read returns only at the end of the pipe, when the parent's
+    end is closed (by ``close``, or by the kernel at its death)."""
+    with contextlib.suppress(EOFError, OSError):
+        lifeline.recv()
     os._exit(0)
 
 
-def _serve(conn, shm: dict[str, torch.Tensor], threads: int, parent_pid: int) -> None:
+def _serve(conn, shm: dict[str, torch.Tensor], threads: int, lifeline) -> None:
     """The worker's loop: one request at a time, each answered ``("done", id, result)`` or
     ``("error", id, traceback)``; a ``generate`` also sends ``("progress", id, n)`` per chunk."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent decides when the worker stops
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     torch.set_num_threads(threads)
-    threading.Thread(target=_watch_parent, args=(parent_pid,), daemon=True).start()
+    threading.Thread(target=_watch_parent, args=(lifeline,), daemon=True).start()
     backend, params = None, {}
     while True:
         try:
