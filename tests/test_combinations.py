@@ -45,8 +45,8 @@ from pathlib import Path
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 from fake_vllm_server import FakeVLLMServer
+from support.ranks import start_ranks
 
 ROOT = Path(__file__).resolve().parents[1]
 RUN = ["--preset", "tiny", "steps=2", "sft.steps=0", "eval_every=0", "checkpoint_every=0",
@@ -235,8 +235,9 @@ def _two_rank_answers(cells, url: str, root: Path, meanwhile=None, took=None) ->
         todo = cells[len(answers) :]
         pair = root / f"pair_{len(answers)}"
         pair.mkdir()
-        ctx = mp.start_processes(_pair_worker, args=(_free_port(), todo, url, str(root), str(pair)),
-                                 nprocs=2, join=False, start_method="spawn")  # fmt: skip
+        ctx = start_ranks(
+            _pair_worker, args=(_free_port(), todo, url, str(root), str(pair)), nprocs=2, join=False
+        )
         if meanwhile is not None:
             meanwhile()
             meanwhile = None

@@ -9,8 +9,7 @@ import sys
 
 import pytest
 import torch
-import torch.multiprocessing as mp
-from support.ranks import join_cpu_ranks
+from support.ranks import join_cpu_ranks, start_ranks
 
 from grpo_fast import dist
 from grpo_fast.algo.loss_options import LossOptions
@@ -128,7 +127,7 @@ def test_one_step_on_two_ranks_equals_one_rank(tmp_path, length_norm):
     Same microbatches: next test, bitwise.)"""
     overrides = [f"loss.length_norm={length_norm}", "train.micro_batch_size=3", "train.lr=1e-4"]
     out = tmp_path / "rank0.pt"
-    mp.spawn(_worker, args=(2, _free_port(), overrides, str(out)), nprocs=2, join=True)
+    start_ranks(_worker, args=(2, _free_port(), overrides, str(out)), nprocs=2, join=True)
     two = torch.load(out)
     one = _one_step(load_config("tiny", overrides=overrides), rank=0, world_size=1)
     start = tiny.build_model(tiny.build_tokenizer(), seed=0).state_dict()
@@ -164,7 +163,7 @@ def test_same_microbatches_on_two_ranks_give_a_bitwise_identical_step(tmp_path, 
     if value_head:
         overrides += ["loss.advantage=gae", "critic.trunk_coef=0.5", "critic.lr=0.01"]
     out = tmp_path / "rank0.pt"
-    mp.spawn(_worker, args=(2, _free_port(), overrides, str(out), True), nprocs=2, join=True)
+    start_ranks(_worker, args=(2, _free_port(), overrides, str(out), True), nprocs=2, join=True)
     two = torch.load(out)
     one = _one_step(load_config("tiny", overrides=overrides), rank=0, world_size=1, separated=True)
     assert any(k.startswith("grad/value_head") for k in one) == value_head

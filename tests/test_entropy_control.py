@@ -11,8 +11,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-import torch.multiprocessing as mp
-from support.ranks import join_cpu_ranks
+from support.ranks import join_cpu_ranks, start_ranks
 
 from grpo_fast import dist
 from grpo_fast import train as train_mod
@@ -105,7 +104,7 @@ def _rank_worker(rank, world_size, port, out_path):
 
 def test_every_rank_steps_the_same_coefficient(tmp_path):
     out = tmp_path / "ranks.pt"
-    mp.spawn(_rank_worker, args=(2, _free_port(), str(out)), nprocs=2, join=True)
+    start_ranks(_rank_worker, args=(2, _free_port(), str(out)), nprocs=2, join=True)
     (h0, c0), (h1, c1) = torch.load(out)
     assert h0 == h1 == pytest.approx(0.7)
     assert c0 == c1 == pytest.approx(0.015)  # 0.02 − 0.005: above the target on both ranks

@@ -17,8 +17,7 @@ from pathlib import Path
 
 import pytest
 import torch
-import torch.multiprocessing as mp
-from support.ranks import join_cpu_ranks
+from support.ranks import join_cpu_ranks, start_ranks
 
 from grpo_fast import dist
 from grpo_fast.algo.loss_options import LossOptions
@@ -192,7 +191,7 @@ MODES = ("ddp", "fsdp", "fsdp_offload", "fsdp_ckpt", "ddp_shared", "fsdp_shared"
 @pytest.fixture(scope="module")
 def step_results(tmp_path_factory):
     out = tmp_path_factory.mktemp("fsdp_steps") / "rank0.pt"
-    mp.spawn(_step_worker, args=(2, _free_port(), str(out)), nprocs=2, join=True)
+    start_ranks(_step_worker, args=(2, _free_port(), str(out)), nprocs=2, join=True)
     return torch.load(out, weights_only=False)
 
 
@@ -298,7 +297,7 @@ def test_the_push_streams_one_tensor_at_a_time(tmp_path):
     extra peak (tracked allocations) is below two decoder layers' worth of weights, where the
     whole model is six, and the engine then holds exactly the full weights."""
     out = tmp_path / "push.pt"
-    mp.spawn(_push_worker, args=(2, _free_port(), str(out)), nprocs=2, join=True)
+    start_ranks(_push_worker, args=(2, _free_port(), str(out)), nprocs=2, join=True)
     for r in torch.load(out, weights_only=False):
         assert r["same"]
         assert 0 < r["peak"] < 2 * r["layer"], r
@@ -373,7 +372,7 @@ def test_sharded_checkpoints_resume_exactly_and_on_one_rank(tmp_path, capsys):
     from grpo_fast.policy import sharded_checkpoint
     from grpo_fast.train import run
 
-    mp.spawn(_loop_worker, args=(2, _free_port(), str(tmp_path)), nprocs=2, join=True)
+    start_ranks(_loop_worker, args=(2, _free_port(), str(tmp_path)), nprocs=2, join=True)
     for rank in (0, 1):
         words = (tmp_path / f"preempted_{rank}.txt").read_text()
         assert words.startswith("SIGTERM during step 2: checkpoint ") and "step_000002" in words
@@ -541,7 +540,7 @@ def test_the_value_head_resumes_from_a_sharded_checkpoint(tmp_path):
     (DCP names ``value_head.*``), and the resumed step 3 logs the straight run's metrics bitwise,
     its value loss included. Planted: the head left out of ``_sharded_models`` → the first
     checkpoint cannot be written (DCP finds no name for the head's AdamW state)."""
-    mp.spawn(_value_loop_worker, args=(2, _free_port(), str(tmp_path)), nprocs=2, join=True)
+    start_ranks(_value_loop_worker, args=(2, _free_port(), str(tmp_path)), nprocs=2, join=True)
     diff = _metrics_diff()
     straight = diff.read_rows(tmp_path / "straight")
     assert [r["step"] for r in straight] == [1, 2, 3] and straight[-1]["train/value_loss"] > 0

@@ -16,8 +16,7 @@ from pathlib import Path
 
 import pytest
 import torch
-import torch.multiprocessing as mp
-from support.ranks import join_cpu_ranks
+from support.ranks import join_cpu_ranks, start_ranks
 from test_fsdp import _free_port, _loop_overrides, _metrics_diff, _rank_microbatches
 from test_lora import _lora_policy
 from test_rollout_vllm import FakeVLLMEngine
@@ -326,7 +325,7 @@ def step_results(tmp_path_factory):
     tok = tiny.build_tokenizer()
     tiny.build_model(tok, seed=load_config("tiny").seed).save_pretrained(root / "base")
     tok.save_pretrained(root / "base")
-    mp.spawn(_step_worker, args=(2, _free_port(), str(root)), nprocs=2, join=True)
+    start_ranks(_step_worker, args=(2, _free_port(), str(root)), nprocs=2, join=True)
     return torch.load(root / "results.pt", weights_only=False) | {"root": root}
 
 
@@ -644,7 +643,7 @@ def test_the_loop_syncs_the_adapter_alone_from_shards_to_each_ranks_engine(tmp_p
     bitwise."""
     from safetensors.torch import load_file
 
-    mp.spawn(_vllm_loop_worker, args=(2, _free_port(), str(tmp_path)), nprocs=2, join=True)
+    start_ranks(_vllm_loop_worker, args=(2, _free_port(), str(tmp_path)), nprocs=2, join=True)
     rows = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     steps = [r for r in rows if r["step"] > 0]
     assert [r["step"] for r in steps] == [1, 2] and all(r["world_size"] == 2 for r in rows)
@@ -694,7 +693,7 @@ def test_a_lora_run_under_fsdp_resumed_from_its_checkpoint_is_the_straight_run(t
     from transformers import AutoModelForCausalLM
 
     more = (*LORA[:2], "train.optimizer=adamw8bit")
-    mp.spawn(_resume_worker, args=(2, _free_port(), str(tmp_path), more), nprocs=2, join=True)
+    start_ranks(_resume_worker, args=(2, _free_port(), str(tmp_path), more), nprocs=2, join=True)
     saved = tmp_path / "straight" / "checkpoints" / "step_000003"
     keys = FileSystemReader(str(saved / "dcp")).read_metadata().state_dict_metadata.keys()
     model_keys = [k for k in keys if k.startswith("model.")]

@@ -16,8 +16,7 @@ from pathlib import Path
 
 import pytest
 import torch
-import torch.multiprocessing as mp
-from support.ranks import join_cpu_ranks
+from support.ranks import join_cpu_ranks, start_ranks
 
 from grpo_fast import dist
 from grpo_fast.algo.loss_options import LossOptions
@@ -471,7 +470,7 @@ def test_two_ranks_train_the_adapter_as_one_rank():
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     out = Path(os.environ.get("TMPDIR", "/tmp")) / f"lora_ddp_{os.getpid()}.pt"
-    mp.spawn(_ddp_worker, args=(2, port, str(out)), nprocs=2, join=True)
+    start_ranks(_ddp_worker, args=(2, port, str(out)), nprocs=2, join=True)
     two = torch.load(out)
     out.unlink()
     one = _adapter_step(0, 1)

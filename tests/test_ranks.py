@@ -6,8 +6,7 @@ import socket
 
 import pytest
 import torch
-import torch.multiprocessing as mp
-from support.ranks import join_cpu_ranks
+from support.ranks import join_cpu_ranks, start_ranks
 
 from grpo_fast import dist
 from grpo_fast.loop.setup import seed_everything
@@ -41,7 +40,7 @@ def _boost_worker(rank, world_size, port, looping_rank, out_path):
 
 def _boosts(tmp_path, looping_rank):
     out = tmp_path / f"boost_{looping_rank}.pt"
-    mp.spawn(_boost_worker, args=(2, _free_port(), looping_rank, str(out)), nprocs=2, join=True)
+    start_ranks(_boost_worker, args=(2, _free_port(), looping_rank, str(out)), nprocs=2, join=True)
     return torch.load(out)  # [rank][step] -> (local boost, shared boost)
 
 
@@ -89,7 +88,7 @@ def _sampling_worker(rank, world_size, port, out_path):
 
 def test_each_rank_samples_its_own_stream(tmp_path):
     out = tmp_path / "samples.pt"
-    mp.spawn(_sampling_worker, args=(2, _free_port(), str(out)), nprocs=2, join=True)
+    start_ranks(_sampling_worker, args=(2, _free_port(), str(out)), nprocs=2, join=True)
     (plain0, own0, restored0), (plain1, own1, restored1) = torch.load(out)
     assert plain0 == plain1  # the bug: the same prompts would get the same samples on both ranks
     assert own0 != own1
@@ -132,7 +131,7 @@ def test_each_rank_rewards_and_trains_responses_under_their_own_prompts(tmp_path
     it answers, its advantage positive exactly where it is right."""
     import json
 
-    mp.spawn(_own_prompt_worker, args=(2, _free_port(), str(tmp_path)), nprocs=2, join=True)
+    start_ranks(_own_prompt_worker, args=(2, _free_port(), str(tmp_path)), nprocs=2, join=True)
     rows = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     steps = [r for r in rows if r["step"] > 0]
     assert [(r["world_size"], r["train/reward_mean"], r["train/accuracy"]) for r in steps] == [

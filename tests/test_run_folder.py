@@ -18,6 +18,7 @@ import yaml
 from run_folders import QUICK, finished_run
 from run_folders import copy_folder as _copy
 from run_folders import tree as _tree
+from support.ranks import start_ranks
 
 from grpo_fast import config as config_mod
 from grpo_fast import dist
@@ -415,15 +416,13 @@ def _claim_worker(rank: int, port: int, out: str, notes: str) -> None:
 def test_under_two_ranks_rank_0_holds_the_lock_and_a_refusal_stops_both(finished, tmp_path):
     import socket
 
-    import torch.multiprocessing as mp
-
     def two_ranks(out: Path) -> list[dict]:
         notes = tmp_path / f"notes_{out.name}"
         notes.mkdir()
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             port = s.getsockname()[1]
-        mp.spawn(_claim_worker, args=(port, str(out), str(notes)), nprocs=2, join=True)
+        start_ranks(_claim_worker, args=(port, str(out), str(notes)), nprocs=2, join=True)
         return [json.loads((notes / f"rank{r}.json").read_text()) for r in (0, 1)]
 
     fresh = tmp_path / "fresh"

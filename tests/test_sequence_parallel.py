@@ -28,8 +28,7 @@ from pathlib import Path
 
 import pytest
 import torch
-import torch.multiprocessing as mp
-from support.ranks import join_cpu_ranks
+from support.ranks import join_cpu_ranks, start_ranks
 
 from grpo_fast import dist
 from grpo_fast.algo.loss_options import LossOptions
@@ -419,7 +418,7 @@ def _sp_worker(rank, world_size, port, out_path):
 @pytest.fixture(scope="module")
 def sp_results(tmp_path_factory):
     out = tmp_path_factory.mktemp("sp") / "rank0.pt"
-    mp.spawn(_sp_worker, args=(2, _free_port(), str(out)), nprocs=2, join=True)
+    start_ranks(_sp_worker, args=(2, _free_port(), str(out)), nprocs=2, join=True)
     return torch.load(out, weights_only=False)
 
 
@@ -579,7 +578,7 @@ def _step_worker(rank, world_size, port, out_path):
 
 def _step_results(tmp_path, world_size: int) -> dict:
     out = tmp_path / f"steps_{world_size}.pt"
-    mp.spawn(_step_worker, args=(world_size, _free_port(), str(out)), nprocs=world_size, join=True)
+    start_ranks(_step_worker, args=(world_size, _free_port(), str(out)), nprocs=world_size, join=True)
     return torch.load(out, weights_only=False)
 
 
@@ -666,7 +665,7 @@ def test_the_loop_trains_each_step_as_one_rank_does(tmp_path, more, reward):
     (half its value loss's gradient into the trunk): the value loss and head's gradient norm too."""
     from safetensors.torch import load_file
 
-    mp.spawn(_loop_worker, args=(2, _free_port(), str(tmp_path), more), nprocs=2, join=True)
+    start_ranks(_loop_worker, args=(2, _free_port(), str(tmp_path), more), nprocs=2, join=True)
     one, sp = _rows(tmp_path / "one"), _rows(tmp_path / "sp")
     assert [r["world_size"] for r in sp] == [2, 2]
     for a, b in zip(one, sp, strict=True):
@@ -716,7 +715,7 @@ def test_with_the_vllm_backend_it_trains_as_data_parallel_does(tmp_path):
     2 ranks with ``sequence_parallel=2`` sample what 2 data-parallel ranks sample and train the same
     batch (each rank half of every sequence): the same rewards, loss and gradient norm, the probe's
     weight-sync gap as small."""
-    mp.spawn(_vllm_loop_worker, args=(2, _free_port(), str(tmp_path)), nprocs=2, join=True)
+    start_ranks(_vllm_loop_worker, args=(2, _free_port(), str(tmp_path)), nprocs=2, join=True)
     ddp, sp = _rows(tmp_path / "sp1"), _rows(tmp_path / "sp2")
     for a, b in zip(ddp, sp, strict=True):
         assert b["train/reward_mean"] == a["train/reward_mean"]
@@ -758,7 +757,7 @@ def test_the_pipeline_with_sequence_parallel_trains_as_data_parallel_does(tmp_pa
         _main_args(tmp_path / "ddp", *stale),
         _main_args(tmp_path / "sp", "train.sequence_parallel=2", *stale),
     ]
-    mp.spawn(_main_worker, args=(2, _free_port(), runs), nprocs=2, join=True)
+    start_ranks(_main_worker, args=(2, _free_port(), runs), nprocs=2, join=True)
     ddp, sp = _rows(tmp_path / "ddp"), _rows(tmp_path / "sp")
     assert [r["rollout/policy_lag"] for r in sp] == [0.0, 1.0]
     assert [r["world_size"] for r in ddp + sp] == [2] * 4
@@ -809,7 +808,7 @@ def test_a_rank_of_two_holds_at_most_0_6_of_the_activations_of_a_long_sequence(t
     0.53-0.55: its half of every token's activations, and in attention its heads' full-length q, k,
     v, o, the same bytes)."""
     out = tmp_path / "memory.pt"
-    mp.spawn(_memory_worker, args=(2, _free_port(), str(out)), nprocs=2, join=True)
+    start_ranks(_memory_worker, args=(2, _free_port(), str(out)), nprocs=2, join=True)
     for peaks in torch.load(out):
         assert peaks["sp rank"] <= 0.6 * peaks["one rank"], peaks
         assert peaks["one rank"] > 50 * 2**20  # activations, not noise: ≈ 100 MiB
