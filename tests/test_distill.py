@@ -274,14 +274,24 @@ def test_the_teachers_peak_is_its_own_and_the_steps_peak_keeps_what_came_before(
     """``phase_peak_gb`` (``memory/teacher_peak_gb``) resets the peak counter for its phase and
     carries what it held into ``memory/peak_gb``: a 400 MB tensor freed before a small phase is
     in the step's peak, not in the phase's. Planted: the carry left out → the step's peak loses it."""
+    import gc
+
     from grpo_fast.obs.metrics import peak_memory_gb, phase_peak_gb, reset_peak_memory
 
     cpu = torch.device("cpu")
-    reset_peak_memory(cpu)
-    before = peak_memory_gb(cpu)
-    big = torch.ones(100_000_000)  # 400 MB, touched
-    del big
-    total, phase = phase_peak_gb(cpu, torch.ones(1000).sum)
+    # the process's resident memory is the measure: what earlier tests of this worker left as
+    # garbage is freed first, and no collection runs in between (once, beside a busy loop, one
+    # freed mid-measure took the RSS down by more than the 400 MB: the peak stayed at `before`)
+    gc.collect()
+    gc.disable()
+    try:
+        reset_peak_memory(cpu)
+        before = peak_memory_gb(cpu)
+        big = torch.ones(100_000_000)  # 400 MB, touched
+        del big
+        total, phase = phase_peak_gb(cpu, torch.ones(1000).sum)
+    finally:
+        gc.enable()
     assert total == 1000
     assert peak_memory_gb(cpu) >= before + 0.35
     assert phase < before + 0.2
