@@ -384,9 +384,9 @@ class TrainConfig:
     # Skip the forward/backward of responses whose advantage is exactly 0 (groups whose rewards are
     # all equal) where the loss says their gradient is exactly 0 (LossOptions.zero_advantage_zero_gradient).
     skip_zero_advantage: bool = True
-    mixed_precision: str = option(
-        AUTO, OneOf(("auto", "bf16", "fp16", "no"))
-    )  # auto: bf16 on CUDA, no on CPU
+    # auto: bf16 autocast over fp32 master weights on CUDA and on a CPU with native bf16 dot
+    # products (AVX512-BF16, AMX: grpo_fast.policy.model.cpu_computes_bf16), else no (fp32)
+    mixed_precision: str = option(AUTO, OneOf(("auto", "bf16", "fp16", "no")))
     # dtype of the final model in output_dir/final: auto (the trained weights' dtype) | float32
     # | bfloat16 | float16 (e.g. bfloat16 for serving: half the size of fp32 master weights)
     save_dtype: str = option(AUTO, OneOf(_DTYPES), resume="safe")

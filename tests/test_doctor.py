@@ -2,6 +2,7 @@
 each problem with its fix."""
 
 import importlib.metadata as metadata
+from pathlib import Path
 
 import pytest
 import torch
@@ -37,6 +38,34 @@ def test_doctor_reports_this_machine(capsys):
         # the interpreter ran csrc_triton's kernel against the float64 reference
         assert rows["triton kernels"].startswith("yes, under the interpreter (TRITON_INTERPRET=1, CPU)")
         assert "against the float64 reference" in rows["triton kernels"]
+
+
+@pytest.mark.skipif(not Path("/proc/cpuinfo").is_file(), reason="reads Linux's CPU flags")
+def test_the_bf16_probe_agrees_with_the_kernels_cpu_flags():
+    from grpo_fast.policy.model import cpu_computes_bf16
+
+    flags = {
+        f
+        for ln in Path("/proc/cpuinfo").read_text().splitlines()
+        if ln.startswith("flags")
+        for f in ln.split()
+    }
+    expected = "AMX" if "amx_bf16" in flags else "AVX512-BF16" if "avx512_bf16" in flags else None
+    assert cpu_computes_bf16() == expected, sorted(f for f in flags if "bf16" in f or "amx" in f)
+
+
+@pytest.mark.parametrize("native", [None, "AMX"])
+def test_doctor_says_what_auto_mixed_precision_is_on_this_cpu(monkeypatch, capsys, native):
+    from grpo_fast.policy import model as model_mod
+
+    monkeypatch.setattr(model_mod, "cpu_computes_bf16", lambda: native)
+    assert doctor.main(["--no-triton"]) == 0
+    said = _rows(capsys.readouterr().out)["cpu precision"]
+    assert said == (
+        "AMX: train.mixed_precision=auto is bf16 autocast on this CPU"
+        if native
+        else "no native bf16 dot products: train.mixed_precision=auto is fp32 on this CPU"
+    )
 
 
 def test_a_missing_required_package_breaks_tiny_and_names_the_fix(monkeypatch, capsys):

@@ -178,7 +178,15 @@ def test_the_summary_shows_what_an_auto_resolved_to_beside_what_was_asked(tmp_pa
     assert "| `rollout.gpu_memory_utilization` | 0.5 (asked: auto) |" in summary
 
 
-def test_a_run_records_what_its_autos_resolved_to(tmp_path):
+@pytest.mark.parametrize(("native", "precision"), [(None, "no"), ("AVX512-BF16", "bf16")])
+def test_a_run_records_what_its_autos_resolved_to(tmp_path, capsys, monkeypatch, native, precision):
+    """``train.mixed_precision=auto`` on a CPU: bf16 autocast where the CPU computes bf16 natively
+    (its probe stood in for both answers), fp32 elsewhere; the plan line says which and why, and
+    config.yaml records what the run used. Planted: auto kept at fp32 on every CPU -> the bf16
+    case records ``no``."""
+    from grpo_fast.policy import model as model_mod
+
+    monkeypatch.setattr(model_mod, "cpu_computes_bf16", lambda: native)
     out = tmp_path / "run"
     args = [
         *QUICK,
@@ -191,6 +199,13 @@ def test_a_run_records_what_its_autos_resolved_to(tmp_path):
     assert main(args) == 0
     line = (out / "config.yaml").read_text().splitlines()[-1]
     assert line.startswith("# resolved from auto: ")
-    assert {"device=cpu", "train.mixed_precision=no", "rollout.gpu_memory_utilization=0.5"} <= set(
+    assert {"device=cpu", f"train.mixed_precision={precision}", "rollout.gpu_memory_utilization=0.5"} <= set(
         line.removeprefix("# resolved from auto: ").split(", ")
     )
+    plan = next(ln for ln in capsys.readouterr().err.splitlines() if ln.startswith("plan: "))
+    said = (
+        "; bf16 autocast (train.mixed_precision=auto: this CPU has AVX512-BF16)"
+        if native
+        else "; fp32 (train.mixed_precision=auto: this CPU has no native bf16 dot products)"
+    )
+    assert said in plan

@@ -38,7 +38,7 @@ from grpo_fast.policy import parallel
 from grpo_fast.policy.batch import Sequence, make_microbatches
 from grpo_fast.policy.lora import AdapterOffLoss, is_lora, trainable_counts
 from grpo_fast.policy.loss import PolicyLoss, build_policy_loss
-from grpo_fast.policy.model import autocast_dtype, load_policy, load_tokenizer, policy_dtype
+from grpo_fast.policy.model import autocast_dtype, load_policy, load_tokenizer, policy_dtype, precision_note
 from grpo_fast.policy.teacher import load_teacher
 from grpo_fast.policy.value import ValueHead
 from grpo_fast.rollout import BackendContext, backend, make_backend
@@ -346,9 +346,11 @@ def _announce_plan(
     evals = f", {said}{_eval_source(cfg)}" if said else ""
     ranks = f", on {world.world_size} ranks" if world.enabled else ""
     if world.is_main:  # the other ranks print nothing
+        precision = precision_note(cfg, device)
         threads_note = f"; {cpu_threads}" if cpu_threads else ""  # before the estimate, which ends the line
         logger.event(
-            f"plan: {first}{grpo}{evals}{ranks}{threads_note}; {eta.plan_estimate(cfg, device, world.world_size, others)}"
+            f"plan: {first}{grpo}{evals}{ranks}{precision}{threads_note}; "
+            f"{eta.plan_estimate(cfg, device, world.world_size, others)}"
         )
 
 

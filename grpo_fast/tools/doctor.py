@@ -249,6 +249,15 @@ def check_threads(rep: Report) -> None:
         f"torch {torch.get_num_threads()} intra-op here, OpenMP wait {wait}; the tiny preset: "
         f"{tiny.threads} to start ({tiny.why}; threads.intra_op)",
     )
+    from grpo_fast.policy.model import cpu_computes_bf16
+
+    native = cpu_computes_bf16()
+    rep.row(
+        "cpu precision",
+        f"{native}: train.mixed_precision=auto is bf16 autocast on this CPU"
+        if native
+        else "no native bf16 dot products: train.mixed_precision=auto is fp32 on this CPU",
+    )
     if load is not None and load >= cores and threads.spins_long(wait):
         rep.problem(
             f"this machine is busy (load {load:.1f} on {cores} cores) and OpenMP here spins between "
