@@ -1,4 +1,4 @@
-"""The memory planner against measurement: a scaled-down Qwen2 (8 layers, D = 512, V = 32,768,
+"""The memory planner against measurement: a scaled-down Qwen2 (4 layers, D = 512, V = 32,768,
 tied) on CPU, fp32, every allocation tracked (``grpo_fast.obs.memory.tracked_peak_bytes``).
 
 Each of the planner's per-phase items must be within 15% of what is measured: weights, gradients
@@ -27,7 +27,7 @@ HF = Qwen2Config(
     vocab_size=32768,
     hidden_size=512,
     intermediate_size=1408,
-    num_hidden_layers=8,
+    num_hidden_layers=4,
     num_attention_heads=8,
     num_key_value_heads=2,
     max_position_embeddings=256,
@@ -68,7 +68,7 @@ def _microbatch(b: int):
 
 
 def _within(name: str, planned: float, measured: float, tol: float = 0.15) -> None:
-    print(f"{name:28s} planned {planned / 1e6:9.2f} MB   measured {measured / 1e6:9.2f} MB")
+    print(f"{name:28s} planned {planned / 1e6:11.4f} MB   measured {measured / 1e6:11.4f} MB")
     assert abs(planned - measured) <= tol * measured, (name, planned, measured)
 
 
