@@ -351,19 +351,24 @@ LONG_RESPONSES = dict(
 SHARE_PROMPTS_WORKLOADS = {"prompt128": PROMPT_HEAVY, "long": LONG_RESPONSES}
 
 
-def share_prompts_workload(workload: str, share: bool) -> tuple[OptimizationPhase, RolloutBatch]:
+def share_prompts_workload(
+    workload: str, share: bool, mixed_precision: str = "no"
+) -> tuple[OptimizationPhase, RolloutBatch]:
     """The optimization phase with ``train.share_prompts=share`` on ``workload``: ``tiny`` (the
     preset's model and batch, 6-token prompts), ``prompt128`` (``PROMPT_HEAVY``) or ``long``
-    (``LONG_RESPONSES``)."""
+    (``LONG_RESPONSES``); fp32 weights, ``train.mixed_precision=mixed_precision`` (the tiny
+    preset's ``no``: fp32 throughout)."""
     device = torch.device("cpu")
     flag = f"train.share_prompts={str(share).lower()}"
+    precision = f"train.mixed_precision={mixed_precision}"
     if workload == "tiny":
-        return optimization_workload("tiny", "torch_chunked", device, overrides=(flag,))
+        return optimization_workload("tiny", "torch_chunked", device, overrides=(flag, precision))
     from bench.peers.workloads import wide_config
 
     w = SHARE_PROMPTS_WORKLOADS[workload]
     overrides = (
         flag,
+        precision,
         f"rollout.group_size={w['group']}",
         f"rollout.batch_size={w['prompts'] * w['group']}",
         f"rollout.max_tokens={w['response_tokens']}",
@@ -386,8 +391,8 @@ def share_prompts_workload(workload: str, share: bool) -> tuple[OptimizationPhas
     return OptimizationPhase(cfg, model, device, pad_id=0), batch
 
 
-def build_share_prompts_step(workload: str, share: bool) -> Callable[[], float]:
-    phase, batch = share_prompts_workload(workload, share)
+def build_share_prompts_step(workload: str, share: bool, mixed_precision: str = "no") -> Callable[[], float]:
+    phase, batch = share_prompts_workload(workload, share, mixed_precision)
     return lambda: phase(batch)
 
 
@@ -662,6 +667,41 @@ def test_optimization_phase_share_prompts_cpu(benchmark, request, workload, impl
         phase="optimization",
         status="ok",
         peak_memory_bytes=peak_rss_growth(build_share_prompts_step, workload, impl == "shared"),
+        tokens=batch.tokens,
+        response_tokens=batch.response_tokens,
+        tokens_per_s=_per_s(batch.tokens, _median(benchmark)),
+    )
+
+
+@pytest.mark.benchmark(group="train_step-cpu-mixed_precision")
+@pytest.mark.parametrize("workload", ["tiny", "prompt128", "long"])
+@pytest.mark.parametrize("precision", ["no", "bf16"])
+def test_optimization_phase_mixed_precision_cpu(benchmark, request, workload, precision):
+    """``train.mixed_precision``: fp32 (``no``) against bf16 autocast over the fp32 weights, the
+    prompts shared (the default). Whether this CPU computes bf16 natively
+    (``grpo_fast.policy.model.cpu_computes_bf16``: what ``auto`` follows) is in the case's text;
+    without it the bf16 rows measure torch's emulation."""
+    from grpo_fast.policy.model import cpu_computes_bf16
+
+    phase, batch = share_prompts_workload(workload, True, precision)
+    phase(batch)  # warm-up: optimizer state, thread pools, the weights' bf16 casts
+    rounds = CPU_ROUNDS if workload == "tiny" else 3
+    benchmark.pedantic(phase, args=(batch,), rounds=rounds, iterations=1)
+    cfg = phase.cfg
+    native = cpu_computes_bf16() or "no native bf16"
+    _describe(
+        benchmark,
+        request,
+        torch.device("cpu"),
+        impl=precision,
+        case=(
+            f"{workload}: {len(batch.prompt_ids)} prompts of {len(batch.prompt_ids[0])} tokens × "
+            f"{cfg.rollout.group_size} responses of ≤ {cfg.rollout.max_tokens}, micro-batch "
+            f"{cfg.train.micro_batch_size}, train.mixed_precision={precision} (this CPU: {native})"
+        ),
+        phase="optimization",
+        status="ok",
+        peak_memory_bytes=peak_rss_growth(build_share_prompts_step, workload, True, precision),
         tokens=batch.tokens,
         response_tokens=batch.response_tokens,
         tokens_per_s=_per_s(batch.tokens, _median(benchmark)),

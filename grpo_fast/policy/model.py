@@ -58,10 +58,10 @@ def cpu_computes_bf16() -> str | None:
     """This CPU's native bf16 dot-product instructions (``"AMX"``, ``"AVX512-BF16"``; torch's own
     probes), or None (x86 without them, other architectures: bf16 would be emulated, slower than
     fp32). With them a bf16 matmul runs at about twice fp32's rate: the optimization step of a
-    4-layer D = 512, V = 32,768 model (bench/test_bench_train_step.py's prompt-heavy and long
-    workloads) took 0.73x fp32's time under bf16 autocast on a 2-core AMD EPYC with AVX512-BF16
-    (5.50 -> 4.00 s and 5.35 -> 3.88 s, 2026-12-07); the tiny preset's D = 128 model 1.11x (the
-    casts cost more than its small matmuls save), so its preset keeps ``mixed_precision: no``."""
+    4-layer D = 512, V = 32,768 model took 0.71-0.74x fp32's time under bf16 autocast on a 2-core
+    AMD EPYC with AVX512-BF16 (bench/test_bench_train_step.py -k mixed_precision, 2026-12-07);
+    the tiny preset's D = 128 model 1.33x (the casts cost more than its small matmuls save), so
+    its preset keeps ``mixed_precision: no`` (docs/training.md, "Mixed precision on a CPU")."""
     probes = (("AMX", "_is_amx_tile_supported"), ("AVX512-BF16", "_is_avx512_bf16_supported"))
     for name, probe in probes:
         check = getattr(torch.cpu, probe, None)
