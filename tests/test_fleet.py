@@ -351,6 +351,27 @@ def test_a_worker_killed_mid_run_loses_no_step_comes_back_and_changes_no_metric(
     assert {r["fleet/restarts"] for r in _rows(tmp_path / "straight") if "fleet/restarts" in r} == {0.0}
 
 
+def test_a_lora_fleet_samples_from_the_trainers_adapter_at_every_step(tmp_path):
+    """LoRA (configs/lora.yaml) on two hf workers, lockstep: what a version stages, every worker
+    loads and the digest probes is the adapter (the tensors that train), so at every step both
+    workers sample from the trainer's weights: the sampler's log-probs of the sampled tokens are
+    the trainer's to fp32 noise (measured 0.8-1.3e-7) while the adapter moves. Planted: the
+    adapter's B matrices left out of a version (the workers keep B = 0, the base model) → step
+    2's gap is ~1e-2."""
+    from test_lora import LORA_YAML
+    from test_pipeline import QUICK, _rows
+
+    out = tmp_path / "lora"
+    assert main([*QUICK, "--config", LORA_YAML, *FLEET[:2], "steps=4", f"output_dir={out}"]) == 0
+    rows = [r for r in _rows(out) if "train/loss" in r]
+    assert [r["fleet/engines_serving"] for r in rows] == [2.0] * 4
+    assert all(r["fleet/engine0/requests"] == r["fleet/engine1/requests"] == 1.0 for r in rows)
+    assert all(r["rollout/logprob_abs_diff"] < 1e-5 for r in rows), [
+        r["rollout/logprob_abs_diff"] for r in rows
+    ]
+    assert all(r["train/grad_norm"] > 0 for r in rows)
+
+
 def _pid_alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)
