@@ -51,6 +51,21 @@ def test_empty_responses_are_dropped():
     assert len(seqs) == 1 and seqs[0].loss_weights.tolist() == [1.0]
 
 
+@pytest.mark.parametrize("share", [False, True], ids=["unshared", "shared"])
+def test_an_empty_response_in_a_microbatch_selects_nothing(share):
+    """A response of no tokens (a ``Trajectory`` allows one; the loop drops them first) adds no
+    label and no selected position, with or without shared prompts. Planted: the shared layout
+    selecting the prompt's last position for it anyway -> ``Microbatch`` refuses 3 positions for
+    2 labels."""
+    from grpo_fast.rollout.trajectory import Trajectory
+
+    rows = [(0, Trajectory([1, 2], [3, 4], advantage=1.0)), (1, Trajectory([1, 2], [], advantage=1.0))]
+    for _, t in rows:
+        t.loss_weights = torch.ones(t.num_sampled)
+    (mb,) = make_microbatches([t for _, t in rows], 2, 0, packing=False, share_prompts=share)
+    assert mb.labels.tolist() == [3, 4] and int(mb.select.sum()) == 2
+
+
 @pytest.mark.parametrize("packing", [False, True], ids=["padded", "packed"])
 def test_microbatch_selects_exactly_the_response_labels(packing):
     prompts, responses, adv = _rollout()

@@ -451,7 +451,7 @@ def _collate_shared(
                 # a sampled token at response position p is predicted at the position before it:
                 # the prompt's last token for p = 0, else the response's own token p − 1
                 if t.roles is None:
-                    index.append(p0 + n_p - 1)
+                    index.extend([p0 + n_p - 1] if n else [])  # an empty response selects nothing
                     index.extend(range(a, a + n - 1))
                 else:
                     index.extend(p0 + n_p - 1 if p == 0 else a + p - 1 for p in t.label_positions)
