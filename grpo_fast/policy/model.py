@@ -56,8 +56,8 @@ def autocast_dtype(cfg: Config, device: torch.device) -> torch.dtype | None:
 
 def cpu_computes_bf16() -> str | None:
     """This CPU's native bf16 dot-product instructions (``"AMX"``, ``"AVX512-BF16"``; torch's own
-    probes), or None (x86 without them, other architectures: bf16 would be emulated, slower than
-    fp32). With them a bf16 matmul runs at about twice fp32's rate: the optimization step of a
+    probes), or None: an x86 CPU without them (bf16 would be emulated, slower than fp32), or
+    another architecture (not probed: an aarch64 CPU with native bf16 reads as None too). With them a bf16 matmul runs at about twice fp32's rate: the optimization step of a
     4-layer D = 512, V = 32,768 model took 0.71-0.74x fp32's time under bf16 autocast on a 2-core
     AMD EPYC with AVX512-BF16 (bench/test_bench_train_step.py -k mixed_precision, 2026-12-07);
     the tiny preset's D = 128 model 1.33x (the casts cost more than its small matmuls save), so
