@@ -64,6 +64,19 @@ HANG = threading.Event()  # hanging_reward hangs while this is clear and _ARMED 
 _ARMED: dict = {"calls": 0, "at": None}
 
 
+OVERLAP = threading.Event()  # set as step 3's batch begins generating (test_a_batch_is_scored_...)
+_SEEN: dict = {"calls": 0, "waited": []}
+
+
+def overlapping_reward(response: str, ground_truth: str) -> dict[str, float]:
+    """``length_reward``; its 21st call (step 2's 5th response, batches of 16) waits at most 30 s
+    for ``OVERLAP`` and records whether it came."""
+    _SEEN["calls"] += 1
+    if _SEEN["calls"] == 16 + 5:
+        _SEEN["waited"].append(OVERLAP.wait(30))
+    return length_reward(response, ground_truth)
+
+
 def hanging_reward(response: str, ground_truth: str) -> dict[str, float]:
     """``length_reward``, except that its call number ``_ARMED["at"]`` hangs until ``HANG`` is set."""
     _ARMED["calls"] += 1
@@ -214,9 +227,9 @@ def test_lockstep_logs_no_pipeline_metrics(tmp_path):
 
 
 def _plant_versions(monkeypatch, version_for):
-    """``pipeline.produce`` whose result claims the policy version ``version_for(step, call)``
+    """``pipeline.generate_production`` whose result claims the policy version ``version_for(step, call)``
     (None: the true one); returns the calls as (step, the prompts' indices)."""
-    real, calls = pipeline.produce, []
+    real, calls = pipeline.generate_production, []
 
     def planted(side, cfg, task, world, device, job, progress):
         rollout = real(side, cfg, task, world, device, job, progress)
@@ -227,7 +240,7 @@ def _plant_versions(monkeypatch, version_for):
                 t.policy_version = version
         return rollout
 
-    monkeypatch.setattr(pipeline, "produce", planted)
+    monkeypatch.setattr(pipeline, "generate_production", planted)
     return calls
 
 
@@ -289,14 +302,14 @@ def rank_1_stalls_at_step_3(rank: int) -> None:
 
     c10d._get_default_timeout = lambda backend: timedelta(seconds=6)
     if rank == 1:
-        real = pipeline.produce
+        real = pipeline.generate_production
 
         def stuck(side, cfg, task, world, device, job, progress):
             if job.step == 3:
                 time.sleep(40)
             return real(side, cfg, task, world, device, job, progress)
 
-        pipeline.produce = stuck
+        pipeline.generate_production = stuck
 
 
 @pytest.mark.slow
@@ -528,10 +541,33 @@ def test_a_weight_sync_that_never_completes_stops_the_run_after_sync_timeout(tmp
     assert not _alive(pids[0])
 
 
+def test_a_batch_is_scored_while_the_next_is_generated(tmp_path, monkeypatch):
+    """Staleness 1: the producer hands each generated batch to its scorer thread and generates
+    the next while it is scored (the schedule allows it: step 3's batch samples version 1, there
+    once step 1 has trained, while step 2's is still being scored). Step 2's scoring waits for
+    step 3's generation to begin, which releases it at once. Planted: the producer waiting for the
+    scorer before its next job (generation and scoring in series, as before 2026-12-07) -> the
+    wait runs out its 30 s."""
+    OVERLAP.clear()
+    monkeypatch.setitem(_SEEN, "calls", 0)
+    monkeypatch.setitem(_SEEN, "waited", [])
+    real = pipeline.generate_production
+
+    def flagged(side, cfg, task, world, device, job, progress):
+        if job.step == 3:
+            OVERLAP.set()
+        return real(side, cfg, task, world, device, job, progress)
+
+    monkeypatch.setattr(pipeline, "generate_production", flagged)
+    args = [*QUICK, *S1, "steps=4", "data.reward=test_pipeline:overlapping_reward"]
+    assert main([*args, f"output_dir={tmp_path}"]) == 0
+    assert _SEEN["waited"] == [True]
+
+
 def test_a_producer_that_hangs_stops_the_trainer_after_request_timeout(tmp_path, monkeypatch, capsys):
     """A reward call of step 3's batch hangs in the producer's thread: the trainer waits
     rollout.request_timeout=3 s for the batch, then stops with one line saying what the producer
-    was at, and step 2's checkpoint."""
+    was at (scoring that batch, on its scorer thread), and step 2's checkpoint."""
     HANG.clear()
     monkeypatch.setitem(_ARMED, "calls", 0)
     monkeypatch.setitem(_ARMED, "at", 2 * 16 + 5)  # the 5th response of step 3
@@ -545,7 +581,7 @@ def test_a_producer_that_hangs_stops_the_trainer_after_request_timeout(tmp_path,
     assert took < 60
     assert _err_lines(capsys)[-1] == (
         "error: the rollout producer did not deliver step 3's batch within rollout.request_timeout=3 s (it "
-        "was producing step 3's batch) (during step 3's rollout): checkpoint "
+        "was scoring step 3's batch) (during step 3's rollout): checkpoint "
         f"{tmp_path / 'checkpoints' / 'step_000002'} of step 2 written; resume=true continues from there"
     )
 
@@ -561,7 +597,7 @@ def test_a_signal_stops_a_pipelined_run_and_its_resume_is_exact(tmp_path, monkey
     The producer's copy in this process; with the worker (rollout.placement=process), a stop's
     checkpoint resumed exactly is the dead-worker test's, the worker ended by a signal
     ``test_a_signal_to_the_process_group_stops_trainer_and_worker_within_seconds``'s."""
-    real, calls = pipeline.produce, []
+    real, calls = pipeline.generate_production, []
 
     def signalled(side, cfg, task, world, device, job, progress):
         calls.append(job.step)
@@ -569,7 +605,7 @@ def test_a_signal_stops_a_pipelined_run_and_its_resume_is_exact(tmp_path, monkey
             os.kill(os.getpid(), signal.SIGTERM)
         return real(side, cfg, task, world, device, job, progress)
 
-    monkeypatch.setattr(pipeline, "produce", signalled)
+    monkeypatch.setattr(pipeline, "generate_production", signalled)
     args = [*QUICK, *S1, "steps=6"]
     out = tmp_path / "run"
     assert main([*args, f"output_dir={out}"]) == 128 + signal.SIGTERM

@@ -48,10 +48,22 @@ def produce(
     side: RolloutSide, cfg, task, world: dist.DistInfo, device: torch.device, job: Production, progress
 ) -> Rollout:
     """This rank's share of ``job.step``'s prompts (round ``job.round``), their groups generated
-    and scored: prompt i's group has ``rollout.group_size`` responses, or with
+    and scored (``generate_production``, then ``score_production``)."""
+    rollout = generate_production(side, cfg, task, world, device, job, progress)
+    score_production(rollout, job, cfg)
+    return rollout
+
+
+def generate_production(
+    side: RolloutSide, cfg, task, world: dist.DistInfo, device: torch.device, job: Production, progress
+) -> Rollout:
+    """``produce`` up to its scoring: this rank's share of ``job.step``'s prompts (round
+    ``job.round``), their groups generated, each group carrying its example and its index in the
+    training set: prompt i's group has ``rollout.group_size`` responses, or with
     ``rollout.adaptive_group_size`` a size from its pass rate (the table as the step last
     recorded it). Seeded per (run seed, step, rank, round): a resumed run samples
-    what the straight run sampled. ``job.prompts``: these prompts instead of the step's draw."""
+    what the straight run sampled. ``job.prompts``: these prompts instead of the step's draw.
+    The pipeline scores the batch apart (``score_production``), while it generates the next."""
     r = cfg.rollout
     with dist.no_collectives("the rollout producer"):
         idx = side.draw(job.step, world.ranks) if job.prompts is None else list(job.prompts)
@@ -73,9 +85,14 @@ def produce(
         side.backend.sleep()
         for group, example, i in zip(rollout.groups, examples, idx):
             group.example, group.example_index = example, i
-        with preempt.rewards_abandonable():  # a signal stops a reward that hangs (in stop_within)
-            score(rollout, job.reward_fn, cfg.data.reward_workers)
     return rollout
+
+
+def score_production(rollout: Rollout, job: Production, cfg) -> None:
+    """Each response of ``generate_production``'s rollout scored by ``job.reward_fn`` (``score``,
+    on ``data.reward_workers`` threads); no collective; a signal abandons a reward that hangs."""
+    with dist.no_collectives("the rollout producer"), preempt.rewards_abandonable():
+        score(rollout, job.reward_fn, cfg.data.reward_workers)
 
 
 # auto: a reward whose first call of the batch takes longer than this is scored on threads; the
