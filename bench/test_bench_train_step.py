@@ -706,3 +706,52 @@ def test_optimization_phase_mixed_precision_cpu(benchmark, request, workload, pr
         response_tokens=batch.response_tokens,
         tokens_per_s=_per_s(batch.tokens, _median(benchmark)),
     )
+
+
+ESTIMATORS = ("group", "rloo", "reinforce_pp", "reinforce_pp_baseline", "gae")
+ESTIMATOR_STEPS = 40  # the median step is over the last 30: the first ten warm the caches
+
+
+@pytest.mark.benchmark(group="train_step-cpu-advantage")
+@pytest.mark.parametrize("estimator", ESTIMATORS)
+def test_loop_step_advantage_estimators_cpu(benchmark, request, tmp_path, estimator):
+    """``loss.advantage``: the loop's whole step as a run takes it (rollout, the step's finalize
+    with the estimator, the update; with ``gae`` the value head's no-grad pass and its loss), on the
+    tiny preset from its random weights, every response trained (``train.skip_zero_advantage=false``:
+    from random weights most groups score 0 and would be skipped), no evaluation or checkpoint:
+    ``ESTIMATOR_STEPS`` steps of ``grpo_fast.train.main`` in this process, 2 runs. The time is a
+    whole run's; the case text gives the median ``time/step_s`` of its last 30 steps (the
+    estimators' step cost, which is what differs)."""
+    import json
+
+    from grpo_fast.train import main
+
+    runs = []
+
+    def run() -> None:
+        out = tmp_path / f"run{len(runs)}"
+        args = [
+            "--preset", "tiny", "sft.steps=0", "eval_every=0", "checkpoint_every=0",
+            f"steps={ESTIMATOR_STEPS}", "train.skip_zero_advantage=false", "logging.progress=false",
+            "logging.sample_every=0", f"loss.advantage={estimator}", f"output_dir={out}",
+        ]  # fmt: skip
+        assert main(args) == 0
+        rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+        runs.append([r["time/step_s"] for r in rows if r["step"] > 10 and "time/step_s" in r])
+
+    benchmark.pedantic(run, rounds=2, iterations=1)
+    steps = sorted(s for r in runs for s in r)
+    median_ms = 1e3 * steps[len(steps) // 2]
+    _describe(
+        benchmark,
+        request,
+        torch.device("cpu"),
+        impl=estimator,
+        case=(
+            f"tiny preset from random weights, 32 prompts × 8 responses of ≤ 4 tokens, every response "
+            f"trained, loss.advantage={estimator}: median step {median_ms:.1f} ms (steps 11-{ESTIMATOR_STEPS}, 2 runs)"
+        ),
+        phase="whole step",
+        status="ok",
+        step_median_s=median_ms / 1e3,
+    )
