@@ -1,6 +1,7 @@
 """The optimization phase of the loop (grpo_fast.loop.optimization): what it leaves behind for the
 rollout, and its statistics."""
 
+import copy
 import math
 from types import SimpleNamespace
 
@@ -175,3 +176,44 @@ def test_mask_truncated_leaves_truncated_responses_out_of_the_loss(tmp_path, mon
 
 def length_reward(response: str, ground_truth: str) -> dict[str, float]:
     return {"reward": float(len(response))}
+
+
+def _fields(t) -> dict:
+    """A trajectory's fields, each copied (tensors cloned), to compare later."""
+    return {k: v.clone() if isinstance(v, torch.Tensor) else copy.deepcopy(v) for k, v in vars(t).items()}
+
+
+def _same(a, b) -> bool:
+    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+        return isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and torch.equal(a, b)
+    return a == b
+
+
+def test_the_step_leaves_its_finalized_batch_as_it_was(tmp_path, monkeypatch):
+    """After the source's finalize (``Source.batch``), nothing in the step (the sp group's batch,
+    the optimization phase's loss weights, publishing, metrics, end of step) changes a trajectory:
+    every field of every trajectory reads the same at the end of the step as when it was
+    finalized (the trainer sets its loss weights on copies). And the trainer reads the run's one
+    live config, not a copy of it."""
+    from grpo_fast.loop import step as step_mod
+
+    finalized, checked = {}, []
+    share, end = step_mod.sp_group.share_batch, step_mod.end_of_step
+
+    def sharing(run, batch):
+        assert run.trainer.cfg is run.cfg
+        finalized["batch"] = batch
+        finalized["fields"] = [_fields(t) for t in batch.rollout.trajectories]
+        return share(run, batch)
+
+    def ending(run, k, batch, *a, **kw):
+        out = end(run, k, batch, *a, **kw)
+        now = [vars(t) for t in finalized["batch"].rollout.trajectories]
+        changed = {k for was, is_ in zip(finalized["fields"], now) for k in was if not _same(was[k], is_[k])}
+        checked.append(changed)
+        return out
+
+    monkeypatch.setattr(step_mod.sp_group, "share_batch", sharing)
+    monkeypatch.setattr(step_mod, "end_of_step", ending)
+    train_mod.run(_tiny(tmp_path, "steps=2", "loss.mask_truncated=true", "rollout.max_tokens=3"))
+    assert checked == [set(), set()]

@@ -12,6 +12,7 @@ split or packed.
 
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass
 
 import torch
@@ -204,13 +205,15 @@ def loss_trajectories(
     keep: list[bool] | None = None,
     advantages: torch.Tensor | None = None,
 ) -> list[Trajectory]:
-    """The rollout's trajectories that enter the loss, in rollout order, each with its loss weights
-    (``assign_loss_weights``): those with a sampled token and not left out by ``keep``.
+    """Copies of the rollout's trajectories that enter the loss, in rollout order, each with its
+    loss weights (``assign_loss_weights``): those with a sampled token and not left out by
+    ``keep``. The rollout's own trajectories are not changed (shallow copies: the token lists are
+    shared), so a batch finalized once reads the same after its step as before it.
 
     Args:
         rollout: the batch; each trajectory's advantages (``Trajectory.sampled_advantages``)
-            are used as they are, unless ``advantages`` ``[R]`` is given (then each response's
-            one advantage is set from it first).
+            are used as they are, unless ``advantages`` ``[R]`` is given (then each copy's one
+            advantage is set from it first).
         length_norm, max_length: see ``core.length_norm_weights``.
         num_sequences, num_tokens: the global counts of the kept responses and their sampled
             tokens when this is one rank's share.
@@ -225,10 +228,10 @@ def loss_trajectories(
             f"{r} responses, keep of {len(keep)}, advantages of shape "
             f"{None if advantages is None else tuple(advantages.shape)}"
         )
+    kept = [copy.copy(t) for t, k in zip(trajectories, keep) if k]
     if advantages is not None:
-        for t, a in zip(trajectories, advantages.tolist()):
+        for t, a in zip(kept, [a for a, k in zip(advantages.tolist(), keep) if k]):
             t.advantage, t.token_advantages = a, None
-    kept = [t for t, k in zip(trajectories, keep) if k]
     assign_loss_weights(
         kept,
         length_norm=length_norm,

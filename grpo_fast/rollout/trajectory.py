@@ -67,8 +67,9 @@ class Trajectory:
         token_values, token_returns: ``[S]`` fp32 with a value model (``loss.advantage=gae``): the
             value model's estimate at each sampled token when the advantages were computed, and
             its target (GAE with ``critic.lam``, plus that value); None without one.
-        loss_weights: ``[S]`` fp32, each sampled token's loss weight (the length normalization),
-            set by the trainer; None before.
+        loss_weights: ``[S]`` fp32, each sampled token's loss weight (the length normalization):
+            set on the trainer's copies (``grpo_fast.policy.batch.loss_trajectories``); None on a
+            rollout's trajectories, which the step does not change after its finalize.
         tool_calls: ``[C]`` the tool calls the environment ran for this response, in order
             (``grpo_fast.rollout.multi_turn.ToolCallRecord``: request, what came back, whether it
             failed, its time); empty for a single-turn response.
