@@ -12,10 +12,16 @@ from __future__ import annotations
 import contextlib
 import os
 import platform
+import sys
 from collections.abc import Callable
+from pathlib import Path
 
 import pytest
 import torch
+
+# the repository root, for the benchmarks' `bench.` imports under a plain `pytest` (`python -m
+# pytest` puts the working directory there already)
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from grpo_fast.obs.memory import copy_bandwidth_gbps, peak_cuda_memory, peak_rss_growth
 from grpo_fast.testing import skip_unrunnable_items

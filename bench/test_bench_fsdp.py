@@ -68,7 +68,7 @@ from grpo_fast.task import tiny
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))  # FakeVLLMEngine
 
-from test_bench_train_step import _describe, device_name
+from bench.workloads_train_step import _describe, device_name
 
 WORLD = 2
 DIMS = {

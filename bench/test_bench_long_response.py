@@ -42,8 +42,8 @@ from typing import NamedTuple
 import pytest
 import torch
 from test_bench_fsdp import _free_port, _tell  # the 2-rank harness: rank 0 tells rank 1 each call
-from test_bench_train_step import _describe, device_name
 
+from bench.workloads_train_step import _describe, device_name
 from grpo_fast import dist
 from grpo_fast.algo.loss_options import LossOptions
 from grpo_fast.config import load_config

@@ -3,7 +3,7 @@
     python tools/profile.py [--preset tiny] [--device cpu|cuda] [--steps N] [--out DIR]
     python tools/profile.py --preset rtx4090 --device cuda --memory-cap-gb 24
 
-The step is ``OptimizationPhase`` from ``bench/test_bench_train_step.py`` (what the benchmark
+The step is ``OptimizationPhase`` from ``bench/workloads_train_step.py`` (what the benchmark
 times): ``loss_trajectories`` → ``make_microbatches`` → ``PolicyLoss`` → backward → grad clip →
 optimizer step. ``tiny`` uses its built-in model; a GPU preset (``rtx4090``, ``h100``) a random-init
 Qwen2.5-Math-1.5B. The fused path is ``loss.kernel_backend=auto`` (``triton`` on CUDA,
@@ -38,7 +38,7 @@ if sys.path and Path(sys.path[0]).resolve() == ROOT / "tools":
 import torch  # noqa: E402
 from torch.profiler import ProfilerActivity, record_function  # noqa: E402
 
-from bench.test_bench_train_step import (  # noqa: E402
+from bench.workloads_train_step import (  # noqa: E402
     device_name,
     memory_cap,
     optimization_workload,

@@ -36,7 +36,7 @@ import torch
 
 from bench.peers.workloads import LOSS_ENTROPY, LOSS_WHAT, VERSIONS, build_loss_step, dist_version, median
 from bench.test_bench_fused_linear_grpo_loss import build_gemm_floor_step
-from bench.test_bench_train_step import COMMAND_ENV, device_name
+from bench.workloads_train_step import COMMAND_ENV, device_name
 from grpo_fast.obs.memory import peak_cuda_memory, process_peak_bytes, reset_process_peak
 
 PEERS_MISSING = (

@@ -47,7 +47,7 @@ from bench.peers.workloads import (
     median,
     summarize,
 )
-from bench.test_bench_train_step import COMMAND_ENV, device_name
+from bench.workloads_train_step import COMMAND_ENV, device_name
 from grpo_fast.obs.memory import peak_cuda_memory, process_peak_bytes, reset_process_peak
 
 PEERS_MISSING = (

@@ -203,7 +203,7 @@ def wide_tokenizer():
 
 
 def wide_config(layers: int = 6, max_positions: int = 256, pad_id: int = 0, eos_id: int = 1):
-    """The random Qwen2 of the wide cases (also bench/test_bench_train_step.py's prompt-heavy and
+    """The random Qwen2 of the wide cases (also bench/workloads_train_step.py's prompt-heavy and
     long-response ones): D 512, MLP 1,536, 8 heads over 2 KV heads, V = ``WIDE_VOCAB``, tied
     embeddings; ``wide_tokenizer``'s pad and EOS ids (EOS also BOS)."""
     from transformers import Qwen2Config

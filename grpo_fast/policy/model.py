@@ -59,7 +59,7 @@ def cpu_computes_bf16() -> str | None:
     probes), or None: an x86 CPU without them (bf16 would be emulated, slower than fp32), or
     another architecture (not probed: an aarch64 CPU with native bf16 reads as None too). With them a bf16 matmul runs at about twice fp32's rate: the optimization step of a
     4-layer D = 512, V = 32,768 model took 0.71-0.74x fp32's time under bf16 autocast on a 2-core
-    AMD EPYC with AVX512-BF16 (bench/test_bench_train_step.py -k mixed_precision, 2026-12-07);
+    AMD EPYC with AVX512-BF16 (bench/test_bench_step_options.py -k mixed_precision, 2026-12-07);
     the tiny preset's D = 128 model 1.33x (the casts cost more than its small matmuls save), so
     its preset keeps ``mixed_precision: no`` (docs/training.md, "Mixed precision on a CPU")."""
     probes = (("AMX", "_is_amx_tile_supported"), ("AVX512-BF16", "_is_avx512_bf16_supported"))
