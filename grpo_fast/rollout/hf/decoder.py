@@ -16,6 +16,7 @@ import torch
 from grpo_fast.algo.truncation import truncates, truncation_threshold
 from grpo_fast.rollout import multi_turn
 from grpo_fast.rollout.base import BackendContext, BackendSpec, Rollout, SamplingParams, WeightsFromStage
+from grpo_fast.rollout.hf.attention import decode_steps
 from grpo_fast.rollout.multi_turn import ToolRollout, Turns
 from grpo_fast.rollout.trajectory import Group, Trajectory
 
@@ -77,17 +78,18 @@ class HFBackend(WeightsFromStage):
             else contextlib.nullcontext()
         )
         try:
-            if self.tools is not None:
-                return self._generate_turns(prompt_ids, params, prompts_per_call, autocast, progress)
-            for start in range(0, len(prompt_ids), prompts_per_call):
-                chunk = prompt_ids[start : start + prompts_per_call]
-                with autocast:
-                    rows, row_lps = decode(model, chunk, params, tok, self.generator)
-                for row, lps in zip(rows, row_lps):
-                    ids_row, reason = _trim(row, tok, params)
-                    responses.append((ids_row, lps[: len(ids_row)], reason))
-                if progress is not None:
-                    progress(len(chunk))
+            with decode_steps(model):  # one-query attention for the decode steps (hf/attention.py)
+                if self.tools is not None:
+                    return self._generate_turns(prompt_ids, params, prompts_per_call, autocast, progress)
+                for start in range(0, len(prompt_ids), prompts_per_call):
+                    chunk = prompt_ids[start : start + prompts_per_call]
+                    with autocast:
+                        rows, row_lps = decode(model, chunk, params, tok, self.generator)
+                    for row, lps in zip(rows, row_lps):
+                        ids_row, reason = _trim(row, tok, params)
+                        responses.append((ids_row, lps[: len(ids_row)], reason))
+                    if progress is not None:
+                        progress(len(chunk))
         finally:
             model.train(was_training)
         text = tok.batch_decode([ids for ids, _, _ in responses], skip_special_tokens=True)
