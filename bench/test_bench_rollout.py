@@ -66,6 +66,74 @@ def test_rollout_hf_cpu(benchmark):
     _bench(benchmark, HFBackend(model, tok, generation_batch_size=PROMPTS * GROUP), prompts, params, "hf")
 
 
+def _long_work():
+    """The long-response decode: a random 6-layer Qwen2 (D 512, MLP 1,408, 8 heads over 4 KV heads,
+    V = 32,768, tied), 8 prompts of 48-63 random tokens × 4 samples, exactly 128 tokens each."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    config = Qwen2Config(
+        vocab_size=32768, hidden_size=512, intermediate_size=1408, num_hidden_layers=6,
+        num_attention_heads=8, num_key_value_heads=4, tie_word_embeddings=True,
+    )  # fmt: skip
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        model = Qwen2ForCausalLM(config)
+    g = torch.Generator().manual_seed(0)
+    lengths = torch.randint(48, 64, (8,), generator=g).tolist()
+    prompts = [torch.randint(2, 32768, (n,), generator=g).tolist() for n in lengths]
+    params = SamplingParams(n=4, temperature=1.0, top_p=1.0, max_tokens=128, min_tokens=128, seed=0)
+    return _IdsOnly(), model, prompts, params
+
+
+class _IdsOnly:
+    """A tokenizer stand-in for random ids: pad 0, EOS 1, no text."""
+
+    pad_token_id, eos_token_id = 0, 1
+
+    def batch_decode(self, rows, skip_special_tokens=True):
+        return [""] * len(rows)
+
+
+@pytest.mark.benchmark(group="rollout-decoder-cpu")
+@pytest.mark.parametrize(
+    "variant",
+    [pytest.param("hf", id="hf"), pytest.param("hf, transformers' cache and sdpa", id="hf-before")],
+)
+@pytest.mark.parametrize("workload", ["tiny", "long"])
+def test_rollout_hf_decoder_parts_cpu(benchmark, monkeypatch, workload, variant):
+    """The hf decoder as it runs (its preallocated KV cache, ``grpo_fast.rollout.hf.cache``; its
+    one-query attention for decode steps, ``hf/attention.py``) against itself with both taken out
+    (transformers' growing ``DynamicCache`` and its sdpa): the tiny work above, and a long decode
+    (``_long_work``). The same tokens are drawn either way (seeded)."""
+    import contextlib
+
+    import grpo_fast.rollout.hf.decoder as decoder
+
+    if variant != "hf":
+        monkeypatch.setattr(decoder, "decode_cache", lambda model, capacity: None)
+        monkeypatch.setattr(decoder, "decode_steps", lambda model: contextlib.nullcontext())
+    tok, model, prompts, params = _work() if workload == "tiny" else _long_work()
+    backend = HFBackend(model, tok, generation_batch_size=len(prompts) * params.n)
+    out: list[int] = []
+    backend.generate(prompts, params)  # warm-up
+    rounds = ROUNDS if workload == "tiny" else 3
+    benchmark.pedantic(
+        lambda: out.append(backend.generate(prompts, params).num_response_tokens), rounds=rounds
+    )
+    assert out[-1] == len(prompts) * params.n * params.max_tokens
+    _record(benchmark, variant, out[-1])
+    shape = (
+        "tiny model: 32 prompts × 8 × 16 tokens"
+        if workload == "tiny"
+        else "6 layers, D 512: 8 prompts × 4 × 128 tokens"
+    )
+    benchmark.extra_info["case"] = f"{shape}, fp32"
+    benchmark.extra_info["command"] = (
+        "python -m pytest bench/test_bench_rollout.py -k decoder_parts -p no:cacheprovider "
+        "--benchmark-json bench/results/rollout-decoder-cpu-$(date -u +%F).json"
+    )
+
+
 class _TransformersGenerate:
     """The hf backend before issue 24: ``model.generate(num_return_sequences=G)`` (each prompt
     prefilled G times, one exponential per vocabulary entry and token in ``torch.multinomial``)."""

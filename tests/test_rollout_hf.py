@@ -215,3 +215,53 @@ def test_decode_steps_take_the_one_query_path_and_the_model_gets_its_attention_b
         assert model.config._attn_implementation == attention.PREFIX + before
         raise RuntimeError
     assert model.config._attn_implementation == before
+
+
+def test_the_preallocated_cache_layer_holds_what_transformers_layer_holds():
+    """``grpo_fast.rollout.hf.cache``'s layer against transformers' ``DynamicLayer`` through the
+    same calls (a prefill of 3, the batch repeated, single steps past its capacity of 5 so that it
+    grows, a crop, a row selection): the same keys, values and length after each, exactly."""
+    from transformers.cache_utils import DynamicLayer
+
+    from grpo_fast.rollout.hf.cache import decode_cache
+
+    tok = tiny.build_tokenizer()
+    ours = decode_cache(tiny.build_model(tok, seed=0), capacity=5).layers[0]
+    theirs = DynamicLayer()
+    g = torch.Generator().manual_seed(0)
+
+    def both(call, *args):
+        getattr(ours, call)(*args)
+        getattr(theirs, call)(*args)
+        assert ours.get_seq_length() == theirs.get_seq_length()
+        assert torch.equal(ours.keys, theirs.keys) and torch.equal(ours.values, theirs.values)
+
+    both("update", torch.randn(2, 2, 3, 4, generator=g), torch.randn(2, 2, 3, 4, generator=g))
+    both("batch_repeat_interleave", 3)
+    for _ in range(6):  # 3 + 6 = 9 positions: past the capacity of 5, it grows
+        both("update", torch.randn(6, 2, 1, 4, generator=g), torch.randn(6, 2, 1, 4, generator=g))
+    both("crop", -2)
+    both("batch_select_indices", torch.tensor([5, 0, 2]))
+    both("update", torch.randn(3, 2, 2, 4, generator=g), torch.randn(3, 2, 2, 4, generator=g))
+    assert type(ours).__name__ == "PreallocatedLayer" and ours.get_seq_length() == 9
+
+
+def test_decoding_with_the_preallocated_cache_samples_what_the_growing_one_does(monkeypatch):
+    """The same seeded sampling (8 prompts of different lengths × 4, 6 tokens) with the decoder's
+    own cache and with the one transformers makes: the same tokens, the same log-probs."""
+    import grpo_fast.rollout.hf.decoder as decoder
+
+    tok = tiny.build_tokenizer()
+    model = tiny.build_model(tok, seed=3).eval()
+    # 6, 5 and 4 tokens: left padding, so the mask matters
+    prompts = [tok(e.question)["input_ids"][i % 3 :] for i, e in enumerate(tiny.examples("eval")[:8])]
+    params = SamplingParams(n=4, temperature=1.0, top_p=1.0, max_tokens=6, min_tokens=6)
+    runs = []
+    for own in (True, False):
+        if not own:
+            monkeypatch.setattr(decoder, "decode_cache", lambda model, capacity: None)
+        with torch.no_grad():
+            runs.append(decode(model, prompts, params, tok, torch.Generator().manual_seed(0)))
+    (ids_a, lps_a), (ids_b, lps_b) = runs
+    assert ids_a == ids_b
+    assert max(abs(a - b) for ra, rb in zip(lps_a, lps_b) for a, b in zip(ra, rb)) < 1e-6

@@ -17,6 +17,7 @@ from grpo_fast.algo.truncation import truncates, truncation_threshold
 from grpo_fast.rollout import multi_turn
 from grpo_fast.rollout.base import BackendContext, BackendSpec, Rollout, SamplingParams, WeightsFromStage
 from grpo_fast.rollout.hf.attention import decode_steps
+from grpo_fast.rollout.hf.cache import decode_cache
 from grpo_fast.rollout.multi_turn import ToolRollout, Turns
 from grpo_fast.rollout.trajectory import Group, Trajectory
 
@@ -140,7 +141,7 @@ def decode(
     """
     device = next(model.parameters()).device
     n = params.n
-    cache, logits, mask, cache_kw = _prefill(model, prompts, n, tok)
+    cache, logits, mask, cache_kw = _prefill(model, prompts, n, tok, params.max_tokens)
     rows = len(prompts) * n
     finished = torch.zeros(rows, dtype=torch.bool, device=device)
     tokens, lps = [], []
@@ -172,12 +173,16 @@ def decode(
     return sampled, torch.stack(lps, 1).tolist()
 
 
-def _prefill(model, prompts: list[list[int]], n: int, tok):
+def _prefill(model, prompts: list[list[int]], n: int, tok, new_tokens: int):
     """Each prompt once (left-padded: its last token at -1), its KV cache then repeated ``n``
     times: ``(cache, logits [B·n, V] fp32 of the last position, mask [B·n, width], the forward's
-    cache keyword)``."""
+    cache keyword)``. The cache has room for ``width + new_tokens`` positions from the start
+    (``grpo_fast.rollout.hf.cache``: no concatenation a step)."""
     device = next(model.parameters()).device
     width = max(len(p) for p in prompts)
+    cache_kw = _cache_keyword(model)
+    own = decode_cache(model, width + new_tokens)
+    given = {cache_kw: own} if own is not None else {}
     ids = torch.full((len(prompts), width), tok.pad_token_id, dtype=torch.long)
     mask = torch.zeros((len(prompts), width), dtype=torch.long)
     for i, p in enumerate(prompts):  # left padding: the last prompt token is at -1
@@ -188,11 +193,11 @@ def _prefill(model, prompts: list[list[int]], n: int, tok):
     # the prefill's logits at the last position only: [B, 1, V], not [B, width, V] (8 prompts of 128
     # tokens, V = 32,768, D = 512: a 34 GFLOP lm_head product of which 1/128 is read)
     last = {"logits_to_keep": 1} if _takes(model, "logits_to_keep") else {}
-    out = model(input_ids=ids, attention_mask=mask, position_ids=position, use_cache=True, **last)
+    out = model(input_ids=ids, attention_mask=mask, position_ids=position, use_cache=True, **last, **given)
     cache = _cache_of(out)
     cache.batch_repeat_interleave(n)  # every sample of a prompt continues from its one prefill
     logits = out.logits[:, -1].float().repeat_interleave(n, 0)  # [B·n, V]
-    return cache, logits, mask.repeat_interleave(n, 0), _cache_keyword(model)
+    return cache, logits, mask.repeat_interleave(n, 0), cache_kw
 
 
 def decode_turns(
@@ -215,7 +220,7 @@ def decode_turns(
     of its real tokens).
     """
     tok, device = turns.tools.tokenizer, next(model.parameters()).device
-    cache, logits, mask, cache_kw = _prefill(model, prompts, params.n, tok)
+    cache, logits, mask, cache_kw = _prefill(model, prompts, params.n, tok, params.max_tokens)
     rows, pad = len(turns.rows), tok.pad_token_id
     forward = lambda ids, mask, position: model(
         input_ids=ids, attention_mask=mask, position_ids=position, use_cache=True, **{cache_kw: cache}
