@@ -265,3 +265,16 @@ def test_decoding_with_the_preallocated_cache_samples_what_the_growing_one_does(
     (ids_a, lps_a), (ids_b, lps_b) = runs
     assert ids_a == ids_b
     assert max(abs(a - b) for ra, rb in zip(lps_a, lps_b) for a, b in zip(ra, rb)) < 1e-6
+
+
+def test_a_draw_that_rounds_past_the_last_mass_takes_the_most_likely_token(monkeypatch):
+    """A uniform of exactly 1 (u·total = total) lands past every entry of mass > 0 under top-k 2
+    over 6 tokens (the last entries have none): the row then takes its most likely token, with
+    that token's log-prob, never a token the truncation removed."""
+    logits = torch.tensor([[0.5, 2.0, -1.0, 1.5, -3.0, -2.0], [1.0, 0.0, 3.0, -1.0, 2.5, 0.2]])
+    monkeypatch.setattr(torch, "rand", lambda *shape, **kw: torch.ones(*shape))
+    params = SamplingParams(n=1, temperature=1.0, top_p=1.0, max_tokens=1, min_tokens=0, top_k=2)
+    token, lp = sample_next(logits, params)
+    assert token.tolist() == [1, 2]  # each row's argmax
+    kept = logits.topk(2, -1).values  # the two tokens left: the log-prob is over them alone
+    assert torch.allclose(lp, kept[:, 0] - kept.logsumexp(-1))

@@ -327,10 +327,15 @@ def sample_next(
     u = torch.rand(logits.shape[0], 1, device=logits.device, generator=generator) * cdf[:, -1:]  # one per row
     token = torch.searchsorted(cdf, u, right=True)[:, 0].clamp_(max=logits.shape[1] - 1)
     # the first entry whose cumulative mass passes u has mass > 0 (its cdf rose); u·total rounding up
-    # to total would land past the end: such a row (and only such) takes its most likely token
+    # to total would land past the end: such a row (and only such) takes its most likely token. On
+    # a CPU the argmax runs only when a row needs it (a pass over [R, V]: 0.66 ms of a 45-ms step
+    # at 32 rows, V = 32,768); on a GPU always (testing first would sync the stream)
     lp = scaled.gather(-1, token[:, None])[:, 0]
-    token = torch.where(torch.isinf(lp), scaled.argmax(-1), token)
-    return token, scaled.gather(-1, token[:, None])[:, 0] - top[:, 0] - log_total
+    past = torch.isinf(lp)
+    if logits.device.type != "cpu" or bool(past.any()):
+        token = torch.where(past, scaled.argmax(-1), token)
+        lp = scaled.gather(-1, token[:, None])[:, 0]
+    return token, lp - top[:, 0] - log_total
 
 
 # tokens of a row's tail decoded to look for a stop string: a stop string of up to this many tokens
