@@ -89,6 +89,10 @@ CASES = {  # the overrides, and the line's start (the rest is the case's own)
         ["distill.teacher=/no/such/teacher"],
         "distill.teacher='/no/such/teacher': no such folder",
     ),
+    "a LoRA target module the model does not have": (  # main at 09d035d: the dry run exited 0
+        ["model.lora.r=4", "model.lora.target_modules=[q_proj,qkv]"],
+        "model.lora.target_modules: 'qkv' matches no linear layer of the decoder; it has: down_proj,",
+    ),
     "a built-in distillation teacher": (
         ["distill.teacher=builtin:tiny"],
         "distill.teacher='builtin:tiny': a built-in model is random weights",
@@ -273,3 +277,35 @@ def test_the_dry_run_says_when_the_run_evaluates(tmp_path, capsys, overrides, sa
     (The run's plan line, grpo_fast.loop.setup._announce_plan, still says "every 25 steps".)"""
     assert main([*QUICK, "--dry-run", "eval_every=25", *overrides, f"output_dir={tmp_path}"]) == 0
     assert f"  {said}" in capsys.readouterr().out
+
+
+def test_heads_sequence_parallelism_cannot_split_are_refused_by_the_dry_run_with_the_runs_line(
+    tmp_path, capsys, monkeypatch
+):
+    """Under torchrun with 3 ranks (WORLD_SIZE=3 here), train.sequence_parallel=3 over the tiny
+    model's 4 heads: the dry run checks the model's skeleton (meta device, no weights) and gives the
+    line the setup's check gives on the loaded model. At 09d035d the dry run exited 0."""
+    from grpo_fast.policy import ulysses
+    from grpo_fast.policy.model import load_policy
+    from grpo_fast.task import tiny
+
+    args = [*QUICK, "train.sequence_parallel=3", "rollout.batch_size=24", f"output_dir={tmp_path / 'run'}"]
+    cfg = load_config(*_preset_and_overrides(args))
+    with pytest.raises(ConfigError) as err:
+        ulysses.check_model(load_policy(cfg, tiny.build_tokenizer(), torch.device("cpu")), 3)
+    monkeypatch.setenv("WORLD_SIZE", "3")
+    monkeypatch.setenv("RANK", "0")
+    dry = _line(capsys, main([*args, "--dry-run"]))
+    assert dry == str(err.value) and dry.startswith(
+        "train.sequence_parallel=3: the model's 4 attention heads"
+    )
+
+
+def test_model_checks_on_a_model_not_on_this_machine_are_skipped_and_said(tmp_path, capsys, monkeypatch):
+    """A hub model that is not in the local cache: the dry run does not download it, so its model
+    checks are skipped and the output says why, instead of refusing what the run may accept."""
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    args = [*QUICK, "model.name_or_path=someone/not-cached", "model.lora.r=4"]
+    rc = main([*args, "model.lora.target_modules=[q_proj]", f"output_dir={tmp_path / 'run'}", "--dry-run"])
+    out = capsys.readouterr().out
+    assert rc == 0 and "model checks skipped: model.name_or_path='someone/not-cached'" in out, out[-2000:]

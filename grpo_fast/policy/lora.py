@@ -75,7 +75,7 @@ def apply_lora(model: nn.Module, lora_cfg, base_path: str) -> nn.Module:
         task_type="CAUSAL_LM",
     )
     if lora_cfg.target_modules != "all-linear":
-        _check_targets(model, list(lora_cfg.target_modules))
+        check_targets(model, list(lora_cfg.target_modules))
     with warnings.catch_warnings():  # peft 0.21 asks transformers 5.24 a deprecated question
         warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
         peft_model = get_peft_model(model, config)
@@ -83,7 +83,7 @@ def apply_lora(model: nn.Module, lora_cfg, base_path: str) -> nn.Module:
     return peft_model
 
 
-def _check_targets(model: nn.Module, targets: list[str]) -> None:
+def check_targets(model: nn.Module, targets: list[str]) -> None:
     """Each of ``targets`` names (the last part of) at least one linear layer of ``model``."""
     linear = sorted({name.rsplit(".", 1)[-1] for name, m in model.named_modules() if _is_linear(m)})
     output = model.get_output_embeddings()

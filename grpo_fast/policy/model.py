@@ -170,19 +170,50 @@ def _keep_nf4_trainable(model: nn.Module) -> None:
             module.support_avx512bf16_for_cpu = False
 
 
+def attention_choice(cfg: Config, device: torch.device) -> str:
+    """The attention implementation a hub or folder model loads with: ``model.attn_implementation``,
+    its ``auto`` being flash-attention 2 on CUDA where installed and nothing wraps the attention,
+    else sdpa."""
+    attn = cfg.model.attn_implementation
+    if attn != AUTO:
+        return attn
+    has_fa2 = importlib.util.find_spec("flash_attn") is not None
+    # train.share_prompts and train.sequence_parallel wrap sdpa or eager attention
+    # (policy/shared_attention.py, policy/ulysses.py), not flash
+    fa2 = device.type == "cuda" and has_fa2 and not shares_prompts(cfg) and cfg.train.sequence_parallel == 1
+    return "flash_attention_2" if fa2 else "sdpa"
+
+
+def model_skeleton(cfg: Config, tokenizer, device: torch.device) -> nn.Module:
+    """The causal LM ``load_policy`` would build, on the meta device: its modules, config and
+    attention implementation, no weights read and nothing allocated (the dry run's checks of what
+    only the model's modules tell). A hub model's config comes from the local cache only;
+    ``ConfigError`` when it is not there."""
+    m = cfg.model
+    if m.name_or_path in tiny.BUILTINS:
+        from transformers import Qwen2ForCausalLM
+
+        with torch.device("meta"):
+            return Qwen2ForCausalLM(tiny.build_model_config(tokenizer))
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    try:
+        config = AutoConfig.from_pretrained(
+            m.name_or_path, local_files_only=True, trust_remote_code=m.trust_remote_code
+        )
+    except (OSError, ValueError) as exc:
+        raise ConfigError(f"model.name_or_path={m.name_or_path!r}: cannot read its config ({exc})") from None
+    with torch.device("meta"):
+        return AutoModelForCausalLM.from_config(
+            config, attn_implementation=attention_choice(cfg, device), trust_remote_code=m.trust_remote_code
+        )
+
+
 def _from_hub_or_folder(cfg: Config, source: str, dtype: torch.dtype, device: torch.device, hf_config):
     from transformers import AutoModelForCausalLM
 
     m = cfg.model
-    attn = m.attn_implementation
-    if attn == AUTO:
-        has_fa2 = importlib.util.find_spec("flash_attn") is not None
-        # train.share_prompts and train.sequence_parallel wrap sdpa or eager attention
-        # (policy/shared_attention.py, policy/ulysses.py), not flash
-        fa2 = (
-            device.type == "cuda" and has_fa2 and not shares_prompts(cfg) and cfg.train.sequence_parallel == 1
-        )
-        attn = "flash_attention_2" if fa2 else "sdpa"
+    attn = attention_choice(cfg, device)
     if hf_config is not None:
         with torch.device(device):  # initialize in place: a 1.5 B fp32 model is 6 GB
             return AutoModelForCausalLM.from_config(hf_config, attn_implementation=attn, dtype=dtype)

@@ -3,8 +3,9 @@
 The resolved config with each value's source, the memory plan for the device, the data (counts,
 a prompt as the model sees it). Touches no network for the model (hub configs and tokenizers come
 from the local cache only). It refuses what the run refuses before it trains, with the run's own
-lines (``tests/test_dry_run_refuses.py`` runs both over the same bad configs), except what only
-the model's modules can tell (LoRA target modules, the heads sequence parallelism splits).
+lines (``tests/test_dry_run_refuses.py`` runs both over the same bad configs); what only the
+model's modules tell (LoRA's target modules, the heads sequence parallelism splits) it checks on
+the model's skeleton, built on the meta device from its config (no weights read).
 """
 
 from __future__ import annotations
@@ -44,6 +45,10 @@ def dry_run(preset: str, config_files: list[str], overrides: list[str]) -> int:
     except ConfigError as exc:
         problems.append(str(exc))
     problems += _run_problems(cfg)  # what the real run checks before it trains, the same lines
+    skipped = None
+    if not problems:  # what the model's modules tell, as the setup checks it once the model is built
+        found, skipped = _model_problems(cfg)
+        problems += found
     if not problems:  # a user's tool environment, built (its module's code runs: after the checks)
         problems += _environment_problems(cfg)
 
@@ -80,6 +85,8 @@ def dry_run(preset: str, config_files: list[str], overrides: list[str]) -> int:
         _print_eval_sets(cfg, task, problems)
         if task.train:
             _print_sample_prompt(task, cfg)
+    if skipped is not None:
+        print(f"\nmodel checks skipped: {skipped}")
     for msg in problems:
         print(f"error: {one_line(msg)}", file=sys.stderr)
     print("\ndry run: no model was loaded")
@@ -194,6 +201,36 @@ def _run_problems(cfg: Config) -> list[str]:
         except UserError as exc:
             found.append(str(exc))
     return found
+
+
+def _model_problems(cfg: Config) -> tuple[list[str], str | None]:
+    """The setup's refusals that need the model's modules, with the setup's own checks, on the
+    model's skeleton (``grpo_fast.policy.model.model_skeleton``: the meta device, no weights):
+    LoRA's target modules (``lora.check_targets``, as ``load_policy`` applies the adapter), then
+    the heads, layers and attention sequence parallelism needs (``ulysses.check_model``, when the
+    ranks hold the group). ``(problems, why the checks were skipped or None)``: a model whose
+    config is not on this machine (a hub name not in the local cache) is skipped, not refused
+    (the run would download it)."""
+    from grpo_fast.policy import sequence_parallel, ulysses
+    from grpo_fast.policy.lora import check_targets
+    from grpo_fast.policy.model import model_skeleton, resolve_device
+
+    lora, sp = cfg.model.lora, int(cfg.train.sequence_parallel)
+    checks_lora = bool(lora.r) and lora.target_modules != "all-linear"
+    if not checks_lora and sp == 1:
+        return [], None
+    try:
+        model = model_skeleton(cfg, _offline_tokenizer(cfg.model.name_or_path), resolve_device(cfg))
+    except UserError as exc:
+        return [], one_line(str(exc))
+    try:
+        if checks_lora:
+            check_targets(model, list(lora.target_modules))
+        if sequence_parallel.group_size(cfg) > 1:
+            ulysses.check_model(model, sp)
+    except ConfigError as exc:
+        return [str(exc)], None
+    return [], None
 
 
 def _environment_problems(cfg: Config) -> list[str]:
