@@ -1,6 +1,6 @@
 """The ``grpo-fast`` command: one entry point for every tool of the package.
 
-    grpo-fast train    [--preset NAME] [--config F.yaml ...] [--dry-run] [key=value ...]
+    grpo-fast train    [--preset NAME] [--config F.yaml ...] [--dry-run] [--nproc-per-node N] [key=value ...]
     grpo-fast evaluate --model PATH [--preset NAME] [key=value ...]
     grpo-fast plan     [--preset NAME] [--gpu-mem-gb N] [key=value ...]
     grpo-fast report   RUN_DIR

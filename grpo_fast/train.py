@@ -1,4 +1,5 @@
-"""GRPO training: ``python -m grpo_fast.train --preset NAME [--config F.yaml ...] [key=value ...]``.
+"""GRPO training: ``python -m grpo_fast.train --preset NAME [--config F.yaml ...] [key=value ...]``
+(``--nproc-per-node N``: N ranks on this machine, started as ``torchrun --standalone`` does).
 
 The variant: GRPO (Shao et al. 2024) as used for R1-Zero-style reasoning RL, on-policy by
 default, with the choices our users reach for as config keys:
@@ -54,7 +55,11 @@ the checkpoint of the last finished step (``grpo_fast.loop.checkpointing``).
 from __future__ import annotations
 
 import argparse
+import contextlib
+import logging
 import os
+import signal
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -90,6 +95,14 @@ def parse_args(argv: list[str] | None, prog: str = "python -m grpo_fast.train") 
         action="store_true",
         help="print the resolved config (with each value's source), the memory plan and the data; load no model",
     )
+    p.add_argument(
+        "--nproc-per-node",
+        type=int,
+        default=None,
+        metavar="N",
+        help="start N ranks on this machine, as torchrun --standalone --nproc-per-node N does (a bad "
+        "input is then one line, with no launcher traceback after it)",
+    )
     p.add_argument("overrides", nargs="*", metavar="key=value")
     return p.parse_intermixed_args(argv)
 
@@ -97,16 +110,98 @@ def parse_args(argv: list[str] | None, prog: str = "python -m grpo_fast.train") 
 @cli_errors
 def main(argv: list[str] | None = None, prog: str = "python -m grpo_fast.train") -> int:
     args = parse_args(argv, prog)
+    if args.nproc_per_node is not None:
+        if os.environ.get("WORLD_SIZE"):  # a torchrun worker already
+            raise ConfigError(
+                "--nproc-per-node starts the ranks itself: give it without torchrun, or torchrun alone"
+            )
+        if args.nproc_per_node < 1:
+            raise ConfigError(f"--nproc-per-node={args.nproc_per_node}: give 1 rank or more")
+        if not args.dry_run:
+            return launch(args.nproc_per_node, _without_nproc(list(sys.argv[1:] if argv is None else argv)))
     if args.dry_run:
         from grpo_fast.tools.dry_run import dry_run
 
-        return dry_run(args.preset, args.config, args.overrides)
+        with _as_rank_zero_of(args.nproc_per_node):  # the checks the ranks' world decides, as rank 0
+            return dry_run(args.preset, args.config, args.overrides)
     cfg = load_config(args.preset, args.config, args.overrides)
     restart = threads.wait_policy_restart(cfg.threads.wait_policy)
     if restart is not None and threads.started_by_command:  # libgomp read its wait when torch loaded
         os.execve(restart[0][0], *restart)  # this command again, OMP_WAIT_POLICY set (once)
     run(cfg)
     return 0
+
+
+def launch(nproc: int, argv: list[str]) -> int:
+    """``nproc`` ranks of ``python -m grpo_fast.train argv`` on this machine, started by torch's
+    elastic launcher in this process as ``torchrun --standalone --nproc-per-node nproc`` starts them
+    (the same environment: ``WORLD_SIZE``, ``RANK``, ``LOCAL_RANK``, ``OMP_NUM_THREADS=1`` unless
+    set). Returns the first failed rank's exit code (0 when all finished): a rank that stopped on
+    a bad input has printed its one line already (local rank 0 prints it, ``errors.cli_errors``);
+    torchrun would add its ``ChildFailedError`` traceback and failure table, which this leaves
+    out. A rank that died without a line (a signal, a crash) gets one line naming it."""
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.run import get_args_parser
+    from torch.distributed.run import run as torchrun
+
+    launcher = get_args_parser().parse_args(
+        ["--standalone", f"--nproc-per-node={nproc}", "--module", "grpo_fast.train", *argv]
+    )
+    # quiet: the elastic agent's per-rank failure lines (the ranks say what failed) and torchrun's
+    # OMP_NUM_THREADS banner (each rank's plan line says its threads)
+    quiet = [logging.getLogger(name) for name in ("torch.distributed.elastic", "torch.distributed.run")]
+    levels = [q.level for q in quiet]
+    for q in quiet:
+        q.setLevel(logging.CRITICAL)
+    try:
+        torchrun(launcher)
+    except ChildFailedError as exc:
+        rank, failure = exc.get_first_failure()
+        code = failure.exitcode
+        if code < 0:  # killed by a signal: nothing of ours printed
+            sig = signal.Signals(-code).name if -code in signal.valid_signals() else f"signal {-code}"
+            print(f"error: rank {rank} was killed by {sig}; the other ranks were stopped", file=sys.stderr)
+            return 128 - code
+        if code not in (2, 130) and code <= 128:  # not a UserError's, a Ctrl-C's or a signal stop's
+            print(f"error: rank {rank} exited with code {code} (its output above says why)", file=sys.stderr)
+        return code
+    finally:
+        for q, level in zip(quiet, levels):
+            q.setLevel(level)
+    return 0
+
+
+def _without_nproc(argv: list[str]) -> list[str]:
+    """``argv`` less ``--nproc-per-node N`` / ``--nproc-per-node=N`` (the ranks get the rest)."""
+    out, skip = [], False
+    for a in argv:
+        if skip:
+            skip = False
+        elif a == "--nproc-per-node":
+            skip = True
+        elif not a.startswith("--nproc-per-node="):
+            out.append(a)
+    return out
+
+
+@contextlib.contextmanager
+def _as_rank_zero_of(nproc: int | None):
+    """While inside: torchrun's environment for rank 0 of ``nproc`` on one node (the dry run's
+    checks of the ranks' world), or nothing for None."""
+    if nproc is None:
+        yield
+        return
+    env = {"WORLD_SIZE": str(nproc), "RANK": "0", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": str(nproc)}
+    saved = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
 
 
 def run(cfg: Config, engine=None) -> Path:

@@ -178,13 +178,15 @@ def test_same_microbatches_on_two_ranks_give_a_bitwise_identical_step(tmp_path, 
     reason="torchrun not found",
 )
 def test_torchrun_tiny_preset_on_two_cpu_ranks(tmp_path):
-    torchrun = shutil.which("torchrun") or os.path.join(os.path.dirname(sys.executable), "torchrun")
+    """Two ranks started by ``python -m grpo_fast.train --nproc-per-node 2`` (torch's own launcher,
+    run in that process: what ``torchrun --standalone --nproc_per_node=2`` does; the other torchrun
+    tests start torchrun itself)."""
     cmd = [
-        torchrun,
-        "--standalone",
-        "--nproc_per_node=2",
+        sys.executable,
         "-m",
         "grpo_fast.train",
+        "--nproc-per-node",
+        "2",
         "--preset",
         "tiny",
         f"output_dir={tmp_path}",

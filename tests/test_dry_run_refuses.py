@@ -236,6 +236,37 @@ def test_torchrun_prints_the_refusal_once_and_each_rank_exits_2(tmp_path):
     assert out.count(f"traceback : {ours[0]}") == 2, out[-3000:]
 
 
+def test_nproc_per_node_starts_the_ranks_and_a_refusal_is_one_line_and_exit_2(tmp_path, capsys):
+    """``python -m grpo_fast.train --nproc-per-node 2`` (torch's launcher in that process): a bad
+    input the ranks find (3 prompts a step over 2 ranks) is the one line and exit code 2, with no
+    launcher traceback or failure table after it (torchrun's, above: ChildFailedError, exit 1). Its
+    dry run checks the same world as rank 0 (in process). At 9cb0233 there was no such option."""
+    args = [*QUICK, "rollout.batch_size=24", f"output_dir={tmp_path}"]
+    line = "rollout.batch_size / rollout.group_size = 3 prompts per step do not split evenly over 2 ranks"
+    assert _line(capsys, main(["--nproc-per-node", "2", "--dry-run", *args])) == line
+    assert "WORLD_SIZE" not in os.environ  # the dry run's world was its own
+    res = subprocess.run(
+        [sys.executable, "-m", "grpo_fast.train", "--nproc-per-node", "2", *args],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
+    out = res.stdout + res.stderr
+    assert res.returncode == 2 and [ln for ln in out.splitlines() if "error" in ln.lower()] == [
+        f"error: {line}"
+    ]
+    assert "Traceback" not in out and "ChildFailedError" not in out, out[-3000:]
+
+
+def test_nproc_per_node_is_refused_inside_torchrun_and_below_one(monkeypatch, capsys):
+    assert _line(capsys, main(["--nproc-per-node", "0", *QUICK])) == "--nproc-per-node=0: give 1 rank or more"
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    assert _line(capsys, main(["--nproc-per-node", "2", *QUICK])).startswith(
+        "--nproc-per-node starts the ranks"
+    )
+
+
 # ---------------------------------------------------------------------------- what the lines echo
 
 BIG = "a" * 10_000
