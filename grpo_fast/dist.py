@@ -154,6 +154,23 @@ def _group_of(axis: Axis | None):
     return axis.group  # None: the default group, every rank
 
 
+@contextlib.contextmanager
+def environ_set(env: dict[str, str]):
+    """While inside: ``os.environ`` with ``env``'s variables set (for what reads them as it starts:
+    torchrun's world for the dry run, a vLLM engine core as it spawns); each restored on the way
+    out, an exception included (a variable that was unset is removed again)."""
+    saved = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
 _LOCAL = threading.local()  # .forbidden: the names of this thread's enclosing no_collectives blocks
 
 

@@ -192,16 +192,8 @@ def _as_rank_zero_of(nproc: int | None):
         yield
         return
     env = {"WORLD_SIZE": str(nproc), "RANK": "0", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": str(nproc)}
-    saved = {k: os.environ.get(k) for k in env}
-    os.environ.update(env)
-    try:
+    with dist.environ_set(env):
         yield
-    finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
 
 
 def run(cfg: Config, engine=None) -> Path:

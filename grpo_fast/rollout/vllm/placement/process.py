@@ -36,6 +36,7 @@ import weakref
 from collections.abc import Callable, Coroutine
 from typing import Any
 
+from grpo_fast.dist import environ_set
 from grpo_fast.errors import EngineDied, EngineError
 from grpo_fast.rollout.base import SamplingParams
 from grpo_fast.rollout.vllm.deadline import Deadline, Timeouts
@@ -197,10 +198,9 @@ class ProcessEngine(SyncedApart):
 
             return AsyncLLM.from_engine_args(AsyncEngineArgs(**args))
 
-        saved = {k: os.environ.get(k) for k in env}
-        os.environ.update(env)  # read by vLLM as it spawns the engine core
         try:
-            self.llm = self.loop.run(make(), deadline, "the engine core to report ready")
+            with environ_set(env):  # read by vLLM as it spawns the engine core
+                self.llm = self.loop.run(make(), deadline, "the engine core to report ready")
         except BaseException as e:
             for child in set(multiprocessing.active_children()) - before:  # a half-started engine core
                 child.kill()
@@ -208,12 +208,6 @@ class ProcessEngine(SyncedApart):
             if isinstance(e, EngineError):
                 raise
             raise EngineDied(f"the vLLM engine process failed to start: {_one_line(e)}") from e
-        finally:
-            for k, v in saved.items():
-                if v is None:
-                    os.environ.pop(k, None)
-                else:
-                    os.environ[k] = v
 
     # -- the control plane of a sync (grpo_fast.rollout.vllm.transfer.transport.Control) --
 
