@@ -268,10 +268,13 @@ class ServerEngine(SyncedApart):
     def _died(self, doing: str, reason: str) -> EngineDied:
         if self.process is not None:
             for _ in range(20):  # a killed server's socket closes a moment before it is reaped
-                if self.process.exit_code() is not None:
+                code = self.process.exit_code()
+                if code is not None:
+                    # killed by a signal: its log's last error line is not why (a warning at best)
+                    why = f"killed by {signal.Signals(-code).name}" if code < 0 else self.process.last_log_line()
                     return EngineDied(
-                        f"the vLLM server (pid {self.process.proc.pid}) exited with code {self.process.exit_code()} "
-                        f"during {doing}: {self.process.last_log_line()} (log: {self.process.log_path})"
+                        f"the vLLM server (pid {self.process.proc.pid}) exited with code {code} "
+                        f"during {doing}: {why} (log: {self.process.log_path})"
                     )
                 time.sleep(0.05)
         return EngineDied(f"the vLLM server at {self.url} stopped answering during {doing} ({reason})")
