@@ -221,6 +221,60 @@ def pipelined(cfg: Config) -> bool:
     return r.max_staleness > 0 or (r.placement == "process" and not own_weights)
 
 
+def fleet_size(r) -> int:
+    """The engines a run's rollout has (``rollout`` section ``r``): the servers listed in
+    ``rollout.server_url`` when it is a list of several, else ``rollout.num_engines``."""
+    urls = r.server_url if isinstance(r.server_url, list) else None
+    return len(urls) if urls and len(urls) > 1 else r.num_engines
+
+
+def engine_urls(r) -> list[str | None]:
+    """Per engine of the fleet (``fleet_size``): the server URL it attaches to, or None for an
+    engine the run starts."""
+    if isinstance(r.server_url, list):
+        return [str(u).rstrip("/") for u in r.server_url]
+    return [None if r.server_url is None else str(r.server_url).rstrip("/")] * fleet_size(r)
+
+
+def engine_device_lists(r) -> list[list[int] | None]:
+    """Per engine of the fleet: the GPUs it runs on (``rollout.engine_devices``: one list for one
+    engine, a list of lists for a fleet), or None (the trainer's device)."""
+    d = r.engine_devices
+    if d is None:
+        return [None] * fleet_size(r)
+    if d and all(isinstance(x, list) for x in d):
+        return [list(x) for x in d]
+    return [list(d)]
+
+
+def _check_engine_devices(r) -> None:
+    """``rollout.engine_devices``: distinct GPU indices, one list per engine of a fleet."""
+    devices = list(r.engine_devices)
+    size = fleet_size(r)
+    nested = bool(devices) and all(isinstance(x, list) for x in devices)
+    lists = [list(x) for x in devices] if nested else [devices]
+    flat = [d for x in lists for d in x]
+    if (
+        not devices
+        or any(not x for x in lists)
+        or any(not isinstance(d, int) or isinstance(d, bool) or d < 0 for d in flat)
+        or len(set(flat)) < len(flat)
+    ):
+        raise ConfigError(
+            "rollout.engine_devices must be distinct GPU indices (e.g. [1] or [2, 3]; a fleet: one list "
+            f"per engine, e.g. [[1], [2]]), got {devices}"
+        )
+    if len(lists) != size:
+        raise ConfigError(
+            f"rollout.engine_devices gives {len(lists)} device list(s) for {size} engine(s): a fleet takes "
+            "one list per engine, e.g. rollout.engine_devices=[[1], [2]]"
+        )
+    if r.server_url is not None:
+        raise ConfigError(
+            "rollout.engine_devices is for a server the run starts; the server at rollout.server_url has its own"
+        )
+
+
 def _check_pipeline(cfg: Config) -> None:
     """``rollout.placement`` for the hf backend, ``rollout.max_staleness`` and what the pipeline
     does not run with."""
@@ -242,17 +296,28 @@ def _check_pipeline(cfg: Config) -> None:
             f"rollout.worker_threads is for rollout.placement=process with rollout.backend=hf (the hf "
             f"decoder's worker process; got placement={r.placement}, backend={r.backend})"
         )
-    if r.min_engines > r.num_engines:
+    size = fleet_size(r)
+    if r.min_engines > size:
         raise ConfigError(
-            f"rollout.min_engines={r.min_engines} is above rollout.num_engines={r.num_engines}: the run could "
-            "never start"
+            f"rollout.min_engines={r.min_engines} is above the fleet's {size} engine(s) "
+            f"(rollout.num_engines={r.num_engines}"
+            + (f", rollout.server_url: {size} URL(s)" if isinstance(r.server_url, list) else "")
+            + "): the run could never start"
         )
-    if (r.num_engines > 1 or r.min_engines > 1) and (r.placement != "process" or own_weights):
-        raise ConfigError(
-            f"rollout.num_engines={r.num_engines} / rollout.min_engines={r.min_engines} is a fleet of hf "
-            f"worker processes: rollout.backend=hf with rollout.placement=process (got backend={r.backend}, "
-            f"placement={r.placement}; a fleet of vLLM engines is not in this build)"
-        )
+    if size > 1 or r.min_engines > 1:
+        fleet = f"rollout.num_engines={size} / rollout.min_engines={r.min_engines}"
+        if not (r.placement == "process" or (own_weights and r.placement == "server")):
+            raise ConfigError(
+                f"{fleet} is a fleet of engines apart from the trainer: rollout.placement=process (hf "
+                f"workers or vLLM engines) or server (vLLM servers); got backend={r.backend}, "
+                f"placement={r.placement}"
+            )
+        if own_weights and r.weight_transfer == "nccl":
+            raise ConfigError(
+                f"{fleet} with rollout.weight_transfer=nccl: a fleet loads every engine through the "
+                "shared-memory transfer (weight_transfer=shm, the engines on this machine); one NCCL "
+                "group over several engines is not in this build"
+            )
     if r.max_staleness > 0 and not (r.is_correction or r.old_logprobs == "sampler"):
         raise ConfigError(
             f"rollout.max_staleness={r.max_staleness} trains on batches sampled by an older policy and "
@@ -291,16 +356,33 @@ def _check_placement(cfg: Config) -> None:
             "runs colocated or in a worker process (rollout.placement=process)"
         )
     if r.server_url is not None:
-        url = str(r.server_url)
         if r.placement != "server":
             raise ConfigError(
                 f"rollout.server_url is for rollout.placement=server (got placement={r.placement})"
             )
-        scheme, _, rest = url.partition("://")
-        host, _, port = rest.rstrip("/").rpartition(":")
-        if scheme not in ("http", "https") or not host or not port.isdigit() or "/" in rest.rstrip("/"):
+        urls = r.server_url if isinstance(r.server_url, list) else [r.server_url]
+        for url in urls:
+            scheme, _, rest = str(url).partition("://")
+            host, _, port = rest.rstrip("/").rpartition(":")
+            if (
+                not isinstance(url, str)
+                or scheme not in ("http", "https")
+                or not host
+                or not port.isdigit()
+                or "/" in rest.rstrip("/")
+            ):
+                raise ConfigError(
+                    "rollout.server_url must be http://HOST:PORT (a vLLM server's base URL) or a list of "
+                    f"them (a fleet), got {shown(url)}"
+                )
+        if not urls or len({str(u).rstrip("/") for u in urls}) < len(urls):
             raise ConfigError(
-                f"rollout.server_url must be http://HOST:PORT (a vLLM server's base URL), got {url!r}"
+                f"rollout.server_url lists each server once (a fleet of distinct servers), got {urls}"
+            )
+        if len(urls) > 1 and r.num_engines not in (1, len(urls)):
+            raise ConfigError(
+                f"rollout.num_engines={r.num_engines} with {len(urls)} servers in rollout.server_url: "
+                "the fleet is the servers listed (leave rollout.num_engines at 1, or set it to their count)"
             )
     if not apart:
         for key, value, default in (
@@ -313,19 +395,7 @@ def _check_placement(cfg: Config) -> None:
                     f"(got placement={r.placement}, backend={r.backend})"
                 )
     if r.engine_devices is not None:
-        devices = list(r.engine_devices)
-        if (
-            not devices
-            or any(not isinstance(d, int) or isinstance(d, bool) or d < 0 for d in devices)
-            or len(set(devices)) < len(devices)
-        ):
-            raise ConfigError(
-                f"rollout.engine_devices must be distinct GPU indices (e.g. [1] or [2, 3]), got {devices}"
-            )
-        if r.server_url is not None:
-            raise ConfigError(
-                "rollout.engine_devices is for a server the run starts; the server at rollout.server_url has its own"
-            )
+        _check_engine_devices(r)
     if r.weight_transfer == "nccl" and not r.engine_devices:
         raise ConfigError(
             "rollout.weight_transfer=nccl broadcasts from the trainer's GPU to the engine's: set rollout.engine_devices "
@@ -535,6 +605,12 @@ def _check_launch(cfg: Config) -> None:
             f"rollout.backend={r.backend} with rollout.max_staleness={r.max_staleness} / rollout.placement="
             f"{r.placement} samples from a whole copy of the policy, which FSDP shards: use "
             "train.parallelism=ddp, or rollout.backend=vllm with rollout.placement=server"
+        )
+    if rollout_backend(r.backend).needs_weight_push and fleet_size(r) > 1:
+        raise ConfigError(
+            f"a fleet of {fleet_size(r)} vLLM engines (rollout.num_engines / rollout.server_url) serves one "
+            f"trainer process: under torchrun ({world} ranks) use one server every rank shares "
+            "(rollout.placement=server, one URL), or colocated engines (one per rank)"
         )
     if r.backend == "vllm" and r.placement == "process":
         raise ConfigError(

@@ -310,13 +310,15 @@ class RolloutConfig:
         Range(1, 1024, integer=True, auto_ok=True, hi_why=": more threads than any machine's cores"),
         resume="safe",
     )
-    # placement=process (hf): the worker processes generating for this trainer process (a fleet,
-    # grpo_fast.rollout.fleet): each prompt batch cut into shards balanced over them, each with its
-    # own seed; one that dies, times out or fails its weight probe is taken out of service, its
-    # shard re-sent with the same seed, and it is restarted, loaded and probed in the background.
-    # 1: one worker, as before (docs/rollout.md: a fleet of engines)
+    # The engines generating for this trainer process (a fleet, grpo_fast.rollout.fleet): hf worker
+    # processes (backend=hf, placement=process), vLLM engine processes (vllm, process) or vLLM
+    # servers the run starts (vllm, server; servers it attaches to: a list in rollout.server_url).
+    # Each prompt batch is cut into shards balanced over them, each with its own seed; one that
+    # dies, times out or fails its weight probe is taken out of service, its shard re-sent with the
+    # same seed, and it is restarted (a listed server: attached again), loaded and probed in the
+    # background. 1: one engine, as before (docs/rollout.md: a fleet of engines)
     num_engines: int = option(
-        1, Range(1, 64, integer=True, hi_why=": each worker holds a whole copy of the policy"), resume="safe"
+        1, Range(1, 64, integer=True, hi_why=": each engine holds a whole copy of the policy"), resume="safe"
     )
     # the engines in service the run goes on with; below it the run stops with one line and the
     # last step's checkpoint (1..num_engines)
@@ -326,15 +328,18 @@ class RolloutConfig:
         resume="safe",
     )
     # placement=server: the base URL of a running vLLM server to attach to (http://127.0.0.1:8000),
-    # started as docs/rollout.md says; null: the run starts its own (log: output_dir/vllm_server.log)
-    server_url: str | None = option(None, resume="safe")
+    # started as docs/rollout.md says, or a list of them (a fleet of those servers:
+    # [http://h1:8000,http://h2:8000]); null: the run starts its own, rollout.num_engines of them
+    # (logs: output_dir/vllm_server.log, a fleet's vllm_server.<i>.log)
+    server_url: str | list[str] | None = option(None, resume="safe")
     # placement=process|server (vllm): how the weights travel: shm (safetensors files in /dev/shm,
     # loaded by the engine's workers: any platform, the engine on this machine) | nccl (vLLM's NCCL
     # broadcast from the trainer's GPU to the engine's GPUs: rollout.engine_devices)
     weight_transfer: str = option("shm", OneOf(("shm", "nccl")), resume="safe")
     # placement=process|server (vllm, a server the run starts): the GPUs the engine runs on, as the
-    # trainer numbers them (several: tensor parallel); null: the trainer's own device
-    engine_devices: list[int] | None = option(None, resume="safe")
+    # trainer numbers them (several: tensor parallel); a fleet (rollout.num_engines > 1): one list
+    # per engine ([[1], [2]]); null: the trainer's own device
+    engine_devices: list[Any] | None = option(None, resume="safe")  # ints, or lists of ints
     # Seconds the run waits, with an engine apart (placement=process|server) or the pipeline, for:
     # the engine to start (its process or server answering) | one rollout batch (its generation,
     # and in the pipeline its scoring) | one weight sync. A wait past its limit, or an engine that

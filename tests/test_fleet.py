@@ -7,9 +7,11 @@ SIGKILLed mid-run (the whole loop: steps lost, the restart, the same metrics).""
 from __future__ import annotations
 
 import os
+import re
 import signal
 import threading
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -406,3 +408,99 @@ def test_a_worker_s_load_is_probed_by_the_digest_of_what_it_holds():
         assert worker.version == 1
     finally:
         worker.close()
+
+
+# -- a fleet of vLLM servers: the loop against FAKE servers in processes -------------------------
+
+VLLM_RUN = [
+    "--preset", "tiny", "sft.steps=0", "eval_every=0", "checkpoint_every=0", "steps=4",
+    "rollout.group_size=4", "rollout.batch_size=8", "train.micro_batch_size=8", "data.eval_subset_size=8",
+    "logging.progress=false", "logging.sample_every=0", "rollout.backend=vllm", "rollout.placement=server",
+    "rollout.weight_sync_tolerance=100",  # the FAKE servers' log-probs are canned
+    "rollout.start_timeout=60",  # how long a listed server that went down is waited for
+]  # fmt: skip
+
+
+def _fake_server(port: int, log: Path, behaviour: dict | None = None):
+    """tests/fake_vllm_server.py in a process of its own on ``port``, listening; its output in ``log``."""
+    import json
+    import subprocess
+    import sys
+
+    from grpo_fast.rollout.vllm.deadline import Deadline
+    from grpo_fast.rollout.vllm.placement.server import wait_listening
+
+    script = str(Path(__file__).with_name("fake_vllm_server.py"))
+    with open(log, "w") as out:  # the child keeps its own descriptor
+        proc = subprocess.Popen([sys.executable, script, str(port), json.dumps(behaviour or {})], stdout=out)
+    wait_listening(f"http://127.0.0.1:{port}", Deadline(30, "the fake server's start", "test"))
+    return proc
+
+
+def test_a_listed_vllm_server_killed_mid_run_is_dropped_attached_again_and_serves(
+    tmp_path, monkeypatch, capsys
+):
+    """``rollout.server_url`` lists two servers (FAKE vLLM servers, each a process): server 0 is
+    SIGKILLed while step 2's request hangs on it. One warning line, its shard re-sent to server 1,
+    the run trains all 4 steps; a fresh server on the same port (its supervisor's restart) is
+    attached again, loaded and probed, and serves step 4 (the test waits for it there). Every
+    version is loaded on both servers. Planted: a listed server attached again without waiting
+    for it to listen → it is given up (3 refused connections) and step 4 never has 2 engines."""
+    import dataclasses
+    import json
+
+    from grpo_fast.rollout import registry
+    from grpo_fast.rollout.vllm.transfer.transport import free_port
+
+    spec = registry.backends()["vllm"]  # attached servers need no vLLM here
+    monkeypatch.setitem(registry.backends(), "vllm", dataclasses.replace(spec, missing=lambda: None))
+    ports = [free_port(), free_port()]
+    logs = [tmp_path / f"fake{i}.log" for i in range(3)]
+    hung = {"/inference/v1/generate": "hang@4"}  # calls: the first probe, step 1, its probe, step 2
+    procs = [_fake_server(ports[0], logs[0], hung), _fake_server(ports[1], logs[1])]
+    back: list = []
+
+    def kill_then_restart() -> None:
+        _wait(lambda: (tmp_path / "fake0.log").read_text().count("request /inference/v1/generate") >= 4, 60)
+        procs[0].kill()
+        procs[0].wait()
+        time.sleep(4.0)  # down longer than the 3 tries 1 s apart a restart of a started engine gets
+        back.append(_fake_server(ports[0], logs[2]))
+
+    killer = threading.Thread(target=kill_then_restart, daemon=True)
+    killer.start()
+    real_generate, calls = Fleet.generate, []
+
+    def whole_before_step_4(self, *a, **k):
+        calls.append(1)
+        if len(calls) == 4:
+            _wait(lambda: len(self.serving) == 2, limit=60)  # measured ~5 s
+        return real_generate(self, *a, **k)
+
+    monkeypatch.setattr(Fleet, "generate", whole_before_step_4)
+    urls = [f"http://127.0.0.1:{p}" for p in ports]
+    try:
+        out = tmp_path / "run"
+        assert main([*VLLM_RUN, f"rollout.server_url=[{urls[0]},{urls[1]}]", f"output_dir={out}"]) == 0
+    finally:
+        for p in [*procs, *back]:
+            p.kill()
+    err = [ln for ln in capsys.readouterr().err.splitlines() if ln.startswith("warning: vLLM server")]
+    assert err[0].startswith(f"warning: vLLM server 0 out of service (the vLLM server at {urls[0]} stopped ")
+    assert err[0].endswith("shard 0 (1 prompts) re-sent): 1 of 2 serve; restarting it in the background"), err
+    # the version it loads is the one the fleet serves when it is back (1, 2 or 3: a matter of timing)
+    assert re.fullmatch(
+        rf"warning: vLLM server 0 \({urls[0]}\) back in service after [0-9.]+ s \(restart 1\), serving "
+        r"policy version [123] \(probed\)",
+        err[1],
+    ), err
+    assert len(err) == 2
+    rows = [json.loads(ln) for ln in (out / "metrics.jsonl").read_text().splitlines() if ln.strip()]
+    by_step = {r["step"]: r for r in rows if "train/loss" in r}
+    assert sorted(by_step) == [1, 2, 3, 4]
+    assert by_step[2]["fleet/engine0/requests"] == 0.0 and by_step[2]["fleet/engine1/requests"] == 2.0
+    assert by_step[4]["fleet/engine0/requests"] == 1.0 and by_step[4]["fleet/restarts"] == 1.0
+    replacement = (tmp_path / "fake2.log").read_text()
+    assert "request /update_weights" in replacement and "request /inference/v1/generate" in replacement
+    # every version on both servers: versions 0-3 (step 4's weights are pushed after the last rollout too)
+    assert (tmp_path / "fake1.log").read_text().count("request /finish_weight_update") == 5

@@ -47,6 +47,8 @@ QUICK = [
     "data.reward=test_pipeline:length_reward",  # random weights: a signal in every group
 ]
 S1 = ["rollout.max_staleness=1", "rollout.old_logprobs=sampler"]
+VLLM_FLEET = ["rollout.backend=vllm", "rollout.placement=server", "rollout.num_engines=2"]
+VLLM_URLS = ["rollout.backend=vllm", "rollout.placement=server", "rollout.server_url=[http://h:1,http://h:2]"]
 MACHINE = ("time/", "throughput/", "memory/", "gpu/")
 
 
@@ -156,17 +158,51 @@ def _alive(pid: int) -> bool:
         ),
         (
             ["rollout.placement=process", "rollout.num_engines=2", "rollout.min_engines=3"],
-            "rollout.min_engines=3 is above rollout.num_engines=2",
+            "rollout.min_engines=3 is above the fleet's 2 engine(s) (rollout.num_engines=2)",
         ),
         (
             ["rollout.num_engines=2"],
-            "rollout.num_engines=2 / rollout.min_engines=1 is a fleet of hf worker processes",
+            "rollout.num_engines=2 / rollout.min_engines=1 is a fleet of engines apart from the trainer: "
+            "rollout.placement=process (hf workers or vLLM engines) or server (vLLM servers); got "
+            "backend=hf, placement=colocated",
         ),
         (
-            ["rollout.backend=vllm", "rollout.placement=server", "rollout.num_engines=2"],
-            "rollout.num_engines=2 / rollout.min_engines=1 is a fleet of hf worker processes: rollout.backend=hf "
-            "with rollout.placement=process (got backend=vllm, placement=server; a fleet of vLLM engines is not in "
-            "this build)",
+            ["rollout.backend=vllm", "rollout.num_engines=2"],
+            "rollout.num_engines=2 / rollout.min_engines=1 is a fleet of engines apart from the trainer",
+        ),
+        (
+            [*VLLM_FLEET, "rollout.engine_devices=[1,2]"],
+            "rollout.engine_devices gives 1 device list(s) for 2 engine(s): a fleet takes one list per engine",
+        ),
+        (
+            [*VLLM_FLEET, "rollout.engine_devices=[[1],[1]]"],
+            "rollout.engine_devices must be distinct GPU indices",
+        ),
+        (
+            [*VLLM_FLEET, "rollout.weight_transfer=nccl", "rollout.engine_devices=[[1],[2]]"],
+            "rollout.num_engines=2 / rollout.min_engines=1 with rollout.weight_transfer=nccl: a fleet loads "
+            "every engine through the shared-memory transfer",
+        ),
+        (
+            [
+                "rollout.backend=vllm",
+                "rollout.placement=server",
+                "rollout.server_url=[http://h:1,http://h:1]",
+            ],
+            "rollout.server_url lists each server once",
+        ),
+        (
+            ["rollout.backend=vllm", "rollout.placement=server", "rollout.server_url=[http://h:1,h:2]"],
+            "rollout.server_url must be http://HOST:PORT (a vLLM server's base URL) or a list of them (a fleet), "
+            "got 'h:2'",
+        ),
+        (
+            [*VLLM_URLS, "rollout.num_engines=3"],
+            "rollout.num_engines=3 with 2 servers in rollout.server_url: the fleet is the servers listed",
+        ),
+        (
+            [*VLLM_URLS, "rollout.min_engines=3"],
+            "rollout.min_engines=3 is above the fleet's 2 engine(s) (rollout.num_engines=1, rollout.server_url: 2 URL(s))",
         ),
     ],
 )

@@ -11,6 +11,7 @@ import copy
 import json
 import math
 import re
+import time
 from dataclasses import replace
 
 import pytest
@@ -24,7 +25,7 @@ from grpo_fast.loop.optimization import prepare_old_and_ref
 from grpo_fast.policy.batch import loss_trajectories, make_microbatches
 from grpo_fast.policy.loss import build_policy_loss
 from grpo_fast.rollout import Rollout
-from grpo_fast.rollout.base import SamplingParams
+from grpo_fast.rollout.base import BackendContext, SamplingParams, sync_weights
 from grpo_fast.rollout.hf import HFBackend
 from grpo_fast.rollout.sampling import step_seed
 from grpo_fast.rollout.vllm import VLLMBackend, WeightSyncError, WeightSyncProbe
@@ -505,3 +506,50 @@ def test_stale_engine_stops_the_run(tmp_path):
     )
     with pytest.raises(WeightSyncError, match="step 0: vLLM is not serving the pushed weights"):
         run(cfg, engine=engine)
+
+
+def test_a_vllm_fleet_loads_every_engine_probes_each_and_replaces_one_serving_stale_weights():
+    """``grpo_fast.rollout.vllm.fleet`` over two FAKE engines: a version staged once reaches both
+    (each probed; the fleet's ``weight_sync_abs_diff`` is the worst engine's); an engine that
+    keeps its old weights fails its probe on the next version, is out of service (one warning
+    line), and a fresh engine takes its place, loaded with the version the fleet serves and
+    probed. Planted: the fleet's load skipping the member's probe → the stale engine stays in
+    service."""
+    from grpo_fast.rollout.vllm.fleet import vllm_fleet
+
+    tok, model = _tiny()
+    cfg = load_config(
+        "tiny", overrides=["rollout.backend=vllm", "rollout.placement=server", "rollout.num_engines=2"],
+        check_device=False,
+    )  # fmt: skip
+    engines, lines = [], []
+
+    def start(i):
+        engines.append((i, FakeVLLMEngine(model, tok, supports_sleep=False)))
+        return engines[-1][1]
+
+    ctx = BackendContext(
+        cfg, model, tok, torch.device("cpu"), probe=_probe_for(model, tok), warn=lines.append
+    )
+    fleet = vllm_fleet(ctx, "unused", "float32", 0, None, start_engine=start)
+    sync_weights(fleet, model, 0)
+    assert [e.pushed_versions for _, e in engines] == [1, 1] and fleet.weight_sync_abs_diff < 1e-5
+    next(e for i, e in engines if i == 1).drop_pushes = True  # engine 1 keeps serving version 0 (the
+    # engines start in threads of their own: in either order)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.05 * torch.randn_like(p))
+    sync_weights(fleet, model, 1)
+    assert lines[0].startswith(
+        "warning: vLLM server 1 out of service (step 1: vLLM is not serving the pushed weights"
+    )
+    _wait_for = time.monotonic() + 30
+    while len(fleet.serving) < 2:
+        assert time.monotonic() < _wait_for
+        time.sleep(0.01)
+    assert sorted(i for i, _ in engines[:2]) == [0, 1] and engines[2][0] == 1  # engine 1 started again
+    assert engines[2][1].pushed_versions == 1 and fleet.serving[1].backend.policy_version == 1
+    assert fleet.weight_sync_abs_diff < 1e-5
+    out = fleet.generate([[3, 4], [5, 6]], PARAMS)
+    assert len(out.groups) == 2
+    fleet.close()

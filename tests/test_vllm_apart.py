@@ -801,3 +801,39 @@ def test_a_signal_while_the_server_hangs_a_staleness_batch_stops_within_seconds(
     assert err.startswith("error: SIGTERM during "), err
     assert err.endswith("resume=true continues from there"), err
     assert any((d / STATE_FILE).is_file() for d in (tmp_path / "checkpoints").iterdir())
+
+
+def test_each_engine_of_a_fleet_the_run_starts_gets_its_own_devices_log_and_port(tmp_path, monkeypatch):
+    """``rollout.engine_devices=[[1], [2, 3]]`` with ``rollout.num_engines=2``: engine 1's server
+    runs tensor parallel on GPUs 2 and 3, logs to ``vllm_server.1.log``; engine 0 on GPU 1.
+    Planted: every engine given the first list → engine 1 starts on GPU 1."""
+    import grpo_fast.rollout.vllm.placement.server as vs
+    from grpo_fast.rollout.vllm.placement.apart import engine_apart
+
+    started = []
+
+    class Started(Exception):
+        pass
+
+    def start_server(command, port, log_path, timeouts, lora=False, devices=None):
+        started.append((command, log_path, devices))
+        raise Started
+
+    monkeypatch.setattr(vs, "start_server", start_server)
+    cfg = load_config(
+        "tiny",
+        overrides=["rollout.backend=vllm", "rollout.placement=server", "rollout.num_engines=2",
+                   "rollout.engine_devices=[[1],[2,3]]", f"output_dir={tmp_path}"],
+        check_device=False,
+    )  # fmt: skip
+    for i in (0, 1):
+        with pytest.raises(Started):
+            engine_apart(cfg, "/m", "float32", 0, index=i)
+    (cmd0, log0, dev0), (cmd1, log1, dev1) = started
+    assert (dev0, dev1) == ([1], [2, 3]) and (log0.name, log1.name) == (
+        "vllm_server.0.log",
+        "vllm_server.1.log",
+    )
+    tp = [c[c.index("--tensor-parallel-size") + 1] for c in (cmd0, cmd1)]
+    assert tp == ["1", "2"]
+    assert cmd0[cmd0.index("--port") + 1] != cmd1[cmd1.index("--port") + 1]

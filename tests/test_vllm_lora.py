@@ -151,6 +151,65 @@ def test_qlora_pushes_its_nf4_base_dequantized_once_then_adapters(served):
     assert "load_weights(base)" not in backend.calls[2:]
 
 
+class _Kept:
+    """The module's engine as a fleet member: closing the member leaves the engine running."""
+
+    def __init__(self, engine):
+        self._engine = engine
+
+    def __getattr__(self, name):
+        return getattr(self._engine, name)
+
+    def close(self) -> None:
+        pass
+
+
+def test_a_qlora_fleet_gives_every_engine_the_base_before_its_first_adapter(served):
+    """A fleet (``grpo_fast.rollout.vllm.fleet``) of a QLoRA policy: the NF4 base is staged
+    dequantized once; an engine's first load sends it, then the adapter, later loads the adapter
+    alone; an engine started again (here a new member on the same engine) gets the base again
+    before its adapter, and its probe holds (< 1e-4). Planted: the base left out of the fleet's
+    stage → the restarted member sends the adapter alone."""
+    import time
+
+    from grpo_fast.errors import EngineDied
+    from grpo_fast.rollout.base import BackendContext, sync_weights
+    from grpo_fast.rollout.vllm.fleet import vllm_fleet
+
+    engine, folder, tok = served
+    model = _peft_policy(folder, 7, "model.load_in_4bit=true")
+    cfg = load_config(
+        "tiny",
+        overrides=["model.lora.r=8", "model.lora.alpha=16", "model.load_in_4bit=true", "rollout.backend=vllm",
+                   "rollout.placement=server", "rollout.sleep_level=0"],
+        check_device=False,
+    )  # fmt: skip
+    probe = WeightSyncProbe(tok(PROBE)["input_ids"], lambda t: _logprobs(model, t), tolerance=1e-4)
+    lines: list[str] = []
+    ctx = BackendContext(cfg, model, tok, torch.device("cpu"), probe=probe, warn=lines.append)
+    fleet = vllm_fleet(ctx, str(folder), "float32", 8, "adapter", start_engine=lambda i: _Kept(engine))
+    sync_weights(fleet, model, 0)
+    sync_weights(fleet, model, 1)
+    first = fleet.engines[0].backend
+    assert [c for c in first.calls if c.startswith("load")] == [
+        "load_weights(base)",
+        "load_adapter",
+        "load_adapter",
+    ]
+    fleet._out_of_service(fleet.engines[0], EngineDied("planted"), "a test")  # as a death would
+    t0 = time.monotonic()
+    while not fleet.serving:
+        assert time.monotonic() - t0 < 60, lines
+        time.sleep(0.05)
+    again = fleet.engines[0].backend
+    assert again is not first and [c for c in again.calls if c.startswith("load")] == [
+        "load_weights(base)",
+        "load_adapter",
+    ]
+    assert again.weight_sync_abs_diff < 1e-4 and again.policy_version == 1
+    fleet.close()
+
+
 @pytest.mark.slow
 def test_the_tiny_preset_learns_with_lora_on_the_real_engine(tmp_path):
     """configs/lora.yaml with rollout.backend=vllm (adapter sync): eval rises by ≥ 0.15 over 100

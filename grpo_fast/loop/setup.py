@@ -414,7 +414,7 @@ def _make_backend(run: Run, engine):
     """
     cfg, model, tokenizer, world = run.cfg, run.model, run.tokenizer, run.world
     spec = backend(cfg.rollout.backend)
-    ctx = BackendContext(cfg, model, tokenizer, run.device, run.amp, engine=engine)
+    ctx = BackendContext(cfg, model, tokenizer, run.device, run.amp, engine=engine, warn=run.logger.event)
     if not spec.needs_weight_push:
         return make_backend(ctx)
     from grpo_fast.rollout.vllm import WeightSyncProbe, vllm_dtype, weight_sync_tolerance

@@ -34,6 +34,7 @@ from grpo_fast.loop.state import Run
 from grpo_fast.loop.stats import close_step
 from grpo_fast.loop.step_end import end_of_step
 from grpo_fast.obs.metrics import PhaseProgress, reset_peak_memory
+from grpo_fast.rollout.fleet import Fleet
 
 
 class Source(Protocol):
@@ -66,7 +67,8 @@ class Lockstep:
         self.run.rollout.sync_weights(self.run.model, step)  # stage + load (vllm: push + probe)
 
     def metrics(self, step: int) -> dict[str, float]:
-        return {}
+        backend = self.run.rollout.backend
+        return backend.take_metrics() if isinstance(backend, Fleet) else {}  # a fleet's, this step's
 
 
 def train(run: Run, source: Source, progress: PhaseProgress) -> None:

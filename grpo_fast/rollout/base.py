@@ -259,6 +259,7 @@ class BackendContext:
     model_path: str | None = None
     probe: Any = None
     step: int = 0  # the policy's optimizer step (a resumed run's): the version of the first push
+    warn: Any = None  # a warning line to the user (the run's logger), e.g. a fleet's engine going down
 
 
 @dataclass(frozen=True)

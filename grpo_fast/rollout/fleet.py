@@ -152,6 +152,14 @@ class Fleet:
         with self._lock:
             return [e for e in self.engines if e.state == "serving"]
 
+    @property
+    def weight_sync_abs_diff(self) -> float | None:
+        """The largest weight-sync probe difference of the serving engines' latest loads (None
+        when no engine reports one: the hf workers' probe is a digest)."""
+        diffs = [getattr(e.backend, "weight_sync_abs_diff", None) for e in self.serving]
+        diffs = [d for d in diffs if d is not None]
+        return max(diffs) if diffs else None
+
     def load_weights(self, staged: Any, version: int) -> None:
         """Policy version ``version`` on every engine in service, each probed (module docstring);
         ``EngineDied`` when fewer than ``min_engines`` then serve."""

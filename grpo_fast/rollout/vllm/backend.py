@@ -44,6 +44,7 @@ from grpo_fast.rollout.base import (
     WeightsFromStage,
     sync_weights,
 )
+from grpo_fast.rollout.fleet import Fleet
 from grpo_fast.rollout.multi_turn import ToolRollout, Turns
 from grpo_fast.rollout.trajectory import Group, Trajectory
 from grpo_fast.rollout.vllm.placement import Engine
@@ -176,18 +177,7 @@ class VLLMBackend(WeightsFromStage):
         self._trainer_model = model  # whose adapter configuration a lora_sync=adapter push writes
         if not keep:
             return _Live(model)
-        if self.lora_sync == "adapter":
-            peft_model = unwrap(model)
-            named = ((n, whole_tensor(p.detach())) for n, p in peft_model.named_parameters() if ".lora_" in n)
-        else:
-            named = merged_named_tensors(model) if self.lora_sync == "merged" else hf_named_tensors(model)
-        if self.ranks is not None and not self.ranks.leader:  # the gathers only: the leader pushes
-            exhaust(named)
-            named = ()
-        staged: dict = {"tensors": host_copies(named, self._ties(model))}
-        if self.probe is not None:
-            staged["probe"] = self.probe.reference()
-        return staged
+        return staged_weights(model, self.lora_sync, self.probe, self.ranks)
 
     def load_weights(self, staged: dict | _Live, version: int) -> None:
         """Push what ``stage`` took as policy version ``version``, then probe it (against the
@@ -202,6 +192,8 @@ class VLLMBackend(WeightsFromStage):
         def lead() -> Outcome:
             self._wake_weights()
             if self.lora_sync == "adapter":
+                if self.push_base and self.pushes == 0 and "base" in staged:  # a fleet's engine
+                    self._load(staged["base"].items(), version, "load_weights(base)")
                 self._push_adapter(model, version, state_dict=staged["tensors"])
             else:
                 self.engine.load_weights(staged["tensors"].items(), version=version)
@@ -301,11 +293,12 @@ class VLLMBackend(WeightsFromStage):
             self._load(named, step, "load_weights")
 
     def _ties(self, model: torch.nn.Module) -> dict[str, str]:
-        """The names of what a push sends that are another name's tensor (``tied_names``)."""
-        module = unwrap(model)
-        if self.lora_sync == "merged":
-            return tied_names(module.get_base_model(), lambda n: n.replace(".base_layer.", "."))
-        return {} if self.lora_sync == "adapter" else tied_names(module)
+        return push_ties(model, self.lora_sync)
+
+    @property
+    def who(self) -> str | None:
+        """The engine, for a fleet's warning lines: a server's URL (None for an engine process)."""
+        return getattr(self.engine, "url", None)
 
     def _load(self, named: Iterable[tuple[str, torch.Tensor]], step: int, call: str) -> None:
         """``engine.load_weights(named)``; with other ranks gathering beside it (``ranks``),
@@ -465,6 +458,36 @@ class VLLMBackend(WeightsFromStage):
         return Rollout(groups=[Group(list(p), done[i * n : (i + 1) * n]) for i, p in enumerate(prompt_ids)])
 
 
+def push_ties(model: torch.nn.Module, lora_sync: str | None) -> dict[str, str]:
+    """The names of what a push of ``model`` sends that are another name's tensor (``tied_names``)."""
+    module = unwrap(model)
+    if lora_sync == "merged":
+        return tied_names(module.get_base_model(), lambda n: n.replace(".base_layer.", "."))
+    return {} if lora_sync == "adapter" else tied_names(module)
+
+
+def staged_weights(
+    model: torch.nn.Module,
+    lora_sync: str | None,
+    probe: WeightSyncProbe | None = None,
+    ranks: RankShare | None = None,
+) -> dict:
+    """What a push of ``model``'s weights sends, copied to the host now (``VLLMBackend.stage``
+    with ``keep=True``): ``{"tensors": {name: [*shape] tensor}, "probe": [L − 1] float64}``."""
+    if lora_sync == "adapter":
+        peft_model = unwrap(model)
+        named = ((n, whole_tensor(p.detach())) for n, p in peft_model.named_parameters() if ".lora_" in n)
+    else:
+        named = merged_named_tensors(model) if lora_sync == "merged" else hf_named_tensors(model)
+    if ranks is not None and not ranks.leader:  # the gathers only: the leader pushes
+        exhaust(named)
+        named = ()
+    staged: dict = {"tensors": host_copies(named, push_ties(model, lora_sync))}
+    if probe is not None:
+        staged["probe"] = probe.reference()
+    return staged
+
+
 def turn_seed(seed: int | None, turn: int) -> int | None:
     """The sampling seed of a multi-turn rollout's turn ``turn`` (≥ 1; turn 0 is the call's own
     ``seed``): a function of both, so that a resumed run samples what the straight run did."""
@@ -476,7 +499,7 @@ def _check_sizes(groups: list, prompts: int, n: int) -> None:
         raise RuntimeError(f"vLLM returned {[len(g) for g in groups]} responses for {prompts} prompts × {n}")
 
 
-def _build(ctx: BackendContext) -> VLLMBackend:
+def _build(ctx: BackendContext) -> VLLMBackend | Fleet:
     """The engine on ``ctx.model_path`` (default ``model.name_or_path``) where
     ``rollout.placement`` puts it, or ``ctx.engine`` when given; then the current policy pushed
     (as version ``ctx.step``) and probed."""
@@ -499,6 +522,18 @@ def _build(ctx: BackendContext) -> VLLMBackend:
                 "rollout.placement=server (one server every rank shares, on rollout.engine_devices) or "
                 "colocated (one engine per rank)"
             )
+        from grpo_fast.config_checks import fleet_size
+
+        if fleet_size(r) > 1 or r.min_engines > 1:
+            from grpo_fast.rollout.vllm.fleet import vllm_fleet
+
+            fleet = vllm_fleet(ctx, path, dtype, lora_rank, lora_sync)
+            try:
+                sync_weights(fleet, ctx.model, ctx.step)  # every engine loads and is probed
+            except BaseException:
+                fleet.close()
+                raise
+            return fleet
         if r.placement == "server" and multi:
             engine, ranks = shared_server(cfg, path, dtype, lora_rank, rank)
         elif r.placement != "colocated":

@@ -37,17 +37,21 @@ def shared_server(cfg, path: str, dtype: str, lora_rank: int, rank: int):
     return engine, ranks
 
 
-def engine_apart(cfg, path: str, dtype: str, lora_rank: int):
-    """A ``ProcessEngine`` or ``ServerEngine`` (started here, or attached at ``rollout.server_url``)."""
+def engine_apart(cfg, path: str, dtype: str, lora_rank: int, index: int | None = None):
+    """A ``ProcessEngine`` or ``ServerEngine`` (started here, or attached at ``rollout.server_url``);
+    ``index``: engine ``index`` of a fleet (its URL and devices; a server's log
+    ``vllm_server.<index>.log``), None for the run's one engine."""
+    from grpo_fast.config_checks import engine_device_lists, engine_urls
     from grpo_fast.rollout.vllm.transfer.transport import free_port
 
     r = cfg.rollout
+    url = engine_urls(r)[index or 0]
+    devices = engine_device_lists(r)[index or 0]
     timeouts = _timeouts(r)
     common = dict(
         max_model_len=r.max_prompt_tokens + multi_turn.max_response_tokens(r), seed=cfg.seed, dtype=dtype
     )
     memory = 0.9 if r.gpu_memory_utilization == AUTO else float(r.gpu_memory_utilization)
-    devices = None if r.engine_devices is None else list(r.engine_devices)
     if r.placement == "process":
         from grpo_fast.rollout.vllm.placement.process import ProcessEngine
 
@@ -56,7 +60,7 @@ def engine_apart(cfg, path: str, dtype: str, lora_rank: int):
     from grpo_fast.rollout.vllm.placement.server import ServerEngine, server_command, start_server
 
     process = None
-    if r.server_url is None:
+    if url is None:
         port = free_port()
         command = server_command(path, port, gpu_memory_utilization=memory, lora_rank=lora_rank, devices=devices,
                                  weight_transfer=r.weight_transfer, extra_args=dict(r.vllm_kwargs),
@@ -64,13 +68,18 @@ def engine_apart(cfg, path: str, dtype: str, lora_rank: int):
         process = start_server(
             command,
             port,
-            Path(cfg.output_dir) / "vllm_server.log",
+            Path(cfg.output_dir) / ("vllm_server.log" if index is None else f"vllm_server.{index}.log"),
             timeouts,
             lora=bool(lora_rank),
             devices=devices,
         )
+    elif index is not None:  # a fleet's listed server: it may be starting, or coming back
+        from grpo_fast.rollout.vllm.deadline import Deadline
+        from grpo_fast.rollout.vllm.placement.server import wait_listening
+
+        wait_listening(url, Deadline(r.start_timeout, f"the vLLM server at {url}", "rollout.start_timeout"))
     try:
-        return ServerEngine(process.url if process else r.server_url, timeouts=timeouts, dtype=dtype, process=process,
+        return ServerEngine(process.url if process else url, timeouts=timeouts, dtype=dtype, process=process,
                             weight_transfer=r.weight_transfer)  # fmt: skip
     except BaseException:
         if process is not None:
@@ -84,9 +93,12 @@ def _check_disjoint(r) -> None:
     if r.server_url is not None or not torch.cuda.is_available():
         return
     trainers = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
-    shared = sorted(set(r.engine_devices or [0]) & set(range(trainers)))
+    from grpo_fast.config_checks import engine_device_lists
+
+    devices = engine_device_lists(r)[0]
+    shared = sorted(set(devices or [0]) & set(range(trainers)))
     if shared:
-        which = " unset: GPU 0" if r.engine_devices is None else f"={list(r.engine_devices)}"
+        which = " unset: GPU 0" if devices is None else f"={devices}"
         raise ConfigError(
             f"the vLLM server would run on GPU(s) {shared} (rollout.engine_devices{which}), which the "
             f"{trainers} trainer ranks use (local rank i trains on GPU i): give it GPUs of its own, e.g. "

@@ -156,21 +156,13 @@ class ServerProcess:
             raise
 
     def _wait_listening(self, deadline: Deadline) -> None:
-        doing = f"the server to answer GET {self.url}/health"
-        while True:
+        def exited() -> None:
             if self.proc.poll() is not None:
                 raise EngineDied(
                     f"the vLLM server exited with code {self.proc.returncode} before listening on {self.url}: {self.last_log_line()} (log: {self.log_path})"
                 )
-            try:
-                with urllib.request.urlopen(
-                    f"{self.url}/health", timeout=min(5.0, deadline.left(doing))
-                ) as r:
-                    if r.status == 200:
-                        return
-            except (urllib.error.URLError, OSError, *_GONE):
-                pass
-            time.sleep(min(0.5, deadline.left(doing)))
+
+        wait_listening(self.url, deadline, exited)
 
     def last_log_line(self) -> str:
         try:
@@ -185,6 +177,21 @@ class ServerProcess:
 
     def stop(self) -> None:
         self._finalizer()
+
+
+def wait_listening(url: str, deadline: Deadline, check=lambda: None) -> None:
+    """Until ``GET url/health`` answers 200, polled every 0.5 s (``EngineTimeout`` past
+    ``deadline``); ``check()`` before each poll may raise (a process that exited)."""
+    doing = f"the server to answer GET {url}/health"
+    while True:
+        check()
+        try:
+            with urllib.request.urlopen(f"{url}/health", timeout=min(5.0, deadline.left(doing))) as r:
+                if r.status == 200:
+                    return
+        except (urllib.error.URLError, OSError, *_GONE):
+            pass
+        time.sleep(min(0.5, deadline.left(doing)))
 
 
 def _stop_group(proc: subprocess.Popen) -> None:
@@ -271,7 +278,11 @@ class ServerEngine(SyncedApart):
                 code = self.process.exit_code()
                 if code is not None:
                     # killed by a signal: its log's last error line is not why (a warning at best)
-                    why = f"killed by {signal.Signals(-code).name}" if code < 0 else self.process.last_log_line()
+                    why = (
+                        f"killed by {signal.Signals(-code).name}"
+                        if code < 0
+                        else self.process.last_log_line()
+                    )
                     return EngineDied(
                         f"the vLLM server (pid {self.process.proc.pid}) exited with code {code} "
                         f"during {doing}: {why} (log: {self.process.log_path})"
