@@ -815,9 +815,13 @@ def test_each_engine_of_a_fleet_the_run_starts_gets_its_own_devices_log_and_port
     class Started(Exception):
         pass
 
-    def start_server(command, port, log_path, timeouts, lora=False, devices=None):
+    def start_server(command, port, log_path, timeouts, lora=False, devices=None, cpus=None):
         started.append((command, log_path, devices))
+        bound.append(cpus)
         raise Started
+
+    bound: list = []
+    monkeypatch.delenv("VLLM_CPU_OMP_THREADS_BIND", raising=False)
 
     monkeypatch.setattr(vs, "start_server", start_server)
     cfg = load_config(
@@ -837,3 +841,8 @@ def test_each_engine_of_a_fleet_the_run_starts_gets_its_own_devices_log_and_port
     tp = [c[c.index("--tensor-parallel-size") + 1] for c in (cmd0, cmd1)]
     assert tp == ["1", "2"]
     assert cmd0[cmd0.index("--port") + 1] != cmd1[cmd1.index("--port") + 1]
+    # on a CPU each server's OpenMP threads get their own cores (2 cores: "0" and "1")
+    mine = sorted(os.sched_getaffinity(0))
+    if len(mine) >= 2 and not torch.cuda.is_available():
+        parts = [set(map(int, b.split(","))) for b in bound]
+        assert not parts[0] & parts[1] and parts[0] | parts[1] == set(mine), bound

@@ -41,7 +41,8 @@ def engine_apart(cfg, path: str, dtype: str, lora_rank: int, index: int | None =
     """A ``ProcessEngine`` or ``ServerEngine`` (started here, or attached at ``rollout.server_url``);
     ``index``: engine ``index`` of a fleet (its URL and devices; a server's log
     ``vllm_server.<index>.log``), None for the run's one engine."""
-    from grpo_fast.config_checks import engine_device_lists, engine_urls
+    from grpo_fast.config_checks import engine_device_lists, engine_urls, fleet_size
+    from grpo_fast.rollout.vllm.placement.shared import fleet_cpus
     from grpo_fast.rollout.vllm.transfer.transport import free_port
 
     r = cfg.rollout
@@ -72,6 +73,7 @@ def engine_apart(cfg, path: str, dtype: str, lora_rank: int, index: int | None =
             timeouts,
             lora=bool(lora_rank),
             devices=devices,
+            cpus=None if index is None or torch.cuda.is_available() else fleet_cpus(index, fleet_size(r)),
         )
     elif index is not None:  # a fleet's listed server: it may be starting, or coming back
         from grpo_fast.rollout.vllm.deadline import Deadline

@@ -459,9 +459,11 @@ def start_server(
     timeouts: Timeouts,
     lora: bool = False,
     devices: list[int] | None = None,
+    cpus: str | None = None,
 ) -> ServerProcess:
     """``command`` (``server_command``) started with the environment the RL routes need and
-    ``grpo_fast`` importable by its workers; listening within ``timeouts.start`` s."""
+    ``grpo_fast`` importable by its workers; listening within ``timeouts.start`` s. ``cpus``: the
+    CPUs its OpenMP threads are bound to (``VLLM_CPU_OMP_THREADS_BIND``), None: vLLM's choice."""
     import grpo_fast
 
     root = str(Path(grpo_fast.__file__).resolve().parents[1])
@@ -476,6 +478,8 @@ def start_server(
         env["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] = "True"
     if devices:
         env["CUDA_VISIBLE_DEVICES"] = visible_devices(devices)
+    if cpus is not None:  # a fleet's server on a CPU: its own cores (placement/shared.py fleet_cpus)
+        env["VLLM_CPU_OMP_THREADS_BIND"] = cpus
     url = f"http://127.0.0.1:{port}"
     deadline = Deadline(timeouts.start, f"the vLLM server's start on {url}", "rollout.start_timeout")
     return ServerProcess(command, url, log_path, deadline, env)

