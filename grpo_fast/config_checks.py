@@ -20,6 +20,7 @@ from grpo_fast.env.registry import cannot_run_here
 from grpo_fast.env.registry import environment as environment_spec
 from grpo_fast.errors import ConfigError, shown
 from grpo_fast.ops._backend import triton_unavailable
+from grpo_fast.rollout.fleet import fleet_size
 from grpo_fast.rollout.registry import backend as rollout_backend
 from grpo_fast.rollout.registry import backends as rollout_backends
 from grpo_fast.task.prompts import get_template
@@ -219,32 +220,6 @@ def pipelined(cfg: Config) -> bool:
     r = cfg.rollout
     own_weights = rollout_backend(r.backend).needs_weight_push
     return r.max_staleness > 0 or (r.placement == "process" and not own_weights)
-
-
-def fleet_size(r) -> int:
-    """The engines a run's rollout has (``rollout`` section ``r``): the servers listed in
-    ``rollout.server_url`` when it is a list of several, else ``rollout.num_engines``."""
-    urls = r.server_url if isinstance(r.server_url, list) else None
-    return len(urls) if urls and len(urls) > 1 else r.num_engines
-
-
-def engine_urls(r) -> list[str | None]:
-    """Per engine of the fleet (``fleet_size``): the server URL it attaches to, or None for an
-    engine the run starts."""
-    if isinstance(r.server_url, list):
-        return [str(u).rstrip("/") for u in r.server_url]
-    return [None if r.server_url is None else str(r.server_url).rstrip("/")] * fleet_size(r)
-
-
-def engine_device_lists(r) -> list[list[int] | None]:
-    """Per engine of the fleet: the GPUs it runs on (``rollout.engine_devices``: one list for one
-    engine, a list of lists for a fleet), or None (the trainer's device)."""
-    d = r.engine_devices
-    if d is None:
-        return [None] * fleet_size(r)
-    if d and all(isinstance(x, list) for x in d):
-        return [list(x) for x in d]
-    return [list(d)]
 
 
 def _check_engine_devices(r) -> None:

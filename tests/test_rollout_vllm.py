@@ -531,7 +531,7 @@ def test_a_vllm_fleet_loads_every_engine_probes_each_and_replaces_one_serving_st
     ctx = BackendContext(
         cfg, model, tok, torch.device("cpu"), probe=_probe_for(model, tok), warn=lines.append
     )
-    fleet = vllm_fleet(ctx, "unused", "float32", 0, None, start_engine=start)
+    fleet = vllm_fleet(ctx, "unused", "float32", 0, None, VLLMBackend, start_engine=start)
     sync_weights(fleet, model, 0)
     assert [e.pushed_versions for _, e in engines] == [1, 1] and fleet.weight_sync_abs_diff < 1e-5
     next(e for i, e in engines if i == 1).drop_pushes = True  # engine 1 keeps serving version 0 (the

@@ -187,7 +187,9 @@ def test_a_qlora_fleet_gives_every_engine_the_base_before_its_first_adapter(serv
     probe = WeightSyncProbe(tok(PROBE)["input_ids"], lambda t: _logprobs(model, t), tolerance=1e-4)
     lines: list[str] = []
     ctx = BackendContext(cfg, model, tok, torch.device("cpu"), probe=probe, warn=lines.append)
-    fleet = vllm_fleet(ctx, str(folder), "float32", 8, "adapter", start_engine=lambda i: _Kept(engine))
+    fleet = vllm_fleet(
+        ctx, str(folder), "float32", 8, "adapter", VLLMBackend, start_engine=lambda i: _Kept(engine)
+    )
     sync_weights(fleet, model, 0)
     sync_weights(fleet, model, 1)
     first = fleet.engines[0].backend

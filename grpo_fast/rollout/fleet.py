@@ -65,6 +65,32 @@ def shards(num_prompts: int, n: int, num_engines: int, generation_batch_size: in
     return [range(a, min(a + size, num_prompts)) for a in range(0, num_prompts, size)]
 
 
+def fleet_size(r) -> int:
+    """The engines a run's rollout has (``rollout`` section ``r``): the servers listed in
+    ``rollout.server_url`` when it is a list of several, else ``rollout.num_engines``."""
+    urls = r.server_url if isinstance(r.server_url, list) else None
+    return len(urls) if urls and len(urls) > 1 else r.num_engines
+
+
+def engine_urls(r) -> list[str | None]:
+    """Per engine of the fleet (``fleet_size``): the server URL it attaches to, or None for an
+    engine the run starts."""
+    if isinstance(r.server_url, list):
+        return [str(u).rstrip("/") for u in r.server_url]
+    return [None if r.server_url is None else str(r.server_url).rstrip("/")] * fleet_size(r)
+
+
+def engine_device_lists(r) -> list[list[int] | None]:
+    """Per engine of the fleet: the GPUs it runs on (``rollout.engine_devices``: one list for one
+    engine, a list of lists for a fleet), or None (the trainer's device)."""
+    d = r.engine_devices
+    if d is None:
+        return [None] * fleet_size(r)
+    if d and all(isinstance(x, list) for x in d):
+        return [list(x) for x in d]
+    return [list(d)]
+
+
 @dataclass
 class _Engine:
     index: int

@@ -55,10 +55,10 @@ from grpo_fast.rollout.vllm.transfer.weights import (
     WeightSyncProbe,
     dequantized_base_tensors,
     hf_named_tensors,
-    host_copies,
     is_sharded,
     merged_named_tensors,
-    tied_names,
+    push_ties,
+    staged_weights,
     vllm_dtype,
 )
 
@@ -458,36 +458,6 @@ class VLLMBackend(WeightsFromStage):
         return Rollout(groups=[Group(list(p), done[i * n : (i + 1) * n]) for i, p in enumerate(prompt_ids)])
 
 
-def push_ties(model: torch.nn.Module, lora_sync: str | None) -> dict[str, str]:
-    """The names of what a push of ``model`` sends that are another name's tensor (``tied_names``)."""
-    module = unwrap(model)
-    if lora_sync == "merged":
-        return tied_names(module.get_base_model(), lambda n: n.replace(".base_layer.", "."))
-    return {} if lora_sync == "adapter" else tied_names(module)
-
-
-def staged_weights(
-    model: torch.nn.Module,
-    lora_sync: str | None,
-    probe: WeightSyncProbe | None = None,
-    ranks: RankShare | None = None,
-) -> dict:
-    """What a push of ``model``'s weights sends, copied to the host now (``VLLMBackend.stage``
-    with ``keep=True``): ``{"tensors": {name: [*shape] tensor}, "probe": [L − 1] float64}``."""
-    if lora_sync == "adapter":
-        peft_model = unwrap(model)
-        named = ((n, whole_tensor(p.detach())) for n, p in peft_model.named_parameters() if ".lora_" in n)
-    else:
-        named = merged_named_tensors(model) if lora_sync == "merged" else hf_named_tensors(model)
-    if ranks is not None and not ranks.leader:  # the gathers only: the leader pushes
-        exhaust(named)
-        named = ()
-    staged: dict = {"tensors": host_copies(named, push_ties(model, lora_sync))}
-    if probe is not None:
-        staged["probe"] = probe.reference()
-    return staged
-
-
 def turn_seed(seed: int | None, turn: int) -> int | None:
     """The sampling seed of a multi-turn rollout's turn ``turn`` (≥ 1; turn 0 is the call's own
     ``seed``): a function of both, so that a resumed run samples what the straight run did."""
@@ -522,12 +492,12 @@ def _build(ctx: BackendContext) -> VLLMBackend | Fleet:
                 "rollout.placement=server (one server every rank shares, on rollout.engine_devices) or "
                 "colocated (one engine per rank)"
             )
-        from grpo_fast.config_checks import fleet_size
+        from grpo_fast.rollout.fleet import fleet_size
 
         if fleet_size(r) > 1 or r.min_engines > 1:
             from grpo_fast.rollout.vllm.fleet import vllm_fleet
 
-            fleet = vllm_fleet(ctx, path, dtype, lora_rank, lora_sync)
+            fleet = vllm_fleet(ctx, path, dtype, lora_rank, lora_sync, VLLMBackend)
             try:
                 sync_weights(fleet, ctx.model, ctx.step)  # every engine loads and is probed
             except BaseException:

@@ -30,7 +30,7 @@ from grpo_fast.rollout import multi_turn
 from grpo_fast.rollout.base import BackendContext
 from grpo_fast.rollout.fleet import Fleet
 from grpo_fast.rollout.vllm.placement.apart import engine_apart
-from grpo_fast.rollout.vllm.transfer.weights import dequantized_base_tensors, host_copies
+from grpo_fast.rollout.vllm.transfer.weights import dequantized_base_tensors, host_copies, staged_weights
 
 
 def vllm_fleet(
@@ -39,23 +39,24 @@ def vllm_fleet(
     dtype: str,
     lora_rank: int,
     lora_sync: str | None,
+    member: Callable[..., Any],
     start_engine: Callable[[int], Any] | None = None,
 ) -> Fleet:
     """The fleet of ``fleet_size`` engines (module docstring), started; nothing loaded yet (the
-    caller's ``sync_weights``). ``start_engine(i)``: engine ``i`` (default ``engine_apart``); the
+    caller's ``sync_weights``). ``member``: the backend over one engine (``VLLMBackend``, passed
+    in: that module builds the fleet); ``start_engine(i)``: engine ``i`` (default ``engine_apart``); the
     warning lines go to ``ctx.warn`` (default: the ``grpo_fast`` logger's)."""
-    from grpo_fast.config_checks import fleet_size
-    from grpo_fast.rollout.vllm.backend import VLLMBackend, staged_weights
+    from grpo_fast.rollout.fleet import fleet_size
 
     cfg, r = ctx.cfg, ctx.cfg.rollout
     push_base = bool(lora_sync == "adapter" and cfg.model.load_in_4bit)
     start_engine = start_engine or (lambda i: engine_apart(cfg, path, dtype, lora_rank, index=i))
     base: dict[str, Any] = {}  # a QLoRA base, dequantized once per run
 
-    def start(i: int) -> VLLMBackend:
+    def start(i: int):
         engine = start_engine(i)
         tokenizer = ctx.tokenizer if r.environment == "none" else copy.deepcopy(ctx.tokenizer)
-        return VLLMBackend(
+        return member(
             engine,
             tokenizer,
             sleep_level=r.sleep_level,
@@ -76,9 +77,9 @@ def vllm_fleet(
             staged["base"] = base["tensors"]
         return staged
 
-    def load(member: VLLMBackend, staged: dict, version: int) -> None:
-        member._trainer_model = trainer.get("model")  # what its own stage would have set
-        member.load_weights(staged, version)
+    def load(backend, staged: dict, version: int) -> None:
+        backend._trainer_model = trainer.get("model")  # what its own stage would have set
+        backend.load_weights(staged, version)
 
     warn = ctx.warn
     if warn is None:

@@ -41,7 +41,7 @@ def engine_apart(cfg, path: str, dtype: str, lora_rank: int, index: int | None =
     """A ``ProcessEngine`` or ``ServerEngine`` (started here, or attached at ``rollout.server_url``);
     ``index``: engine ``index`` of a fleet (its URL and devices; a server's log
     ``vllm_server.<index>.log``), None for the run's one engine."""
-    from grpo_fast.config_checks import engine_device_lists, engine_urls, fleet_size
+    from grpo_fast.rollout.fleet import engine_device_lists, engine_urls, fleet_size
     from grpo_fast.rollout.vllm.placement.shared import fleet_cpus
     from grpo_fast.rollout.vllm.transfer.transport import free_port
 
@@ -95,7 +95,7 @@ def _check_disjoint(r) -> None:
     if r.server_url is not None or not torch.cuda.is_available():
         return
     trainers = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
-    from grpo_fast.config_checks import engine_device_lists
+    from grpo_fast.rollout.fleet import engine_device_lists
 
     devices = engine_device_lists(r)[0]
     shared = sorted(set(devices or [0]) & set(range(trainers)))

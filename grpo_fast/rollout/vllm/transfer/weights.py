@@ -160,3 +160,36 @@ def tied_names(module: torch.nn.Module, clean: Callable[[str], str] = lambda n: 
         else:
             first[id(t)] = name
     return ties
+
+
+def push_ties(model: torch.nn.Module, lora_sync: str | None) -> dict[str, str]:
+    """The names of what a push of ``model`` sends that are another name's tensor (``tied_names``)."""
+    module = unwrap(model)
+    if lora_sync == "merged":
+        return tied_names(module.get_base_model(), lambda n: n.replace(".base_layer.", "."))
+    return {} if lora_sync == "adapter" else tied_names(module)
+
+
+def staged_weights(
+    model: torch.nn.Module,
+    lora_sync: str | None,
+    probe: WeightSyncProbe | None = None,
+    ranks=None,
+) -> dict:
+    """What a push of ``model``'s weights sends, copied to the host now (``VLLMBackend.stage``
+    with ``keep=True``): ``{"tensors": {name: [*shape] tensor}, "probe": [L − 1] float64}``;
+    ``ranks``: a ``RankShare`` (a follower only gathers)."""
+    if lora_sync == "adapter":
+        peft_model = unwrap(model)
+        named = ((n, whole_tensor(p.detach())) for n, p in peft_model.named_parameters() if ".lora_" in n)
+    else:
+        named = merged_named_tensors(model) if lora_sync == "merged" else hf_named_tensors(model)
+    if ranks is not None and not ranks.leader:  # the gathers only: the leader pushes
+        from grpo_fast.rollout.vllm.placement.ranks import exhaust
+
+        exhaust(named)
+        named = ()
+    staged: dict = {"tensors": host_copies(named, push_ties(model, lora_sync))}
+    if probe is not None:
+        staged["probe"] = probe.reference()
+    return staged
