@@ -504,3 +504,43 @@ def test_a_listed_vllm_server_killed_mid_run_is_dropped_attached_again_and_serve
     assert "request /update_weights" in replacement and "request /inference/v1/generate" in replacement
     # every version on both servers: versions 0-3 (step 4's weights are pushed after the last rollout too)
     assert (tmp_path / "fake1.log").read_text().count("request /finish_weight_update") == 5
+
+
+def test_a_listed_vllm_fleet_trains_at_staleness_one_with_every_version_on_both_servers(
+    tmp_path, monkeypatch
+):
+    """``rollout.server_url`` two FAKE servers, ``rollout.max_staleness=1``: the pipeline's producer
+    generates through the fleet while the trainer trains; every step trains, each batch at most
+    one version behind, both servers share the requests and load every version the producer asks
+    for. Planted: ``Fleet.load_weights`` loading the first serving engine only → server 1 never
+    loads after the first version."""
+    import dataclasses
+    import json
+
+    from grpo_fast.rollout import registry
+    from grpo_fast.rollout.vllm.transfer.transport import free_port
+
+    spec = registry.backends()["vllm"]  # attached servers need no vLLM here
+    monkeypatch.setitem(registry.backends(), "vllm", dataclasses.replace(spec, missing=lambda: None))
+    ports = [free_port(), free_port()]
+    procs = [_fake_server(p, tmp_path / f"fake{i}.log") for i, p in enumerate(ports)]
+    urls = [f"http://127.0.0.1:{p}" for p in ports]
+    try:
+        out = tmp_path / "run"
+        args = [*VLLM_RUN, "rollout.max_staleness=1", "rollout.old_logprobs=sampler"]
+        assert main([*args, f"rollout.server_url=[{urls[0]},{urls[1]}]", f"output_dir={out}"]) == 0
+    finally:
+        for p in procs:
+            p.kill()
+    rows = [json.loads(ln) for ln in (out / "metrics.jsonl").read_text().splitlines() if ln.strip()]
+    steps = [r for r in rows if "train/loss" in r]
+    assert [r["step"] for r in steps] == [1, 2, 3, 4]
+    assert max(r["rollout/policy_lag"] for r in steps) <= 1.0
+    assert all(r["fleet/engines_serving"] == 2.0 for r in steps)
+    assert (
+        sum(r["fleet/engine0/requests"] for r in steps)
+        == sum(r["fleet/engine1/requests"] for r in steps)
+        == 4
+    )
+    loads = [(tmp_path / f"fake{i}.log").read_text().count("request /finish_weight_update") for i in (0, 1)]
+    assert loads[0] == loads[1] >= 4, loads  # version 0, then each version the producer generated with
