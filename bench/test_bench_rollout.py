@@ -361,3 +361,69 @@ def test_vllm_weight_sync_cpu(benchmark, tmp_path, placement, model_name):
             '-p no:cacheprovider -k "weight_sync and $p" --benchmark-json bench/results/vllm-sync-$p.json; done'
         ),
     )
+
+
+class _ReadingControl:
+    """An engine's side of an shm sync, as far as the files go: each ``update_weights`` reads every
+    tensor of its file (what ``ShmWeightTransferEngine`` does before copying into its layers)."""
+
+    def pause(self, deadline): ...
+    def resume(self, deadline): ...
+    def start_weight_update(self, deadline): ...
+    def finish_weight_update(self, version, deadline): ...
+
+    def update_weights(self, info, deadline):
+        from safetensors import safe_open
+
+        with safe_open(info["path"], framework="pt", device="cpu") as f:
+            for name in f.keys():  # noqa: SIM118
+                f.get_tensor(name)
+
+
+@pytest.mark.benchmark(group="fleet-shm-cpu")
+@pytest.mark.parametrize("mode", ["per engine", "once"])
+@pytest.mark.parametrize("engines", [2, 4])
+def test_fleet_shm_write_once_cpu(benchmark, engines, mode):
+    """A fleet's weight sync through ``/dev/shm`` with ``engines`` engines loading at once (threads, as
+    ``Fleet.load_weights``), before and after ``StagedShm``: each engine's transport writing its own
+    chunks (``per engine``), against the version written once and every engine reading those files
+    (``once``). 24 fp32 host tensors of 4,096 × 1,536 (604 M bytes; 302 MB in bf16, the engines'
+    dtype), 256-MiB files; the engines' reads are real, their copies into vLLM's layers are not
+    here (the same in both). Each timed round follows an untimed round of the other mode, so the two
+    alternate in both rows."""
+    import threading
+
+    from grpo_fast.rollout.vllm.deadline import Deadline
+    from grpo_fast.rollout.vllm.transfer.transport import ShmTransport, StagedShm, sync
+
+    tensors = {f"model.layers.{i}.w": torch.randn(4096, 1536) for i in range(24)}
+
+    def fleet_sync(once: bool) -> None:
+        staged = StagedShm(tensors.items(), torch.bfloat16) if once else None
+
+        def one(t: ShmTransport) -> None:
+            what = staged if once else tensors.items()
+            sync(_ReadingControl(), t, what, 1, Deadline(600, "sync", "rollout.sync_timeout"))
+
+        threads = [threading.Thread(target=one, args=(ShmTransport(torch.bfloat16),)) for _ in range(engines)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        if staged is not None:
+            staged.close()
+
+    once = mode == "once"
+    fleet_sync(once)  # warm-up
+    benchmark.pedantic(fleet_sync, args=(once,), setup=lambda: fleet_sync(not once), rounds=5)
+    benchmark.extra_info.update(
+        impl=mode,
+        case=f"{engines} engines, 302 MB of bf16 weights a version (24 × 4,096 × 1,536), 256-MiB files",
+        load_average_1m=os.getloadavg()[0],
+        cpu_count=os.cpu_count(),
+        versions={"torch": torch.__version__},
+        command=(
+            "python -m pytest bench/test_bench_rollout.py -k fleet_shm -p no:cacheprovider "
+            "--benchmark-json bench/results/fleet-shm-cpu-$(date -u +%F).json"
+        ),
+    )

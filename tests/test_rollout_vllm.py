@@ -47,9 +47,11 @@ class FakeVLLMEngine:
         self.calls: list[str] = []
         self.pushed_versions = 0
         self.drop_pushes = False  # simulate an engine that keeps serving stale weights
+        self.sources: list = []  # what each load_weights was given
 
     def load_weights(self, named_tensors, version=None):
         assert self.awake["weights"], "load_weights while the weights are asleep"
+        self.sources.append(named_tensors)
         own = self.model.state_dict()
         for name, t in named_tensors:
             if not self.drop_pushes:
@@ -513,9 +515,13 @@ def test_a_vllm_fleet_loads_every_engine_probes_each_and_replaces_one_serving_st
     (each probed; the fleet's ``weight_sync_abs_diff`` is the worst engine's); an engine that
     keeps its old weights fails its probe on the next version, is out of service (one warning
     line), and a fresh engine takes its place, loaded with the version the fleet serves and
-    probed. Planted: the fleet's load skipping the member's probe → the stale engine stays in
-    service."""
+    probed. Each version is written once (``StagedShm``) and every engine, the restarted one too,
+    loads those files; the previous version's go when the next is written, the last with the
+    fleet. Planted: the fleet's load skipping the member's probe → the stale engine stays in
+    service; the fleet's ``share`` handing on the host copies → no ``StagedShm``; the previous
+    version's files kept → its folder still there."""
     from grpo_fast.rollout.vllm.fleet import vllm_fleet
+    from grpo_fast.rollout.vllm.transfer.transport import StagedShm
 
     tok, model = _tiny()
     cfg = load_config(
@@ -534,6 +540,8 @@ def test_a_vllm_fleet_loads_every_engine_probes_each_and_replaces_one_serving_st
     fleet = vllm_fleet(ctx, "unused", "float32", 0, None, VLLMBackend, start_engine=start)
     sync_weights(fleet, model, 0)
     assert [e.pushed_versions for _, e in engines] == [1, 1] and fleet.weight_sync_abs_diff < 1e-5
+    v0 = engines[0][1].sources[-1]
+    assert isinstance(v0, StagedShm) and engines[1][1].sources[-1] is v0 and v0.dir.is_dir()
     next(e for i, e in engines if i == 1).drop_pushes = True  # engine 1 keeps serving version 0 (the
     # engines start in threads of their own: in either order)
     with torch.no_grad():
@@ -550,6 +558,10 @@ def test_a_vllm_fleet_loads_every_engine_probes_each_and_replaces_one_serving_st
     assert sorted(i for i, _ in engines[:2]) == [0, 1] and engines[2][0] == 1  # engine 1 started again
     assert engines[2][1].pushed_versions == 1 and fleet.serving[1].backend.policy_version == 1
     assert fleet.weight_sync_abs_diff < 1e-5
+    v1 = engines[0][1].sources[-1]
+    assert isinstance(v1, StagedShm) and v1 is not v0 and not v0.dir.exists()
+    assert [e.sources[-1] for _, e in engines] == [v1, v1, v1]
     out = fleet.generate([[3, 4], [5, 6]], PARAMS)
     assert len(out.groups) == 2
     fleet.close()
+    assert not v1.dir.exists()

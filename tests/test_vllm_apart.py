@@ -12,6 +12,7 @@ bound is the behaviour (it would hang, or wait the default hour, without the tim
 
 import json
 import os
+import shutil
 import socket
 import sys
 import threading
@@ -32,7 +33,13 @@ from grpo_fast.rollout.vllm.deadline import Deadline, Timeouts
 from grpo_fast.rollout.vllm.placement.process import EventLoopThread
 from grpo_fast.rollout.vllm.placement.server import ServerEngine, ServerProcess, server_command
 from grpo_fast.rollout.vllm.placement.shared import AdapterSlots, sampled_versions
-from grpo_fast.rollout.vllm.transfer.transport import ShmTransport, free_port, sync, unique_tensors
+from grpo_fast.rollout.vllm.transfer.transport import (
+    ShmTransport,
+    StagedShm,
+    free_port,
+    sync,
+    unique_tensors,
+)
 from grpo_fast.rollout.vllm.transfer.weights import tied_names
 from grpo_fast.task import tiny
 
@@ -359,6 +366,77 @@ def test_the_shm_transport_sends_temporaries_whatever_their_address_and_one_copy
     a = torch.ones(8, 8)
     sync(control, ShmTransport(torch.float32), [("a", a), ("tied", a)], 2, Deadline(30, "sync", "s"))
     assert "tied" not in control.loaded and torch.equal(control.loaded["a"], a)
+
+
+def test_a_version_staged_in_shm_is_written_once_and_every_engine_loads_those_files():
+    """A fleet's version (``StagedShm``, bf16, several chunks): two engines' transports and a third
+    one later (a restart) each load every tensor, cast once, from the staged files alone; their
+    own folders stay empty and the files stay until ``close``; iterating it gives the same tensors;
+    a transport of another dtype refuses it. Planted: ``ShmTransport.send`` writing a StagedShm
+    again (as pairs) → paths outside the staged folder, and the files deleted after the first engine."""
+    _, named = _named()
+    sent = [(n, t) for n, t in named if n != "lm_head.weight"]  # the tied head: the embedding
+    staged = StagedShm(sent, torch.bfloat16, chunk_bytes=200_000)
+    assert len(staged.files) > 2 and staged.nbytes == sum(f.stat().st_size for f in staged.files)
+    written = {f: f.stat().st_mtime_ns for f in staged.files}
+
+    class Paths(RecordingControl):
+        def update_weights(self, info, deadline):
+            self.paths = [*getattr(self, "paths", []), Path(info["path"])]
+            super().update_weights(info, deadline)
+
+    for version in (3, 3, 4):  # two engines, then one restarted
+        transport, control = ShmTransport(torch.bfloat16), Paths()
+        sync(control, transport, staged, version, Deadline(30, "sync", "rollout.sync_timeout"))
+        assert control.paths == staged.files and not list(transport.dir.iterdir())
+        assert control.calls[-2:] == [f"finish({version})", "resume"]
+        assert set(control.loaded) == {n for n, _ in sent}
+        assert all(torch.equal(control.loaded[n], t.bfloat16()) for n, t in sent)
+        assert transport.bytes_sent == staged.nbytes
+    assert {f: f.stat().st_mtime_ns for f in staged.files} == written  # never written again
+    back = dict(staged)  # a file lists its names sorted
+    assert len(back) == len(sent) and all(torch.equal(back[n], t.bfloat16()) for n, t in sent)
+    with pytest.raises(
+        ValueError, match=r"staged in torch\.bfloat16 for an engine that serves in torch\.float32"
+    ):
+        sync(RecordingControl(), ShmTransport(torch.float32), staged, 5, Deadline(30, "sync", "s"))
+    staged.close()
+    assert not staged.dir.exists()
+
+
+def test_a_private_shm_folder_sweeps_what_a_gone_process_of_this_namespace_left():
+    """``private_dir`` first deletes the folders of its prefix that a process of this PID namespace
+    left and that is gone (a SIGKILLed run's staged version); a live process's, another
+    namespace's (a container sharing /dev/shm) and another prefix's stay. Planted: the sweep
+    without the liveness check → the live one goes; without the namespace in the name → the
+    other namespace's goes."""
+    import subprocess
+
+    from grpo_fast.rollout.vllm.transfer.transport import _pid_namespace, private_dir
+
+    gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True,
+                          text=True, check=True).stdout.strip()  # fmt: skip
+    prefix = f"grpo_fast_sweeptest{os.getpid()}_"
+    ns = _pid_namespace()
+    root = private_dir(prefix).parent  # /dev/shm here
+    left = {
+        "dead": root / f"{prefix}{ns}-{gone}_x",
+        "live": root / f"{prefix}{ns}-{os.getppid()}_x",
+        "other namespace": root / f"{prefix}1{ns}-{gone}_x",
+        "other prefix": root / f"grpo_fast_other{os.getpid()}_{ns}-{gone}_x",
+    }
+    try:
+        for folder in left.values():
+            folder.mkdir()
+            (folder / "0000.safetensors").write_bytes(b"x")
+        mine = private_dir(prefix)
+        assert mine.name.startswith(f"{prefix}{ns}-{os.getpid()}_")
+        assert {k: v.exists() for k, v in left.items()} == {
+            "dead": False, "live": True, "other namespace": True, "other prefix": True
+        }  # fmt: skip
+    finally:
+        for folder in [*left.values(), *root.glob(f"{prefix}*")]:
+            shutil.rmtree(folder, ignore_errors=True)
 
 
 def test_a_failed_sync_resumes_the_engine_and_raises_its_own_error():

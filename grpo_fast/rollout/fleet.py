@@ -115,7 +115,8 @@ class Fleet:
     ``share(staged)``: what every engine's load of a version reads, made once per version;
     ``load(engine, shared, version)``: one engine loads it and is probed (raises ``EngineError`` /
     ``WeightSyncError``); ``stage``: the member backends' ``stage``; ``warn(line)``: a warning
-    line. ``generation_batch_size``: the engines' own (the shards' cap).
+    line. ``generation_batch_size``: the engines' own (the shards' cap). ``on_close()``: what
+    ``close`` frees after the engines (what ``share`` made that outlives a load).
     """
 
     def __init__(
@@ -130,13 +131,14 @@ class Fleet:
         generation_batch_size: int,
         warn: Callable[[str], None] = print,
         what: str = "rollout engine",
+        on_close: Callable[[], None] | None = None,
     ):
         if not 1 <= min_engines <= num_engines:
             raise ValueError(f"min_engines={min_engines} must be in 1..num_engines={num_engines}")
         self._start, self._share, self._load, self.stage = start, share, load, stage
         self.num_engines, self.min_engines = num_engines, min_engines
         self.generation_batch_size = generation_batch_size
-        self.warn, self.what = warn, what
+        self.warn, self.what, self._on_close = warn, what, on_close
         self.version: int | None = None
         self.sync_seconds: float | None = None
         self._shared: Any = None  # the version loaded last, as ``share`` made it
@@ -361,6 +363,9 @@ class Fleet:
                 b.close()
         for t in self._restarters:
             t.join(5.0)
+        self._shared = None
+        if self._on_close is not None:
+            self._on_close()
 
     # ------------------------------------------------------------------ failures and restarts
 

@@ -24,7 +24,6 @@ from __future__ import annotations
 import contextlib
 import logging
 import shutil
-import tempfile
 import threading
 import weakref
 from collections.abc import Iterable
@@ -51,6 +50,7 @@ from grpo_fast.rollout.vllm.placement import Engine
 from grpo_fast.rollout.vllm.placement.apart import engine_apart, shared_server
 from grpo_fast.rollout.vllm.placement.colocated import VLLMEngine
 from grpo_fast.rollout.vllm.placement.ranks import Outcome, RankShare, exhaust
+from grpo_fast.rollout.vllm.transfer.transport import StagedShm, private_dir
 from grpo_fast.rollout.vllm.transfer.weights import (
     WeightSyncProbe,
     dequantized_base_tensors,
@@ -181,7 +181,8 @@ class VLLMBackend(WeightsFromStage):
 
     def load_weights(self, staged: dict | _Live, version: int) -> None:
         """Push what ``stage`` took as policy version ``version``, then probe it (against the
-        log-probs staged with the weights, or the trainer's now); raises ``WeightSyncError`` when
+        log-probs staged with the weights, or the trainer's now; a fleet's ``staged["tensors"]``
+        is its ``StagedShm``, written once for all its engines); raises ``WeightSyncError`` when
         vLLM does not serve what was pushed (and ``EngineError`` when an engine apart from the
         trainer died or did not answer in time)."""
         if isinstance(staged, _Live):
@@ -193,10 +194,10 @@ class VLLMBackend(WeightsFromStage):
             self._wake_weights()
             if self.lora_sync == "adapter":
                 if self.push_base and self.pushes == 0 and "base" in staged:  # a fleet's engine
-                    self._load(staged["base"].items(), version, "load_weights(base)")
+                    self._load(_named(staged["base"]), version, "load_weights(base)")
                 self._push_adapter(model, version, state_dict=staged["tensors"])
             else:
-                self.engine.load_weights(staged["tensors"].items(), version=version)
+                self.engine.load_weights(_named(staged["tensors"]), version=version)
                 self.calls.append("load_weights")
             self._pushed(version, staged.get("probe"))
             return Outcome(None, self.weight_sync_abs_diff, self._served_adapter())
@@ -303,7 +304,7 @@ class VLLMBackend(WeightsFromStage):
     def _load(self, named: Iterable[tuple[str, torch.Tensor]], step: int, call: str) -> None:
         """``engine.load_weights(named)``; with other ranks gathering beside it (``ranks``),
         ``named`` is walked to its end even when the engine fails half-way."""
-        named = iter(named)
+        named = named if isinstance(named, StagedShm) else iter(named)
         try:
             self.engine.load_weights(named, version=step)
             self.calls.append(call)
@@ -328,10 +329,7 @@ class VLLMBackend(WeightsFromStage):
         if not send:
             return
         if self._adapter_dir is None:
-            shm = Path("/dev/shm")
-            self._adapter_dir = Path(
-                tempfile.mkdtemp(prefix="grpo_fast_adapters_", dir=shm if shm.is_dir() else None)
-            )
+            self._adapter_dir = private_dir("grpo_fast_adapters_")
             weakref.finalize(self, shutil.rmtree, str(self._adapter_dir), True)
         folder = self._adapter_dir / f"step_{step:06d}_{self.pushes}"
         peft_model.save_pretrained(str(folder), safe_serialization=True, **gathered)
@@ -456,6 +454,12 @@ class VLLMBackend(WeightsFromStage):
         done = turns.trajectories(versions)
         n = params.n
         return Rollout(groups=[Group(list(p), done[i * n : (i + 1) * n]) for i, p in enumerate(prompt_ids)])
+
+
+def _named(tensors: dict[str, torch.Tensor] | StagedShm) -> Iterable[tuple[str, torch.Tensor]]:
+    """What an engine's ``load_weights`` takes of staged tensors: a ``StagedShm`` as it is (its
+    transport loads its files), a dict's items."""
+    return tensors if isinstance(tensors, StagedShm) else tensors.items()
 
 
 def turn_seed(seed: int | None, turn: int) -> int | None:

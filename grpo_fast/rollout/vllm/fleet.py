@@ -11,11 +11,15 @@ its probe out of service.
   with whatever now listens at that URL), so a server its own supervisor brought back rejoins.
 - **Weights.** A version is staged once: the host copies of what a push sends, and the trainer's
   probe log-probs of them (``staged_weights``, whatever ``keep`` asks: every engine and every
-  restart loads the same copies). Each engine loads them through its own shared-memory transfer
-  (one write into ``/dev/shm`` per engine) and is probed against the staged log-probs; a QLoRA
-  base (``model.load_in_4bit``, ``rollout.lora_sync=adapter``) is staged dequantized once per run
-  and loaded by each engine before its first adapter. ``rollout/weight_sync_abs_diff`` is the
-  largest of the engines' probes.
+  restart loads the same version). The fleet's ``share`` then writes the tensors into
+  ``/dev/shm`` once, in the engines' dtype (``StagedShm``), and drops the host copies: every
+  engine's transport loads those same files (one write a version, not one an engine), and so does
+  an engine restarted later; the files stay until the next version is written (``/dev/shm``
+  holds one version: its size in that dtype). Each engine is probed against the staged
+  log-probs; ``rollout/weight_sync_abs_diff`` is the largest of the engines' probes. A QLoRA base
+  (``model.load_in_4bit``, ``rollout.lora_sync=adapter``) is written dequantized once per run
+  and loaded by each engine before its first adapter; an adapter (a few MiB) is written by each
+  engine's own push.
 - **Multi-turn.** Each engine has its own ``ToolRollout`` (its own environment and a copy of the
   tokenizer): the engines' turns run at once in threads of this process.
 """
@@ -26,11 +30,14 @@ import copy
 from collections.abc import Callable
 from typing import Any
 
+import torch
+
 from grpo_fast.rollout import multi_turn
 from grpo_fast.rollout.base import BackendContext
 from grpo_fast.rollout.fleet import Fleet
 from grpo_fast.rollout.vllm.placement.apart import engine_apart
-from grpo_fast.rollout.vllm.transfer.weights import dequantized_base_tensors, host_copies, staged_weights
+from grpo_fast.rollout.vllm.transfer.transport import StagedShm
+from grpo_fast.rollout.vllm.transfer.weights import dequantized_base_tensors, staged_weights
 
 
 def vllm_fleet(
@@ -67,15 +74,28 @@ def vllm_fleet(
         )
 
     trainer: dict[str, Any] = {}
+    serving_dtype = getattr(torch, dtype)
+    written: dict[str, StagedShm] = {}  # the version the fleet serves, in /dev/shm
 
     def stage(model, keep: bool = True) -> dict:
         trainer["model"] = model  # whose adapter configuration an adapter push writes
         staged = staged_weights(model, lora_sync, ctx.probe)
         if push_base:
             if "tensors" not in base:
-                base["tensors"] = host_copies(dequantized_base_tensors(model))
+                base["tensors"] = StagedShm(dequantized_base_tensors(model), serving_dtype)
             staged["base"] = base["tensors"]
         return staged
+
+    def share(staged: dict) -> dict:
+        """The staged version as every engine loads it: its tensors written once (module
+        docstring). Runs under the fleet's load lock, so no load reads the previous version's
+        files when they go."""
+        if lora_sync == "adapter":
+            return staged
+        if "version" in written:
+            written.pop("version").close()
+        written["version"] = StagedShm(staged["tensors"].items(), serving_dtype)
+        return {**staged, "tensors": written["version"]}
 
     def load(backend, staged: dict, version: int) -> None:
         backend._trainer_model = trainer.get("model")  # what its own stage would have set
@@ -88,7 +108,7 @@ def vllm_fleet(
         warn = logging.getLogger("grpo_fast").warning
     return Fleet(
         start,
-        lambda staged: staged,
+        share,
         load,
         stage,
         num_engines=fleet_size(r),
@@ -96,4 +116,5 @@ def vllm_fleet(
         generation_batch_size=r.generation_batch_size,
         warn=warn,
         what="vLLM " + ("server" if r.placement == "server" else "engine process"),
+        on_close=lambda: [files.close() for files in (*written.values(), *base.values())],
     )

@@ -14,7 +14,9 @@ Transports (``rollout.weight_transfer``):
 
 - ``shm`` (``ShmTransport``): each chunk a safetensors file in a private folder of
   ``/dev/shm``, loaded by ``grpo_fast.rollout.vllm.transfer._worker.ShmWeightTransferEngine`` inside the
-  engine's workers (so the engine must run on this machine). Works on CPU and GPU.
+  engine's workers (so the engine must run on this machine). Works on CPU and GPU. One engine:
+  each chunk written, loaded, deleted. Several (a fleet): the version written once
+  (``StagedShm``), every engine's transport loading the same files.
 - ``nccl`` (``NCCLTransport``): vLLM's own NCCL engines (``WeightTransferTrainerFactory``), a
   broadcast from this process's GPU to the engine's GPUs. Written against vLLM 0.32's API; it
   cannot run on a CPU, so no test here runs it (``tools/gpu_check.sh`` does, on a GPU machine).
@@ -26,6 +28,7 @@ Each wait has a deadline (``grpo_fast.rollout.vllm.deadline``): a wait that outl
 from __future__ import annotations
 
 import contextlib
+import os
 import shutil
 import socket
 import tempfile
@@ -103,16 +106,117 @@ def _alias_key(t: torch.Tensor) -> tuple:
     return (t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), tuple(t.stride()), t.dtype)
 
 
+def private_dir(prefix: str) -> Path:
+    """A new private folder in ``/dev/shm`` (RAM; a temporary folder where there is none), named
+    ``<prefix><pid namespace>-<pid>_…``. First, the folders of ``prefix`` that a process of this
+    PID namespace left behind and that is gone (a run killed before it could delete its own: a
+    staged version is the model's size) are deleted; another namespace's (a container sharing
+    ``/dev/shm``) are never touched, since their processes cannot be seen from here."""
+    shm = Path("/dev/shm")
+    root = shm if shm.is_dir() else Path(tempfile.gettempdir())
+    ns = _pid_namespace()
+    if ns is not None:
+        for old in root.glob(f"{prefix}{ns}-*_*"):
+            pid = old.name[len(f"{prefix}{ns}-") :].split("_", 1)[0]
+            if pid.isdigit() and not _alive(int(pid)):
+                shutil.rmtree(old, ignore_errors=True)
+    return Path(tempfile.mkdtemp(prefix=f"{prefix}{ns or 0}-{os.getpid()}_", dir=root))
+
+
+def _pid_namespace() -> str | None:
+    """This process's PID namespace (the inode of ``/proc/self/ns/pid``), None where unreadable."""
+    try:
+        return str(os.stat("/proc/self/ns/pid").st_ino)
+    except OSError:
+        return None
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's
+        return True
+    return True
+
+
+def chunks(
+    named: Iterable[tuple[str, torch.Tensor]], dtype: torch.dtype, chunk_bytes: int = CHUNK_BYTES
+) -> Iterator[dict[str, torch.Tensor]]:
+    """``named`` on the host in ``dtype``, in files' worth of at most ``chunk_bytes`` (one tensor
+    over it: a file of its own); in a file, a tensor that is one already there (a tied head) is
+    left out, as safetensors requires. The sources of a file's tensors are held until it is sent
+    (a gathered or merged temporary freed earlier would leave its address to the next one:
+    ``unique_tensors``); a tied pair split over two files is sent twice, which loads the same
+    values."""
+    chunk: dict[str, torch.Tensor] = {}
+    sources: dict[tuple, torch.Tensor] = {}
+    size = 0
+    for name, t in named:
+        key = _alias_key(t)
+        if t.numel() and key in sources:
+            continue
+        sources[key] = t
+        t = t.detach().to("cpu", dtype).contiguous()
+        chunk[name] = t
+        size += t.numel() * t.element_size()
+        if size >= chunk_bytes:
+            yield chunk
+            chunk, sources, size = {}, {}, 0
+    if chunk:
+        yield chunk
+
+
+class StagedShm:
+    """One version's tensors written once into a private folder of ``/dev/shm``: the chunk files
+    ``ShmTransport`` sends (``chunks``: at most ``chunk_bytes`` each, in ``dtype``), for several
+    engines to load. ``ShmTransport.send`` of it loads these files as they are, writing and
+    deleting nothing, so a fleet of N engines (``grpo_fast.rollout.vllm.fleet``) and its restarts
+    cost one write a version, not N. Iterating it gives the ``(name, tensor)`` pairs back, read
+    from the files (what an engine without the transport loads). The files go with ``close()``
+    (or the object); ``nbytes``: their size, the version's in ``dtype``."""
+
+    def __init__(
+        self, named: Iterable[tuple[str, torch.Tensor]], dtype: torch.dtype, chunk_bytes: int = CHUNK_BYTES
+    ):
+        from safetensors.torch import save_file
+
+        self.dir = private_dir("grpo_fast_staged_")
+        self._remove = weakref.finalize(self, shutil.rmtree, str(self.dir), True)
+        self.dtype = dtype
+        self.files: list[Path] = []
+        try:
+            for i, chunk in enumerate(chunks(named, dtype, chunk_bytes)):
+                self.files.append(self.dir / f"{i:04d}.safetensors")
+                save_file(chunk, str(self.files[-1]))
+        except BaseException:
+            self.close()
+            raise
+        self.nbytes = sum(f.stat().st_size for f in self.files)
+
+    def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
+        from safetensors import safe_open
+
+        for path in self.files:
+            with safe_open(str(path), framework="pt", device="cpu") as f:
+                for name in f.keys():  # noqa: SIM118 (safe_open is not iterable)
+                    yield name, f.get_tensor(name)
+
+    def close(self) -> None:
+        self._remove()
+
+
 class ShmTransport:
     """Weights as safetensors files in a private folder of ``/dev/shm`` (a temporary folder
     where there is none), at most ``chunk_bytes`` each, in the engine's ``dtype``; each file is
-    deleted once the engine has loaded it (``update_weights`` returns after the load)."""
+    deleted once the engine has loaded it (``update_weights`` returns after the load). A
+    ``StagedShm`` is loaded from its own files, kept for the next engine."""
 
     backend = SHM_BACKEND
 
     def __init__(self, dtype: torch.dtype, chunk_bytes: int = CHUNK_BYTES):
-        shm = Path("/dev/shm")
-        self.dir = Path(tempfile.mkdtemp(prefix="grpo_fast_weights_", dir=shm if shm.is_dir() else None))
+        self.dir = private_dir("grpo_fast_weights_")
         weakref.finalize(self, shutil.rmtree, str(self.dir), True)
         self.dtype = dtype
         self.chunk_bytes = int(chunk_bytes)
@@ -122,33 +226,21 @@ class ShmTransport:
         return {}
 
     def chunks(self, named: Iterable[tuple[str, torch.Tensor]]) -> Iterator[dict[str, torch.Tensor]]:
-        """``named`` in files of at most ``chunk_bytes`` (one tensor over it: a file of its own);
-        in a file, a tensor that is one already there (a tied head) is left out, as safetensors
-        requires. The sources of a file's tensors are held until it is sent (a gathered or merged
-        temporary freed earlier would leave its address to the next one: ``unique_tensors``);
-        a tied pair split over two files is sent twice, which loads the same values."""
-        chunk: dict[str, torch.Tensor] = {}
-        sources: dict[tuple, torch.Tensor] = {}
-        size = 0
-        for name, t in named:
-            key = _alias_key(t)
-            if t.numel() and key in sources:
-                continue
-            sources[key] = t
-            t = t.detach().to("cpu", self.dtype).contiguous()
-            chunk[name] = t
-            size += t.numel() * t.element_size()
-            if size >= self.chunk_bytes:
-                yield chunk
-                chunk, sources, size = {}, {}, 0
-        if chunk:
-            yield chunk
+        """``chunks(named, self.dtype, self.chunk_bytes)``: what one file of a sync holds."""
+        return chunks(named, self.dtype, self.chunk_bytes)
 
     def send(
-        self, control: Control, named: Iterable[tuple[str, torch.Tensor]], version: str, deadline: Deadline
+        self,
+        control: Control,
+        named: Iterable[tuple[str, torch.Tensor]] | StagedShm,
+        version: str,
+        deadline: Deadline,
     ) -> None:
         from safetensors.torch import save_file
 
+        if isinstance(named, StagedShm):
+            self._send_staged(control, named, version, deadline)
+            return
         control.start_weight_update(deadline)
         self.bytes_sent = 0
         for i, chunk in enumerate(self.chunks(named)):
@@ -159,6 +251,15 @@ class ShmTransport:
                 control.update_weights({"path": str(path)}, deadline)
             finally:
                 path.unlink(missing_ok=True)
+        control.finish_weight_update(version, deadline)
+
+    def _send_staged(self, control: Control, staged: StagedShm, version: str, deadline: Deadline) -> None:
+        if staged.dtype != self.dtype:  # a fleet's engines all serve in one dtype
+            raise ValueError(f"weights staged in {staged.dtype} for an engine that serves in {self.dtype}")
+        control.start_weight_update(deadline)
+        for path in staged.files:
+            control.update_weights({"path": str(path)}, deadline)
+        self.bytes_sent = staged.nbytes
         control.finish_weight_update(version, deadline)
 
     def close(self) -> None:
