@@ -29,6 +29,13 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 TOKENS = [7, 8, 9]
 
 
+class _Server(ThreadingHTTPServer):
+    # ServerEngine sends a batch's requests at once (up to 256 in flight); the default listen
+    # backlog of 5 let a busy machine's kernel reset the connections past it (ConnectionResetError
+    # in a test beside a loaded suite), which a real vLLM server (uvicorn: 2,048) does not do
+    request_queue_size = 1024
+
+
 class FakeVLLMServer:
     """FAKE vLLM server (see the module docstring)."""
 
@@ -40,7 +47,7 @@ class FakeVLLMServer:
         self.bodies: list[tuple[str, dict | None]] = []
         self.version = "0"
         self.stopping = threading.Event()
-        self.httpd = ThreadingHTTPServer(("127.0.0.1", port), _handler(self))
+        self.httpd = _Server(("127.0.0.1", port), _handler(self))
         self.httpd.daemon_threads = True
         self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}"
         self.thread: threading.Thread | None = None
