@@ -4,7 +4,9 @@ loop's whole step (the workloads are ``bench/workloads_train_step.py``'s):
 - ``train.share_prompts``: each prompt computed once for its group's responses, against a copy per
   response (the tiny preset's batch, ``prompt128``, ``long``);
 - ``train.mixed_precision``: fp32 against bf16 autocast over the fp32 weights (the same workloads);
-- ``loss.advantage``: the loop's whole tiny step under each advantage estimator.
+- ``loss.advantage``: the loop's whole tiny step under each advantage estimator;
+- the optimizer step: torch's AdamW per tensor (a CPU's default), foreach and fused
+  (``train.fused_optimizer=true``) on the tiny preset's model and bench/peers' wide one.
 
     python -m pytest bench/test_bench_step_options.py --benchmark-json OUT.json
     python -m pytest bench/test_bench_step_options.py -k mixed_precision    # one option
@@ -144,4 +146,52 @@ def test_loop_step_advantage_estimators_cpu(benchmark, request, tmp_path, estima
         phase="whole step",
         status="ok",
         step_median_s=median_ms / 1e3,
+    )
+
+
+@pytest.mark.benchmark(group="train_step-cpu-optimizer")
+@pytest.mark.parametrize("model_name", ["tiny", "wide"])
+@pytest.mark.parametrize("impl", ["per tensor", "foreach", "fused"])
+def test_optimizer_step_cpu(benchmark, request, model_name, impl):
+    """One AdamW step over every parameter (gradients set once), in each of torch's three forms;
+    ``fused`` is what ``train.fused_optimizer=true`` builds. Each timed round follows
+    an untimed step of the two other forms, so the three alternate in every row."""
+    from grpo_fast.loop.optim import adamw
+    from grpo_fast.task import tiny
+
+    if model_name == "tiny":
+        tok = tiny.build_tokenizer()
+        model = tiny.build_model(tok, seed=0)
+    else:
+        from bench.peers.workloads import wide_model, wide_tokenizer
+
+        model = wide_model(wide_tokenizer(), seed=0)
+    params = [p for p in model.parameters() if p.requires_grad]
+    for p in params:
+        p.grad = torch.randn_like(p) * 1e-3
+    hyper = dict(lr=1e-5, betas=(0.9, 0.99), weight_decay=0.01)
+    forms = {
+        "per tensor": torch.optim.AdamW(params, foreach=False, **hyper),
+        "foreach": torch.optim.AdamW(params, foreach=True, **hyper),
+        "fused": adamw(params, True, **hyper),
+    }
+    assert forms["fused"].param_groups[0]["fused"]  # train.fused_optimizer=true's form
+    for opt in forms.values():
+        opt.step()  # warm-up: the moments allocated
+    others = [o for k, o in forms.items() if k != impl]
+    rounds = CPU_ROUNDS if model_name == "tiny" else 5
+
+    def step_the_others() -> None:  # pedantic takes a setup's return value as the arguments
+        for o in others:
+            o.step()
+
+    benchmark.pedantic(forms[impl].step, setup=step_the_others, rounds=rounds, iterations=1)
+    _describe(
+        benchmark,
+        request,
+        torch.device("cpu"),
+        impl=impl,
+        case=f"{model_name} model: {sum(p.numel() for p in params) / 1e6:.2f} M parameters, fp32, AdamW",
+        phase="optimizer step",
+        status="ok",
     )

@@ -424,6 +424,11 @@ def _check_train_and_loss(cfg: Config) -> None:
         )
     _check_advantage(cfg)
     _check_distill(cfg)
+    if cfg.train.fused_optimizer is True and cfg.train.optimizer != "adamw":
+        raise ConfigError(
+            f"train.fused_optimizer=true is torch's fused AdamW; train.optimizer={cfg.train.optimizer} is "
+            "bitsandbytes' own kernel"
+        )
 
 
 def _check_distill(cfg: Config) -> None:

@@ -29,15 +29,13 @@ import random
 import time
 from pathlib import Path
 
-import torch
-
 from grpo_fast import dist, threads
 from grpo_fast.algo.loss_options import LossOptions
 from grpo_fast.config import Config, EvalConfig
 from grpo_fast.errors import Preempted
 from grpo_fast.loop import preempt
 from grpo_fast.loop.checkpointing import load_sft_progress, remove_sft_progress, save_sft_progress
-from grpo_fast.loop.optim import lora_lr_scale
+from grpo_fast.loop.optim import adamw, fused_optimizer, lora_lr_scale
 from grpo_fast.obs.metrics import PhaseProgress, format_eta
 from grpo_fast.policy.batch import assign_loss_weights, make_microbatches
 from grpo_fast.policy.lora import is_lora
@@ -70,7 +68,8 @@ def sft_warm_start(
         model, tokenizer, generation_batch_size=max(len(check_set), 1), autocast_dtype=amp, tools=tools
     )
     lr = s.lr * (lora_lr_scale(cfg) if is_lora(model) else 1.0)  # a warm start on the adapter: its lr
-    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=lr, weight_decay=0.0)
+    trained = [p for p in model.parameters() if p.requires_grad]
+    optimizer = adamw(trained, fused_optimizer(cfg, trained), lr=lr, weight_decay=0.0)
     policy = PolicyLoss(model, autocast=amp, backend=cfg.loss.kernel_backend)
     options = LossOptions()  # advantage 1, on-policy, sequence-mean weights: the NLL's gradient
     model.train()
