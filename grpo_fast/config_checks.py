@@ -432,13 +432,46 @@ def _check_train_and_loss(cfg: Config) -> None:
 
 
 def _check_distill(cfg: Config) -> None:
-    """``distill.*`` set without a teacher."""
+    """``distill.*`` set without a teacher; the served teacher's keys (docs/loss.md)."""
     d = cfg.distill
     if d.teacher is None:
         changed = [f.name for f in dataclasses.fields(d) if getattr(d, f.name) != f.default]
         if changed:
             raise ConfigError(f"distill.{changed[0]} configures on-policy distillation; set distill.teacher")
         return
+    if d.placement == "trainer":
+        for key in ("server_url", "devices"):
+            if getattr(d, key) is not None:
+                raise ConfigError(f"distill.{key} is for a served teacher; set distill.placement=server")
+        return
+    if d.load_in_4bit:
+        raise ConfigError(
+            "distill.load_in_4bit quantizes a teacher the trainer loads; a served teacher's "
+            "quantization is its server's (distill.placement=server)"
+        )
+    r = cfg.rollout
+    truncated = [f"rollout.{k}={v:g}" for k, v, plain in
+                 (("temperature", r.temperature, 1.0), ("top_p", r.top_p, 1.0), ("top_k", r.top_k, 0))
+                 if v != plain]  # fmt: skip
+    if truncated:
+        raise ConfigError(
+            f"distill.placement=server: a served teacher's log-probs are vLLM's prompt log-probs, "
+            f"at temperature 1 over the whole vocabulary, and {truncated[0]} asks the distribution "
+            "the responses were sampled from; use distill.placement=trainer"
+        )
+    if d.server_url is not None:
+        if d.devices is not None:
+            raise ConfigError("distill.devices: the server at distill.server_url has its own devices")
+        return
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        raise ConfigError(
+            "distill.placement=server under torchrun: give distill.server_url (a server every rank "
+            "asks); the run starts a teacher server only on one process"
+        )
+    if d.devices is not None and (len(set(d.devices)) != len(d.devices) or min(d.devices, default=0) < 0):
+        raise ConfigError(
+            f"distill.devices={list(d.devices)} must be distinct GPU indices (e.g. [1] or [2, 3])"
+        )
 
 
 def _check_advantage(cfg: Config) -> None:
@@ -520,6 +553,20 @@ def _check_machine(cfg: Config, preset: str | None) -> None:
     missing = rollout_backend(cfg.rollout.backend).missing()
     if missing is not None:
         raise ConfigError(missing)
+    d = cfg.distill
+    if d.teacher is not None and d.placement == "server" and d.server_url is None:
+        missing = rollout_backend("vllm").missing()
+        if missing is not None:  # the run starts the teacher's server from this environment
+            how = missing.split("needs vLLM: ", 1)[-1]
+            raise ConfigError(
+                f"distill.placement=server starts a vLLM server for the teacher, and vLLM is not "
+                f"installed here: {how}; or attach one (distill.server_url)"
+            )
+        if device.startswith("cuda") and d.devices is None:
+            raise ConfigError(
+                "distill.placement=server on a GPU machine: give the teacher's server its GPUs "
+                "(distill.devices=[1]) or attach one (distill.server_url)"
+            )
     r = cfg.rollout
     if r.environment != "none" and r.tool_isolation != "unsafe":  # the sandbox: bubblewrap here
         problem = cannot_run_here(r.environment)

@@ -546,8 +546,18 @@ class DistillConfig:
     # the weight of loss.advantage's advantage beside it; 0 = pure distillation
     reward_weight: float = option(1.0, Range(0))
     # the teacher's linear layers in NF4 (bitsandbytes; its lm_head stays as loaded): a quarter of
-    # its bf16 bytes, for a teacher larger than the student
+    # its bf16 bytes, for a teacher larger than the student (placement=trainer)
     load_in_4bit: bool = False
+    # where the teacher runs: trainer (loaded beside the student, its pass through the fused op) |
+    # server (a vLLM server: its prompt log-probs of each response, at temperature 1 over the whole
+    # vocabulary; no trainer memory; the requests overlap the student's own pass)
+    placement: str = option("trainer", OneOf(("trainer", "server")))
+    # placement=server: the base URL of a vLLM server serving distill.teacher (started with
+    # --enable-scale-out, docs/loss.md); null: the run starts one (log: output_dir/vllm_teacher.log)
+    server_url: str | None = None
+    # placement=server, a server the run starts on a GPU machine: its GPUs, as the trainer numbers
+    # them (several: tensor parallel); none of the trainer's or the rollout engines'
+    devices: list[int] | None = None
 
 
 @dataclass(frozen=True)

@@ -295,3 +295,133 @@ def test_the_teachers_peak_is_its_own_and_the_steps_peak_keeps_what_came_before(
     assert total == 1000
     assert peak_memory_gb(cpu) >= before + 0.35
     assert phase < before + 0.2
+
+
+# -- the teacher served by vLLM (distill.placement=server) -----------------------------------------
+
+
+class FakeTeacherServer:
+    """FAKE vLLM server serving the teacher at ``folder``: its prompt log-probs computed by the
+    model itself in float64 over the whole vocabulary at temperature 1 (what vLLM's
+    ``prompt_logprobs`` are), ``/tokenize`` by the teacher's tokenizer, ``max_model_len`` as given."""
+
+    def __init__(self, folder, max_model_len: int = 64, tokenize=None):
+        from fake_vllm_server import FakeVLLMServer
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float64).eval()
+        tok = AutoTokenizer.from_pretrained(folder)
+        self.asked: list[list[int]] = []
+        outer = self
+
+        class Served(FakeVLLMServer):
+            def answer(self, path, body):
+                if path == "/v1/models":
+                    return {"data": [{"id": str(folder), "max_model_len": max_model_len}]}
+                if path == "/tokenize":
+                    ids = tok(body["prompt"], add_special_tokens=False)["input_ids"]
+                    return {"tokens": ids if tokenize is None else tokenize(ids)}
+                if path != "/inference/v1/generate" or body["sampling_params"].get("prompt_logprobs") is None:
+                    return super().answer(path, body)
+                ids = body["token_ids"]
+                outer.asked.append(ids)
+                with torch.no_grad():
+                    logp = model(torch.tensor([ids])).logits[0].log_softmax(-1)
+                out = super().answer(path, body)
+                out["prompt_logprobs"] = [None] + [
+                    {str(t): {"logprob": float(logp[i, t]), "rank": 1}} for i, t in enumerate(ids[1:])
+                ]
+                return out
+
+        self.server = Served()
+        self.url = self.server.url
+
+    def __enter__(self):
+        self.server.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        self.server.__exit__(*exc)
+
+
+def test_a_served_teacher_gives_the_trained_teacher_s_gaps_and_asks_nothing_of_inserted_tokens(
+    tmp_path, teacher_folder, recorded
+):
+    """``distill.placement=server`` against a FAKE vLLM server computing the teacher's prompt
+    log-probs: step 1's per-token gaps (the same tokens: the same seed, the same weights) equal the
+    teacher loaded in the trainer's, every response asked once, the teacher's pass costing no
+    trainer memory. ``ServedTeacher`` takes a multi-turn response's sampled tokens only.
+    Planted: the log-prob of position ``P + j`` (one off) → the gaps differ; the inserted tokens
+    asked too → the multi-turn count."""
+    from grpo_fast.policy.teacher import ServedTeacher
+    from grpo_fast.rollout.trajectory import Role, Trajectory
+
+    local = _run(tmp_path / "local", teacher_folder)
+    local_gaps = [g.clone() for g in recorded[1][0]]
+    recorded[1].clear()
+    with FakeTeacherServer(teacher_folder) as fake:
+        served = _run(
+            tmp_path / "served", teacher_folder, "distill.placement=server", f"distill.server_url={fake.url}"
+        )
+        first = recorded[1][0]
+        assert len(fake.asked) == sum(len(b.rollout.trajectories) for b in recorded[0][-2:])
+        assert len(first) == len(local_gaps) and all(
+            torch.allclose(a, b, rtol=0, atol=2e-5) for a, b in zip(first, local_gaps)
+        )
+        assert served[1]["distill/reverse_kl"] == pytest.approx(local[1]["distill/reverse_kl"], rel=1e-4)
+        assert served[1]["memory/teacher_peak_gb"] == 0.0 and served[1]["time/teacher_s"] >= 0
+        engine = SimpleNamespace(
+            pool=None, prompt_logprobs=lambda ids, doing: [float(i) for i in range(len(ids) - 1)]
+        )
+        multi = Trajectory(
+            [5, 6], [10, 11, 12, 13], roles=[Role.SAMPLED, Role.INSERTED, Role.INSERTED, Role.SAMPLED]
+        )
+        assert ServedTeacher(engine, "x").logprobs(multi).tolist() == [1.0, 4.0]  # positions 2 and 5 − 1
+
+
+def test_a_served_teacher_that_cannot_serve_the_run_is_one_line(tmp_path, teacher_folder):
+    """Before the first step: a server whose context is shorter than the run's longest sequence,
+    or whose tokenizer is not the student's; and the keys a served teacher refuses (a sampling
+    distribution vLLM's prompt log-probs are not of, a trainer-side key, a started server's key
+    beside a URL, no vLLM for a server the run starts), each one line, the dry run's the run's."""
+    from support.inprocess import one_error_line, run_main
+
+    from grpo_fast.rollout.registry import backends
+
+    base = ["--preset", "tiny", *QUICK, f"distill.teacher={teacher_folder}", "distill.placement=server"]
+    with FakeTeacherServer(teacher_folder, max_model_len=8) as fake:
+        args = [*base, f"distill.server_url={fake.url}", f"output_dir={tmp_path / 'short'}"]
+        line = one_error_line(run_main(args))
+        assert line == (
+            f"error: distill.server_url={fake.url}: the teacher's server holds 8 tokens a sequence, the run's "
+            "longest is 20 (rollout.max_prompt_tokens + the longest response): start it with --max-model-len 20 or more"
+        )
+        assert one_error_line(run_main([*args, "--dry-run"])) == line
+    with FakeTeacherServer(teacher_folder, tokenize=lambda ids: [i + 1 for i in ids]) as fake:
+        args = [*base, f"distill.server_url={fake.url}", f"output_dir={tmp_path / 'other'}"]
+        line = one_error_line(run_main(args))
+        assert line.endswith(
+            "the teacher's server tokenizes '12+34=46' as [5, 6, 14, 7, 8, 15, 8, 10], the student as "
+            "[4, 5, 13, 6, 7, 14, 7, 9]: it must serve distill.teacher (the student's tokenizer and vocabulary)"
+        ), line
+    assert (
+        not (tmp_path / "short" / "metrics.jsonl").exists()
+        and not (tmp_path / "other" / "metrics.jsonl").exists()
+    )
+    refusals = {
+        "rollout.temperature=0.7": "and rollout.temperature=0.7 asks the distribution",
+        "distill.load_in_4bit=true": "a served teacher's quantization is its server's",
+        "distill.devices=[1]": "distill.devices: the server at distill.server_url has its own devices",
+    }
+    for key, words in refusals.items():
+        line = one_error_line(run_main([*base, "distill.server_url=http://127.0.0.1:9", key, "--dry-run"]))
+        assert words in line, (key, line)
+    trainer_side = one_error_line(run_main(["--preset", "tiny", f"distill.teacher={teacher_folder}",
+                                            "distill.server_url=http://127.0.0.1:9", "--dry-run"]))  # fmt: skip
+    assert trainer_side == "error: distill.server_url is for a served teacher; set distill.placement=server"
+    if backends()["vllm"].missing() is not None:  # this environment (the main one) has no vLLM
+        line = one_error_line(run_main([*base, f"output_dir={tmp_path / 'novllm'}"]))
+        assert line.startswith(
+            "error: distill.placement=server starts a vLLM server for the teacher, and vLLM is not installed here"
+        )
+        assert one_error_line(run_main([*base, f"output_dir={tmp_path / 'novllm'}", "--dry-run"])) == line

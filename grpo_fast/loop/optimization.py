@@ -432,6 +432,10 @@ def score_responses(
     values = [torch.zeros(0)] * len(trajectories)
     gaps = [torch.zeros(0)] * len(trajectories)
     teacher_s, teacher_peak = 0.0, 0.0
+    # distill.placement=server: every response's request in flight during the student's pass
+    served = teacher and not isinstance(trainer.teacher_loss, torch.nn.Module)
+    asked = trainer.teacher_loss.submit(scored) if served else []
+    student = [torch.zeros(0)] * len(trajectories)
     # FSDP: as many passes on every rank (zero-weight fillers); none under DDP
     (missing,) = parallel.filler_counts([len(mbs)], trainer.policy_loss, run.device)
     with torch.no_grad():
@@ -444,7 +448,9 @@ def score_responses(
                 sums.index_add_(0, index.to(run.device)[mb.response_index], k1.double())
                 k1_host = k1.float().cpu()
             v_host = out.values.cpu() if has_values else None
-            if teacher:  # the teacher's fused pass; its time is the step's distillation cost
+            if served:
+                gap_host = out.logprobs.float().cpu()  # the student's; the teacher's come after
+            elif teacher:  # the teacher's fused pass; its time is the step's distillation cost
                 t0 = time.perf_counter()
                 taught, peak = phase_peak_gb(run.device, trainer.teacher_loss, mb, options, temperature)
                 gap_host = (taught.logprobs - out.logprobs).float().cpu()
@@ -457,13 +463,18 @@ def score_responses(
                 if has_values:
                     values[int(index[row])] = v_host[mine]
                 if teacher:
-                    gaps[int(index[row])] = gap_host[mine]
+                    (student if served else gaps)[int(index[row])] = gap_host[mine]
         for filler in parallel.fillers(missing, None, run.tokenizer.pad_token_id, run.device):
             trainer.policy_loss(filler, options, temperature)
             if kl:
                 trainer.ref_loss(filler, options, temperature)
-            if teacher:
+            if teacher and not served:
                 trainer.teacher_loss(filler, options, temperature)
+    if served:  # the time past the student's pass is what the teacher costs the step
+        t0 = time.perf_counter()
+        for i, future in zip(index.tolist(), asked):
+            gaps[i] = future.result() - student[i]
+        teacher_s = time.perf_counter() - t0
     scores = ResponseScores(values=values if has_values else None)
     if teacher:
         scores.distill, scores.teacher_seconds, scores.teacher_peak_gb = gaps, teacher_s, teacher_peak

@@ -39,7 +39,7 @@ from grpo_fast.policy.batch import Sequence, make_microbatches
 from grpo_fast.policy.lora import AdapterOffLoss, is_lora, trainable_counts
 from grpo_fast.policy.loss import PolicyLoss, build_policy_loss
 from grpo_fast.policy.model import autocast_dtype, load_policy, load_tokenizer, policy_dtype, precision_note
-from grpo_fast.policy.teacher import load_teacher
+from grpo_fast.policy.teacher import load_teacher, served_teacher
 from grpo_fast.policy.value import ValueHead
 from grpo_fast.rollout import BackendContext, backend, make_backend
 from grpo_fast.rollout.hf.process import start_worker_server
@@ -83,10 +83,15 @@ def setup(cfg: Config, device: torch.device, world: dist.DistInfo, out: Path, en
     amp = autocast_dtype(cfg, device)
     teacher = None
     if cfg.distill.teacher is not None:  # before the warm start: a teacher that cannot serve stops now
-        rows = model.get_output_embeddings().weight.shape[0]
         dtype = amp or policy_dtype(cfg, device)
-        teacher = load_teacher(cfg.distill.teacher, tokenizer, rows, dtype, device, cfg.distill.load_in_4bit)
-        parallel.prepare_model(teacher, world)  # sp: its attention by all-to-all as the student's
+        if cfg.distill.placement == "server":  # a vLLM server: its prompt log-probs, no weights here
+            teacher = served_teacher(cfg, tokenizer, out, dtype)
+        else:
+            rows = model.get_output_embeddings().weight.shape[0]
+            teacher = load_teacher(
+                cfg.distill.teacher, tokenizer, rows, dtype, device, cfg.distill.load_in_4bit
+            )
+            parallel.prepare_model(teacher, world)  # sp: its attention by all-to-all as the student's
     cpu_threads = _set_threads(cfg, model, device, other_work)  # before the plan: its estimate counts them
     # what the run will do, its inputs loaded
     _announce_plan(cfg, world, logger, device, cpu_threads, others=other_work.latest)
@@ -234,9 +239,12 @@ def _build_run(
             ref_model.to(amp)
         ref_loss = build_policy_loss(cfg, ref_model, amp)
     # distill.teacher: its log-probs through the same fused op, forward only
-    teacher_loss = build_policy_loss(cfg, teacher, amp) if teacher is not None else None
+    teacher_loss = teacher  # distill.placement=server: the ServedTeacher, asked per response
+    if isinstance(teacher, torch.nn.Module):
+        teacher_loss = build_policy_loss(cfg, teacher, amp)
     # FSDP2: each rank holds 1/N of the weights, gradients and optimizer state
-    frozen = [m for m in (ref_loss if ref_model is not None else None, teacher_loss) if m is not None]
+    frozen = [m for m in (ref_loss if ref_model is not None else None, teacher_loss)
+              if isinstance(m, torch.nn.Module)]  # fmt: skip
     sharded = parallel.shard(cfg, world, [policy_loss, *frozen], amp, device)
     value_params = list(value_head.parameters()) if value_head is not None else []
     optimizer = build_optimizer(cfg, model.parameters(), value_params)  # over the shards, under FSDP

@@ -15,6 +15,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -108,8 +109,9 @@ class Trainer:
     state: TrainState = field(default_factory=TrainState)
     # loss.advantage=gae: the value head (in policy_loss; its parameters train with params)
     value_head: torch.nn.Module | None = None
-    # distill.teacher: the frozen teacher's loss module (its per-token log-probs; no gradients)
-    teacher_loss: torch.nn.Module | None = None
+    # distill.teacher: the frozen teacher's loss module (its per-token log-probs; no gradients), or
+    # under distill.placement=server its vLLM server (grpo_fast.policy.teacher.ServedTeacher)
+    teacher_loss: Any = None
 
     def loss_options(self) -> LossOptions:
         """This step's loss options: ``loss.*`` with the current β (0 with ``loss.kl_in_reward``:

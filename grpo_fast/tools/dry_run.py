@@ -161,7 +161,8 @@ def _run_problems(cfg: Config) -> list[str]:
     runs with (``threads.wait_policy``), a sequence-parallel group the ranks do not hold,
     ``output_dir`` (not creatable, not writable, in use, holding a run, a resume that changes a
     run-defining key), a local model folder that is missing or damaged, a distillation teacher
-    that cannot serve (``check_teacher``). Nothing is created or locked."""
+    that cannot serve (``check_teacher``; a served one at ``distill.server_url`` that answers: its
+    context and tokenizer). Nothing is created or locked."""
     from grpo_fast import threads
     from grpo_fast.obs import run_folder
     from grpo_fast.policy import sequence_parallel
@@ -198,6 +199,10 @@ def _run_problems(cfg: Config) -> list[str]:
 
         try:
             check_teacher(cfg.distill.teacher, _offline_tokenizer(name))
+            if cfg.distill.placement == "server" and cfg.distill.server_url is not None:
+                from grpo_fast.policy.teacher import check_served
+
+                check_served(cfg, _offline_tokenizer(name))
         except UserError as exc:
             found.append(str(exc))
     return found

@@ -241,9 +241,11 @@ class ServerEngine(SyncedApart):
 
     # -- HTTP --
 
-    def _post(self, path: str, body: dict | None, deadline: Deadline, doing: str) -> Any:
+    def _post(
+        self, path: str, body: dict | None, deadline: Deadline, doing: str, method: str = "POST"
+    ) -> Any:
         data = None if body is None else json.dumps(body).encode()
-        req = urllib.request.Request(f"{self.url}{path}", data=data, method="POST",
+        req = urllib.request.Request(f"{self.url}{path}", data=data, method=method,
                                      headers={"Content-Type": "application/json"})  # fmt: skip
         try:
             with urllib.request.urlopen(req, timeout=deadline.left(doing)) as r:
@@ -423,15 +425,27 @@ class ServerEngine(SyncedApart):
             )
         return group
 
-    def prompt_logprobs(self, token_ids: list[int]) -> list[float]:
-        """``log p(token_ids[t] | token_ids[:t])`` for t = 1 … L−1 at temperature 1: ``[L − 1]``."""
-        deadline = Deadline(
-            self.timeouts.request, "the weight-sync probe's request", "rollout.request_timeout"
-        )
+    def prompt_logprobs(
+        self, token_ids: list[int], doing: str = "the weight-sync probe's request"
+    ) -> list[float]:
+        """``log p(token_ids[t] | token_ids[:t])`` for t = 1 … L−1 at temperature 1 over the whole
+        vocabulary: ``[L − 1]``. ``doing``: what a timeout's line names."""
+        deadline = Deadline(self.timeouts.request, doing, "rollout.request_timeout")
         sampling = {"max_tokens": 1, "temperature": 1.0, "prompt_logprobs": 0}
         response, _, _ = self._request(token_ids, sampling, deadline)
         per_position = response["prompt_logprobs"][1:]  # [L − 1] dicts: token id (a string in JSON) → logprob
         return [d[str(t)]["logprob"] for t, d in zip(token_ids[1:], per_position)]
+
+    def served_models(self, deadline: Deadline) -> list[dict[str, Any]]:
+        """``GET /v1/models``: a card per model served (``id``, ``max_model_len``, ...)."""
+        return list(
+            (self._post("/v1/models", None, deadline, "GET /v1/models", method="GET") or {}).get("data", [])
+        )
+
+    def tokenize(self, text: str, deadline: Deadline) -> list[int]:
+        """``POST /tokenize``: the served tokenizer's ids of ``text``, no special tokens added."""
+        body = {"prompt": text, "add_special_tokens": False}
+        return list((self._post("/tokenize", body, deadline, "POST /tokenize") or {}).get("tokens") or [])
 
     def reset_prefix_cache(self) -> None:
         # The pause before the update already reset it (vLLM preempts the kept requests).
