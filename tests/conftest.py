@@ -136,8 +136,8 @@ def tiny_preset_run(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="session")
 def tiny_straight_run(tmp_path_factory) -> Path:
-    """The uninterrupted 10-step tiny run (``test_train._train_cmd``: hf sampler, 40 warm-start
-    steps, an evaluation and a checkpoint every 3 steps) the kill-and-resume tests compare with,
+    """The uninterrupted 10-step tiny run (``test_train._train_cmd``: hf sampler, a value head, 40
+    warm-start steps, an evaluation and a checkpoint every 3 steps) the kill-and-resume tests compare with,
     run once on the worker that needs it: its output folder, which no test writes to. Read by
     test_train's SIGKILL test (hf) and test_faults' SIGTERM test, which ran the same command each
     (~20 s of a worker on CI's machine); both carry ``xdist_group("tiny_straight")``."""

@@ -174,6 +174,9 @@ def _cli(preset: str, *args: str, timeout: int = 120, **env: str) -> subprocess.
 
 
 def _train_cmd(out, *extra):
+    """The kill-and-resume tests' 10-step tiny run, with a value head (``loss.advantage=gae``): its
+    weights and AdamW state are in each checkpoint, so a resume that lost them changes the
+    advantages, hence the metrics, from the first resumed step."""
     return [
         sys.executable,
         "-m",
@@ -188,6 +191,7 @@ def _train_cmd(out, *extra):
         "rollout.batch_size=32",
         "data.eval_subset_size=32",
         "logging.progress=false",
+        "loss.advantage=gae",
         *extra,
     ]
 
@@ -203,8 +207,11 @@ BACKENDS = ["hf", pytest.param("vllm", marks=pytest.mark.vllm)]
 @pytest.mark.xdist_group("tiny_straight")  # the hf straight run is tests/conftest.py's tiny_straight_run
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_sigkill_then_resume_gives_the_same_metrics(tmp_path, backend, request):
-    """With vllm too: its sampling is seeded per (run seed, step, rank), so a resumed run samples
-    what the straight run sampled."""
+    """A run SIGKILLed after its step-6 checkpoint and resumed logs the uninterrupted run's metrics
+    and ends with its weights, the value head's state restored (``_train_cmd``). With vllm too: its
+    sampling is seeded per (run seed, step, rank), so a resumed run samples what the straight run
+    sampled. Planted: the value head's weights not loaded at resume → the metrics differ (this
+    test, the SIGTERM one of test_faults.py and the pipeline's SIGKILL one)."""
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     cmd = lambda out, *extra: _train_cmd(out, f"rollout.backend={backend}", *extra)
     if backend == "hf":  # the default sampler: the shared run of the same command
