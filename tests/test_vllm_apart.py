@@ -883,8 +883,10 @@ def test_a_signal_while_the_server_hangs_a_staleness_batch_stops_within_seconds(
 
 def test_each_engine_of_a_fleet_the_run_starts_gets_its_own_devices_log_and_port(tmp_path, monkeypatch):
     """``rollout.engine_devices=[[1], [2, 3]]`` with ``rollout.num_engines=2``: engine 1's server
-    runs tensor parallel on GPUs 2 and 3, logs to ``vllm_server.1.log``; engine 0 on GPU 1.
-    Planted: every engine given the first list → engine 1 starts on GPU 1."""
+    runs tensor parallel on GPUs 2 and 3, logs to ``vllm_server.1.log``; engine 0 on GPU 1. On a
+    CPU each engine's OpenMP threads get cores of their own, servers and engine processes alike.
+    Planted: every engine given the first list → engine 1 starts on GPU 1; the engine processes
+    started without ``cpus`` → unbound."""
     import grpo_fast.rollout.vllm.placement.server as vs
     from grpo_fast.rollout.vllm.placement.apart import engine_apart
 
@@ -924,3 +926,16 @@ def test_each_engine_of_a_fleet_the_run_starts_gets_its_own_devices_log_and_port
     if len(mine) >= 2 and not torch.cuda.is_available():
         parts = [set(map(int, b.split(","))) for b in bound]
         assert not parts[0] & parts[1] and parts[0] | parts[1] == set(mine), bound
+        import grpo_fast.rollout.vllm.placement.process as vp
+
+        def engine_process(path, **kwargs):
+            bound.append(kwargs["cpus"])
+            raise Started
+
+        monkeypatch.setattr(vp, "ProcessEngine", engine_process)
+        cfg = load_config("tiny", overrides=["rollout.backend=vllm", "rollout.placement=process",
+                                             "rollout.num_engines=2", f"output_dir={tmp_path}"], check_device=False)  # fmt: skip
+        for i in (0, 1):
+            with pytest.raises(Started):
+                engine_apart(cfg, "/m", "float32", 0, index=i)
+        assert bound[2:] == bound[:2], bound  # the same cores as the servers'

@@ -204,3 +204,46 @@ def test_a_killed_engine_process_stops_with_one_line(process):
     assert "\n" not in str(err.value)
     assert str(err.value).startswith("the vLLM engine process ")
     assert time.monotonic() - t0 < 60  # measured ≈ 1 s; the request limit here is 300 s
+
+
+def test_a_fleet_s_engines_start_one_at_a_time_each_with_its_own_environment(monkeypatch):
+    """Two engines of a fleet starting at once (threads, as ``Fleet`` starts them): each engine core
+    spawns with its own GPUs and CPU binding in the environment, the process's own restored after.
+    (The core is a stand-in: ``_make`` reads the environment as vLLM's spawn would, and holds it
+    for 0.3 s.) Planted: the start without ``_START_LOCK`` → engine 0 spawns with engine 1's
+    variables."""
+    from grpo_fast.rollout.vllm.deadline import Deadline
+    from grpo_fast.rollout.vllm.placement.process import EventLoopThread
+
+    monkeypatch.delenv("VLLM_CPU_OMP_THREADS_BIND", raising=False)
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,1,2,3")
+    seen: dict[str, tuple] = {}
+
+    class Recorded(ProcessEngine):
+        @staticmethod
+        async def _make(args):
+            import asyncio
+
+            first = (os.environ.get("CUDA_VISIBLE_DEVICES"), os.environ.get("VLLM_CPU_OMP_THREADS_BIND"))
+            await asyncio.sleep(0.3)  # the core's start: long enough for the other engine to begin
+            seen[args["model"]] = (
+                first,
+                (os.environ.get("CUDA_VISIBLE_DEVICES"), os.environ.get("VLLM_CPU_OMP_THREADS_BIND")),
+            )
+            return object()
+
+    def start(name: str, devices: list[int], cpus: str) -> None:
+        engine = object.__new__(Recorded)
+        engine.timeouts, engine.cpus, engine.loop = Timeouts(60, 60, 60), cpus, EventLoopThread()
+        try:
+            engine._start({"model": name}, devices, Deadline(60, "start", "rollout.start_timeout"))
+        finally:
+            engine.loop.stop()
+
+    threads = [threading.Thread(target=start, args=a) for a in (("e0", [1], "0"), ("e1", [2, 3], "1"))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert seen == {"e0": (("1", "0"),) * 2, "e1": (("2,3", "1"),) * 2}
+    assert os.environ["CUDA_VISIBLE_DEVICES"] == "0,1,2,3" and "VLLM_CPU_OMP_THREADS_BIND" not in os.environ

@@ -53,11 +53,14 @@ def engine_apart(cfg, path: str, dtype: str, lora_rank: int, index: int | None =
         max_model_len=r.max_prompt_tokens + multi_turn.max_response_tokens(r), seed=cfg.seed, dtype=dtype
     )
     memory = 0.9 if r.gpu_memory_utilization == AUTO else float(r.gpu_memory_utilization)
+    # a fleet on a CPU: each engine's OpenMP threads on cores of their own (fleet_cpus)
+    cpus = None if index is None or torch.cuda.is_available() else fleet_cpus(index, fleet_size(r))
     if r.placement == "process":
         from grpo_fast.rollout.vllm.placement.process import ProcessEngine
 
         return ProcessEngine(path, timeouts=timeouts, gpu_memory_utilization=memory, extra_args=dict(r.vllm_kwargs),
-                             lora_rank=lora_rank, weight_transfer=r.weight_transfer, devices=devices, **common)  # fmt: skip
+                             lora_rank=lora_rank, weight_transfer=r.weight_transfer, devices=devices, cpus=cpus,
+                             **common)  # fmt: skip
     from grpo_fast.rollout.vllm.placement.server import ServerEngine, server_command, start_server
 
     process = None
@@ -73,7 +76,7 @@ def engine_apart(cfg, path: str, dtype: str, lora_rank: int, index: int | None =
             timeouts,
             lora=bool(lora_rank),
             devices=devices,
-            cpus=None if index is None or torch.cuda.is_available() else fleet_cpus(index, fleet_size(r)),
+            cpus=cpus,
         )
     elif index is not None:  # a fleet's listed server: it may be starting, or coming back
         from grpo_fast.rollout.vllm.deadline import Deadline

@@ -114,6 +114,15 @@ class EventLoopThread:
         self.thread.join(timeout=5)
 
 
+# One engine starts at a time in this process. What its engine core reads as it spawns
+# (CUDA_VISIBLE_DEVICES, VLLM_CPU_OMP_THREADS_BIND, ...) is this process's environment, which a second
+# engine starting beside it (a fleet's, each in its own thread) would overwrite before the first
+# core spawned, or read half-written (CUDA_VISIBLE_DEVICES is numbered from the process's own): a
+# test saw engine 0 of [[1], [2, 3]] spawn on GPU 3. A failed start kills the children it made,
+# which it can tell from another engine's only while no other starts.
+_START_LOCK = threading.Lock()
+
+
 class ProcessEngine(SyncedApart):
     """An ``AsyncLLM`` (engine core in a child process) behind the ``Engine`` boundary of
     ``grpo_fast.rollout.vllm.placement``; thread-safe: ``generate`` and ``load_weights`` may run
@@ -123,7 +132,9 @@ class ProcessEngine(SyncedApart):
     (``rollout.vllm_kwargs``); ``lora_rank`` > 0 serves LoRA adapters (two at a time: the one in
     use and the next). Its start waits at most ``timeouts.start`` s (vLLM's own engine-ready
     timeout is set to the same), each ``generate`` ``timeouts.request`` s, each sync
-    ``timeouts.sync`` s.
+    ``timeouts.sync`` s. ``devices``: the GPUs its core sees; ``cpus``: on a CPU, the cores its
+    OpenMP threads are bound to (``VLLM_CPU_OMP_THREADS_BIND``; a fleet's ``fleet_cpus``), None:
+    vLLM's choice. Engines of one process start one at a time (``_START_LOCK``).
     """
 
     supports_sleep = False  # its memory is its own: nothing to free for the training phase
@@ -142,8 +153,10 @@ class ProcessEngine(SyncedApart):
         lora_rank: int = 0,
         weight_transfer: str = "shm",
         devices: list[int] | None = None,
+        cpus: str | None = None,
     ):
         self.timeouts = timeouts
+        self.cpus = cpus
         self.version: int | None = None
         self.adapters = AdapterSlots()
         self.loop = EventLoopThread()
@@ -183,6 +196,11 @@ class ProcessEngine(SyncedApart):
             raise
 
     def _start(self, args: dict[str, Any], devices: list[int] | None, deadline: Deadline) -> None:
+        # the environment it reads and writes, and the children it would kill, are the process's
+        with _START_LOCK:
+            self._start_alone(args, devices, deadline)
+
+    def _start_alone(self, args: dict[str, Any], devices: list[int] | None, deadline: Deadline) -> None:
         env = {"VLLM_ENGINE_READY_TIMEOUT_S": str(int(self.timeouts.start) + 1)}
         from vllm.platforms import current_platform
 
@@ -190,17 +208,12 @@ class ProcessEngine(SyncedApart):
             env.setdefault("VLLM_CPU_KVCACHE_SPACE", os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1"))
         if devices:  # the child sees these GPUs only
             env["CUDA_VISIBLE_DEVICES"] = visible_devices(devices)
+        if self.cpus is not None:
+            env["VLLM_CPU_OMP_THREADS_BIND"] = self.cpus
         before = set(multiprocessing.active_children())
-
-        async def make():
-            from vllm.engine.arg_utils import AsyncEngineArgs
-            from vllm.v1.engine.async_llm import AsyncLLM
-
-            return AsyncLLM.from_engine_args(AsyncEngineArgs(**args))
-
         try:
             with environ_set(env):  # read by vLLM as it spawns the engine core
-                self.llm = self.loop.run(make(), deadline, "the engine core to report ready")
+                self.llm = self.loop.run(self._make(args), deadline, "the engine core to report ready")
         except BaseException as e:
             for child in set(multiprocessing.active_children()) - before:  # a half-started engine core
                 child.kill()
@@ -208,6 +221,14 @@ class ProcessEngine(SyncedApart):
             if isinstance(e, EngineError):
                 raise
             raise EngineDied(f"the vLLM engine process failed to start: {_one_line(e)}") from e
+
+    @staticmethod
+    async def _make(args: dict[str, Any]):
+        """The ``AsyncLLM`` of ``args``: its engine core spawned, ready."""
+        from vllm.engine.arg_utils import AsyncEngineArgs
+        from vllm.v1.engine.async_llm import AsyncLLM
+
+        return AsyncLLM.from_engine_args(AsyncEngineArgs(**args))
 
     # -- the control plane of a sync (grpo_fast.rollout.vllm.transfer.transport.Control) --
 
