@@ -350,7 +350,8 @@ def test_a_served_teacher_gives_the_trained_teacher_s_gaps_and_asks_nothing_of_i
     """``distill.placement=server`` against a FAKE vLLM server computing the teacher's prompt
     log-probs: step 1's per-token gaps (the same tokens: the same seed, the same weights) equal the
     teacher loaded in the trainer's, every response asked once, the teacher's pass costing no
-    trainer memory. ``ServedTeacher`` takes a multi-turn response's sampled tokens only.
+    trainer memory; at staleness 1 too. ``ServedTeacher`` takes a multi-turn response's sampled
+    tokens only.
     Planted: the log-prob of position ``P + j`` (one off) → the gaps differ; the inserted tokens
     asked too → the multi-turn count."""
     from grpo_fast.policy.teacher import ServedTeacher
@@ -370,6 +371,12 @@ def test_a_served_teacher_gives_the_trained_teacher_s_gaps_and_asks_nothing_of_i
         )
         assert served[1]["distill/reverse_kl"] == pytest.approx(local[1]["distill/reverse_kl"], rel=1e-4)
         assert served[1]["memory/teacher_peak_gb"] == 0.0 and served[1]["time/teacher_s"] >= 0
+        stale = _run(tmp_path / "stale", teacher_folder, "distill.placement=server", f"distill.server_url={fake.url}",
+                     "rollout.max_staleness=1", "rollout.old_logprobs=sampler")  # fmt: skip
+        assert [r["step"] for r in stale if "distill/reverse_kl" in r] == [
+            1,
+            2,
+        ]  # the pipeline's finalize asks it too
         engine = SimpleNamespace(
             pool=None, prompt_logprobs=lambda ids, doing: [float(i) for i in range(len(ids) - 1)]
         )
