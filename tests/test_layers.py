@@ -34,6 +34,7 @@ FLOORS: dict[str, int] = {
     "grpo_fast.config_parse": 4,  # YAML files and key=value overrides into config trees
     "grpo_fast.presets": 4,  # the presets: values over the config's defaults
     "grpo_fast.config_checks": 4,  # the config's checks (relations between keys, the machine)
+    "grpo_fast.config_checks_rollout": 4,  # the rollout's: backends, placement, pipeline, fleet, tools
     "grpo_fast.task.loader": 5,  # load_task reads the config
     "grpo_fast.obs": 5,  # metrics, report, sweep
     "grpo_fast.policy": 5,  # model loading, PolicyLoss, microbatches, checkpoints

@@ -49,7 +49,7 @@ trainers agreed on its batch. One vLLM server for all ranks: the run's ``VLLMBac
 push over a group of their own, ``grpo_fast.rollout.vllm.placement.ranks``). The hf producers sample from
 a whole copy of the policy: refused under FSDP.
 
-Not with the pipeline (``config_checks._check_pipeline``): dynamic sampling (extra rounds inside a
+Not with the pipeline (``config_checks_rollout._check_pipeline``): dynamic sampling (extra rounds inside a
 step), and with S > 0 the options that have the producer read the pass rates the trainer records,
 and the colocated vLLM engine.
 """
